@@ -1,0 +1,224 @@
+//! State shared between the dispatcher and the [`super::Admitted`] guards, which may drop on any
+//! thread: running requests per tenant and per lane, the drain-rate estimate, and the
+//! dispatcher's last published queue snapshot.
+//!
+//! A guard's `Drop` cannot await or send on a bounded channel without risking a lost release,
+//! so releases update this ledger under a short lock and wake the dispatcher with
+//! `Notify::notify_one`, which stores the wake-up if the dispatcher is busy: none is lost.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::queue::{Lane, TenantBacklog};
+
+/// One tenant's queue and running requests, for metrics and `/admin` inspection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantQueueSnapshot {
+    pub tenant: String,
+    pub queued_requests: usize,
+    pub queued_tokens: u64,
+    pub in_flight: usize,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Ledger {
+    in_flight: Mutex<InFlight>,
+    drain: Mutex<DrainRate>,
+    backlogs: Mutex<Vec<TenantBacklog>>,
+    /// Fired when a running request releases its slot.
+    pub released: Notify,
+}
+
+/// Running requests.
+#[derive(Debug, Default)]
+pub(super) struct InFlight {
+    per_tenant: HashMap<String, usize>,
+    long_lane: usize,
+    /// KV capacity (in tokens) held by running requests.
+    pub reserved_tokens: u64,
+}
+
+impl InFlight {
+    /// Whether one more request of `tenant` in `lane` stays within both caps.
+    pub fn may_start(
+        &self,
+        tenant: &str,
+        max_concurrency: usize,
+        lane: Lane,
+        long_max_concurrency: usize,
+    ) -> bool {
+        let running = self.per_tenant.get(tenant).copied().unwrap_or(0);
+        running < max_concurrency && (lane == Lane::Short || self.long_lane < long_max_concurrency)
+    }
+}
+
+impl Ledger {
+    pub fn in_flight(&self) -> parking_lot::MutexGuard<'_, InFlight> {
+        self.in_flight.lock()
+    }
+
+    pub fn start(&self, tenant: &str, lane: Lane, reserved_tokens: u64) {
+        let mut in_flight = self.in_flight.lock();
+        *in_flight.per_tenant.entry(tenant.to_string()).or_default() += 1;
+        if lane == Lane::Long {
+            in_flight.long_lane += 1;
+        }
+        in_flight.reserved_tokens += reserved_tokens;
+    }
+
+    pub fn finish(&self, tenant: &str, lane: Lane, reserved_tokens: u64) {
+        {
+            let mut in_flight = self.in_flight.lock();
+            if let Some(running) = in_flight.per_tenant.get_mut(tenant) {
+                *running = running.saturating_sub(1);
+                if *running == 0 {
+                    in_flight.per_tenant.remove(tenant);
+                }
+            }
+            if lane == Lane::Long {
+                in_flight.long_lane = in_flight.long_lane.saturating_sub(1);
+            }
+            in_flight.reserved_tokens = in_flight.reserved_tokens.saturating_sub(reserved_tokens);
+        }
+        self.released.notify_one();
+    }
+
+    pub fn record_drained(&self, tokens: u64, now: Instant) {
+        self.drain.lock().record(tokens, now);
+    }
+
+    /// Estimated time for `tokens` of KV capacity to be returned; `None` before any data.
+    pub fn time_to_drain(&self, tokens: u64) -> Option<Duration> {
+        self.drain.lock().time_for(tokens)
+    }
+
+    pub fn publish(&self, backlogs: Vec<TenantBacklog>) {
+        *self.backlogs.lock() = backlogs;
+    }
+
+    /// Published queue state joined with live in-flight counts.
+    pub fn snapshot(&self) -> Vec<TenantQueueSnapshot> {
+        let mut rows: Vec<TenantQueueSnapshot> = self
+            .backlogs
+            .lock()
+            .iter()
+            .map(|b| TenantQueueSnapshot {
+                tenant: b.tenant.clone(),
+                queued_requests: b.requests,
+                queued_tokens: b.tokens,
+                in_flight: 0,
+            })
+            .collect();
+        for (tenant, running) in &self.in_flight.lock().per_tenant {
+            match rows.iter_mut().find(|row| row.tenant == *tenant) {
+                Some(row) => row.in_flight = *running,
+                None => rows.push(TenantQueueSnapshot {
+                    tenant: tenant.clone(),
+                    queued_requests: 0,
+                    queued_tokens: 0,
+                    in_flight: *running,
+                }),
+            }
+        }
+        rows.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+        rows
+    }
+}
+
+/// Exponential moving average of how fast completed requests return KV capacity, in tokens
+/// per second. Samples are taken over windows of at least [`DrainRate::WINDOW`]; a gap longer
+/// than [`DrainRate::IDLE`] restarts the window, so idle time does not read as a slow server.
+#[derive(Debug, Default)]
+pub(super) struct DrainRate {
+    window_start: Option<Instant>,
+    window_tokens: u64,
+    tokens_per_sec: Option<f64>,
+}
+
+impl DrainRate {
+    const WINDOW: Duration = Duration::from_secs(1);
+    const IDLE: Duration = Duration::from_secs(30);
+    /// Weight of the newest window: about the last five windows dominate.
+    const ALPHA: f64 = 0.3;
+
+    pub fn record(&mut self, tokens: u64, now: Instant) {
+        let Some(start) = self
+            .window_start
+            .filter(|start| now.duration_since(*start) <= Self::IDLE)
+        else {
+            // First completion (or first after idle) only opens a window: the time it took is
+            // unknown, so its tokens would overstate the rate.
+            self.window_start = Some(now);
+            self.window_tokens = 0;
+            return;
+        };
+        self.window_tokens += tokens;
+        let elapsed = now.duration_since(start);
+        if elapsed >= Self::WINDOW {
+            let sample = self.window_tokens as f64 / elapsed.as_secs_f64();
+            self.tokens_per_sec = Some(match self.tokens_per_sec {
+                Some(average) => average + Self::ALPHA * (sample - average),
+                None => sample,
+            });
+            self.window_start = Some(now);
+            self.window_tokens = 0;
+        }
+    }
+
+    pub fn time_for(&self, tokens: u64) -> Option<Duration> {
+        let rate = self.tokens_per_sec.filter(|rate| *rate > 0.0)?;
+        Some(Duration::from_secs_f64((tokens as f64 / rate).min(1e6)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drain_rate_averages_windows_and_ignores_idle_gaps() {
+        let t0 = Instant::now();
+        let mut rate = DrainRate::default();
+        assert_eq!(rate.time_for(100), None);
+        rate.record(500, t0);
+        assert_eq!(
+            rate.time_for(100),
+            None,
+            "one completion says nothing about speed"
+        );
+        rate.record(100, t0 + Duration::from_millis(500));
+        rate.record(100, t0 + Duration::from_secs(1));
+        assert_eq!(
+            rate.time_for(400),
+            Some(Duration::from_secs(2)),
+            "200 tokens over 1 s"
+        );
+        rate.record(400, t0 + Duration::from_secs(2));
+        // EMA: 200 + 0.3 * (400 - 200) = 260 tokens/s.
+        let expected = Duration::from_secs_f64(520.0 / 260.0);
+        assert_eq!(rate.time_for(520), Some(expected));
+        rate.record(5, t0 + Duration::from_secs(100));
+        assert_eq!(
+            rate.time_for(520),
+            Some(expected),
+            "an idle gap is not a sample"
+        );
+    }
+
+    #[test]
+    fn in_flight_caps_per_tenant_and_long_lane() {
+        let ledger = Ledger::default();
+        ledger.start("a", Lane::Long, 10);
+        assert!(!ledger.in_flight().may_start("a", 1, Lane::Short, 5));
+        assert!(ledger.in_flight().may_start("b", 1, Lane::Short, 1));
+        assert!(!ledger.in_flight().may_start("b", 1, Lane::Long, 1));
+        ledger.finish("a", Lane::Long, 10);
+        assert!(ledger.in_flight().may_start("a", 1, Lane::Long, 1));
+        assert_eq!(ledger.in_flight().reserved_tokens, 0);
+        assert!(ledger.snapshot().is_empty());
+    }
+}

@@ -1,0 +1,314 @@
+//! Why admission refused a request, and how that maps to HTTP: status, OpenAI error fields,
+//! `Retry-After`, `x-should-retry` and the rate-limit headers. Counting goes through
+//! `crate::metrics`, which owns every metric name.
+
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderValue};
+
+use crate::queue::QueueFull;
+use crate::ratelimit::{LimitKind, RateLimitHeaders, format_reset};
+
+/// openai-python ignores a Retry-After above 120 s and does not retry at all; never send one.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(120);
+/// Shortest Retry-After for capacity rejections: below a second, clients would just hammer.
+pub const MIN_CAPACITY_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// A refused request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Rejection {
+    /// Over the tenant's requests or tokens per minute; `retry_after` is governor's exact wait.
+    RateLimited {
+        tenant: String,
+        kind: LimitKind,
+        limit: u32,
+        requested: u32,
+        retry_after: Duration,
+        headers: RateLimitHeaders,
+    },
+    /// The request alone is bigger than the tenant's token bucket: it can never pass.
+    InsufficientQuota {
+        tenant: String,
+        kind: LimitKind,
+        limit: u32,
+        requested: u32,
+        headers: RateLimitHeaders,
+    },
+    /// The tenant's queue is at its request or token bound.
+    QueueFull {
+        tenant: String,
+        reason: QueueFull,
+        retry_after: Duration,
+        headers: RateLimitHeaders,
+    },
+    /// Waited the tenant's `max_queue_wait` without capacity freeing up.
+    QueueTimeout {
+        tenant: String,
+        waited: Duration,
+        retry_after: Duration,
+        headers: RateLimitHeaders,
+    },
+    /// KV blocks are the bottleneck and the backlog cannot drain within the tenant's max wait.
+    KvSaturated {
+        tenant: String,
+        needed_blocks: usize,
+        estimated_wait: Duration,
+        retry_after: Duration,
+        headers: RateLimitHeaders,
+    },
+    /// Needs more KV blocks than admission may ever reserve.
+    NeverFits {
+        needed_blocks: usize,
+        total_blocks: usize,
+        limit_blocks: usize,
+    },
+    /// The admission dispatcher is gone (shutting down).
+    Unavailable,
+}
+
+impl Rejection {
+    /// HTTP status: 429 for limits and capacity, 503 for queue timeout, 400 when it never fits.
+    pub fn status(&self) -> u16 {
+        match self {
+            Rejection::RateLimited { .. }
+            | Rejection::InsufficientQuota { .. }
+            | Rejection::QueueFull { .. }
+            | Rejection::KvSaturated { .. } => 429,
+            Rejection::QueueTimeout { .. } | Rejection::Unavailable => 503,
+            Rejection::NeverFits { .. } => 400,
+        }
+    }
+
+    /// OpenAI `error.code`; also the `reason` label of [`REQUESTS_REJECTED_TOTAL`].
+    pub fn code(&self) -> &'static str {
+        match self {
+            Rejection::RateLimited { .. } => "rate_limit_exceeded",
+            Rejection::InsufficientQuota { .. } => "insufficient_quota",
+            Rejection::QueueFull { .. } => "queue_full",
+            Rejection::QueueTimeout { .. } => "queue_timeout",
+            Rejection::KvSaturated { .. } => "kv_cache_saturated",
+            Rejection::NeverFits { .. } => "context_length_exceeded",
+            Rejection::Unavailable => "service_unavailable",
+        }
+    }
+
+    /// OpenAI `error.type`.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            Rejection::RateLimited { kind, .. } => kind.as_str(),
+            Rejection::InsufficientQuota { .. } => "insufficient_quota",
+            Rejection::QueueFull { .. } => "requests",
+            Rejection::KvSaturated { .. } => "tokens",
+            Rejection::QueueTimeout { .. } | Rejection::Unavailable => "server_error",
+            Rejection::NeverFits { .. } => "invalid_request_error",
+        }
+    }
+
+    /// OpenAI `error.param`.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            Rejection::NeverFits { .. } => Some("messages"),
+            _ => None,
+        }
+    }
+
+    /// OpenAI-style message naming the limit, the value and when to retry.
+    pub fn message(&self) -> String {
+        let per_minute = |kind: LimitKind| match kind {
+            LimitKind::Requests => "requests per min (RPM)",
+            LimitKind::Tokens => "tokens per min (TPM)",
+        };
+        let retry = |after: &Duration| format!("Please try again in {}.", format_reset(*after));
+        match self {
+            Rejection::RateLimited {
+                tenant,
+                kind,
+                limit,
+                requested,
+                retry_after,
+                ..
+            } => format!(
+                "Rate limit reached for tenant {tenant} on {}: Limit {limit}, Requested {requested}. {}",
+                per_minute(*kind),
+                retry(retry_after)
+            ),
+            Rejection::InsufficientQuota {
+                tenant,
+                kind,
+                limit,
+                requested,
+                ..
+            } => format!(
+                "This request needs {requested} {} but tenant {tenant}'s limit is {limit} {}, so it can never be admitted. Reduce the prompt or max_tokens.",
+                kind.as_str(),
+                per_minute(*kind)
+            ),
+            Rejection::QueueFull {
+                tenant,
+                reason,
+                retry_after,
+                ..
+            } => {
+                format!(
+                    "Too many requests queued for tenant {tenant}: {reason}. {}",
+                    retry(retry_after)
+                )
+            }
+            Rejection::QueueTimeout {
+                tenant,
+                waited,
+                retry_after,
+                ..
+            } => format!(
+                "Request from tenant {tenant} waited {} in the queue without capacity becoming free. {}",
+                format_reset(*waited),
+                retry(retry_after)
+            ),
+            Rejection::KvSaturated {
+                needed_blocks,
+                estimated_wait,
+                retry_after,
+                ..
+            } => format!(
+                "The KV cache is saturated: this request needs {needed_blocks} blocks and the backlog ahead of it needs about {} to drain, longer than the queue may wait. {}",
+                format_reset(*estimated_wait),
+                retry(retry_after)
+            ),
+            Rejection::NeverFits {
+                needed_blocks,
+                total_blocks,
+                limit_blocks,
+            } => format!(
+                "This request needs {needed_blocks} KV cache blocks (prompt + max_tokens), but at most {limit_blocks} of the cache's {total_blocks} blocks can be reserved for requests. Reduce the prompt or max_tokens."
+            ),
+            Rejection::Unavailable => "The server is shutting down. Please retry.".to_string(),
+        }
+    }
+
+    /// When to retry, never above 120 s; `None` when retrying cannot help.
+    pub fn retry_after(&self) -> Option<Duration> {
+        let after = match self {
+            Rejection::RateLimited { retry_after, .. }
+            | Rejection::QueueFull { retry_after, .. }
+            | Rejection::QueueTimeout { retry_after, .. }
+            | Rejection::KvSaturated { retry_after, .. } => *retry_after,
+            Rejection::Unavailable => MIN_CAPACITY_RETRY_AFTER,
+            Rejection::InsufficientQuota { .. } | Rejection::NeverFits { .. } => return None,
+        };
+        Some(after.min(MAX_RETRY_AFTER))
+    }
+
+    /// Whether the same request could succeed later (`x-should-retry`).
+    pub fn should_retry(&self) -> bool {
+        self.retry_after().is_some()
+    }
+
+    /// The tenant's rate-limit state at the time of the rejection.
+    pub fn rate_headers(&self) -> RateLimitHeaders {
+        match self {
+            Rejection::RateLimited { headers, .. }
+            | Rejection::InsufficientQuota { headers, .. }
+            | Rejection::QueueFull { headers, .. }
+            | Rejection::QueueTimeout { headers, .. }
+            | Rejection::KvSaturated { headers, .. } => headers.clone(),
+            Rejection::NeverFits { .. } | Rejection::Unavailable => RateLimitHeaders::default(),
+        }
+    }
+
+    /// Writes `retry-after` (whole seconds, rounded up), `retry-after-ms`, `x-should-retry` and
+    /// the `x-ratelimit-*` headers.
+    pub fn apply_headers(&self, headers: &mut HeaderMap) {
+        self.rate_headers().apply(headers);
+        if let Some(after) = self.retry_after() {
+            let millis = after.as_nanos().div_ceil(1_000_000);
+            headers.insert(
+                "retry-after",
+                HeaderValue::from(millis.div_ceil(1000) as u64),
+            );
+            headers.insert("retry-after-ms", HeaderValue::from(millis as u64));
+        }
+        let should_retry = if self.should_retry() { "true" } else { "false" };
+        headers.insert("x-should-retry", HeaderValue::from_static(should_retry));
+    }
+
+    /// Counts this rejection in `kvgate_requests_rejected_total`.
+    pub(super) fn count(&self, tenant: &str) {
+        crate::metrics::record_rejection(tenant, crate::metrics::RejectReason::from(self));
+    }
+}
+
+/// Clamps a capacity estimate to what a client should be told: [1 s, 120 s].
+pub(super) fn clamp_retry_after(estimate: Duration) -> Duration {
+    estimate.clamp(MIN_CAPACITY_RETRY_AFTER, MAX_RETRY_AFTER)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_codes_and_retry_headers_follow_the_conventions() {
+        let headers = RateLimitHeaders::default();
+        let limited = Rejection::RateLimited {
+            tenant: "a".into(),
+            kind: LimitKind::Tokens,
+            limit: 1000,
+            requested: 300,
+            retry_after: Duration::from_millis(1574),
+            headers: headers.clone(),
+        };
+        assert_eq!(
+            (limited.status(), limited.code(), limited.error_type()),
+            (429, "rate_limit_exceeded", "tokens")
+        );
+        assert!(
+            limited.message().contains("Please try again in 1.574s."),
+            "{}",
+            limited.message()
+        );
+        let mut out = HeaderMap::new();
+        limited.apply_headers(&mut out);
+        assert_eq!(out["retry-after"], "2");
+        assert_eq!(out["retry-after-ms"], "1574");
+        assert_eq!(out["x-should-retry"], "true");
+
+        let never = Rejection::NeverFits {
+            needed_blocks: 600,
+            total_blocks: 512,
+            limit_blocks: 460,
+        };
+        assert_eq!(
+            (never.status(), never.code(), never.param()),
+            (400, "context_length_exceeded", Some("messages"))
+        );
+        let mut out = HeaderMap::new();
+        never.apply_headers(&mut out);
+        assert!(out.get("retry-after").is_none());
+        assert_eq!(out["x-should-retry"], "false");
+
+        let quota = Rejection::InsufficientQuota {
+            tenant: "a".into(),
+            kind: LimitKind::Tokens,
+            limit: 10,
+            requested: 11,
+            headers,
+        };
+        assert_eq!((quota.status(), quota.should_retry()), (429, false));
+    }
+
+    #[test]
+    fn retry_after_never_exceeds_two_minutes() {
+        let timeout = Rejection::QueueTimeout {
+            tenant: "a".into(),
+            waited: Duration::from_secs(30),
+            retry_after: Duration::from_secs(900),
+            headers: RateLimitHeaders::default(),
+        };
+        assert_eq!(timeout.status(), 503);
+        assert_eq!(timeout.retry_after(), Some(MAX_RETRY_AFTER));
+        assert_eq!(
+            clamp_retry_after(Duration::from_millis(3)),
+            MIN_CAPACITY_RETRY_AFTER
+        );
+    }
+}

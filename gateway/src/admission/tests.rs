@@ -1,0 +1,311 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvgate_runtime::block_pool::BlockPool;
+use tokio::task::JoinHandle;
+
+use super::*;
+use crate::policy::parse_policy;
+
+const BLOCK_SIZE: usize = 16;
+
+/// Admission over a pool of `blocks` blocks, with `tenants` appended to the policy text.
+fn setup(blocks: usize, policy: &str) -> (Admission, Arc<BlockPool>, PolicyStore) {
+    let store = PolicyStore::from_policy(parse_policy("test.toml", policy).unwrap());
+    let pool = BlockPool::new(blocks, BLOCK_SIZE, 1024);
+    (
+        Admission::new(store.clone(), Arc::clone(&pool)),
+        pool,
+        store,
+    )
+}
+
+fn ticket(
+    store: &PolicyStore,
+    tenant: &str,
+    prompt_tokens: usize,
+    max_output_tokens: usize,
+) -> AdmissionTicket {
+    AdmissionTicket {
+        tenant: store.current().tenant(tenant).unwrap(),
+        prompt_tokens,
+        max_output_tokens,
+        request_id: format!("req-{tenant}-{prompt_tokens}"),
+    }
+}
+
+fn spawn_admit(
+    admission: &Admission,
+    ticket: AdmissionTicket,
+) -> JoinHandle<Result<Admitted, Rejection>> {
+    let admission = admission.clone();
+    tokio::spawn(async move { admission.admit(ticket).await })
+}
+
+/// Lets the dispatcher run (without advancing paused time) until `condition` holds.
+async fn until(mut condition: impl FnMut() -> bool) {
+    for _ in 0..10_000 {
+        if condition() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("condition never became true");
+}
+
+fn queued(admission: &Admission) -> usize {
+    admission
+        .queue_snapshot()
+        .iter()
+        .map(|row| row.queued_requests)
+        .sum()
+}
+
+async fn admitted(handle: JoinHandle<Result<Admitted, Rejection>>) -> Admitted {
+    match handle.await.unwrap() {
+        Ok(admitted) => admitted,
+        Err(rejection) => panic!("expected admission, got {}", rejection.message()),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn admits_at_once_and_the_guard_owns_the_reservation() {
+    let (admission, pool, store) = setup(100, "[tenants.a]\n");
+    let mut first = admission.admit(ticket(&store, "a", 100, 60)).await.unwrap();
+    assert_eq!(first.reserved_blocks(), 10, "ceil(160 / 16)");
+    assert_eq!(pool.snapshot().reserved_blocks, 10);
+    assert_eq!(first.queue_wait(), Duration::ZERO);
+    assert_eq!(admission.queue_snapshot()[0].in_flight, 1);
+
+    // The engine takes the reservation; the guard still holds the slot.
+    let reservation = first.take_reservation().unwrap();
+    assert!(first.take_reservation().is_none());
+    drop(first);
+    assert_eq!(
+        pool.snapshot().reserved_blocks,
+        10,
+        "the engine's reservation is untouched"
+    );
+    drop(reservation);
+    assert_eq!(pool.snapshot().reserved_blocks, 0);
+    assert!(admission.queue_snapshot().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_that_can_never_fit_are_refused_at_once() {
+    let (admission, pool, store) = setup(10, "[tenants.a]\n[kv]\nhigh_watermark = 0.9\n");
+    // 10 blocks needed, 9 allowed under the watermark.
+    let rejection = admission
+        .admit(ticket(&store, "a", 100, 60))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        rejection,
+        Rejection::NeverFits {
+            needed_blocks: 10,
+            total_blocks: 10,
+            limit_blocks: 9
+        }
+    );
+    assert_eq!(
+        (rejection.status(), rejection.code()),
+        (400, "context_length_exceeded")
+    );
+    assert_eq!(pool.snapshot().reserved_blocks, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn reservations_stay_under_the_watermark_and_freed_blocks_wake_the_queue() {
+    let (admission, pool, store) = setup(10, "[tenants.a]\n[kv]\nhigh_watermark = 0.5\n");
+    let mut big = admission.admit(ticket(&store, "a", 64, 0)).await.unwrap(); // 4 blocks
+    let waiting = spawn_admit(&admission, ticket(&store, "a", 32, 0)); // 2 blocks: 6 > 5
+    until(|| queued(&admission) == 1).await;
+    assert_eq!(pool.snapshot().reserved_blocks, 4);
+
+    // Returning blocks to the pool (not the slot) must be enough to start the waiter.
+    drop(big.take_reservation());
+    let small = admitted(waiting).await;
+    assert_eq!(pool.snapshot().reserved_blocks, 2);
+    assert!(small.queue_wait() < Duration::from_secs(1));
+    drop(big);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_waits_too_long_times_out_with_503() {
+    let (admission, pool, store) = setup(10, "[tenants.a]\nmax_queue_wait = \"2s\"\n");
+    let _blocker = pool.try_reserve(10).unwrap();
+    // Paused time advances by itself to the queue deadline once everything is idle.
+    let rejection = admission
+        .admit(ticket(&store, "a", 16, 16))
+        .await
+        .unwrap_err();
+    match &rejection {
+        Rejection::QueueTimeout {
+            waited,
+            retry_after,
+            ..
+        } => {
+            assert!(*waited >= Duration::from_secs(2));
+            assert!(*retry_after >= MIN_CAPACITY_RETRY_AFTER && *retry_after <= MAX_RETRY_AFTER);
+        }
+        other => panic!("expected QueueTimeout, got {other:?}"),
+    }
+    assert_eq!(
+        (rejection.status(), rejection.code()),
+        (503, "queue_timeout")
+    );
+    assert_eq!(queued(&admission), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_future_leaves_the_queue_and_releases_nothing_twice() {
+    let policy = "[tenants.a]\nrequests_per_minute = 10\ntokens_per_minute = 1000\n";
+    let (admission, pool, store) = setup(10, policy);
+    let blocker = pool.try_reserve(10).unwrap();
+    let client = spawn_admit(&admission, ticket(&store, "a", 40, 40));
+    until(|| queued(&admission) == 1).await;
+    client.abort();
+    until(|| queued(&admission) == 0).await;
+
+    // The abandoned request was never charged: its debit came back.
+    let headers = admission.rate_headers(&store.current().tenant("a").unwrap());
+    assert_eq!(headers.requests.map(|s| s.remaining), Some(10));
+    assert_eq!(headers.tokens.map(|s| s.remaining), Some(1000));
+
+    drop(blocker);
+    assert_eq!(pool.snapshot().reserved_blocks, 0);
+    let next = admission.admit(ticket(&store, "a", 40, 40)).await.unwrap();
+    assert_eq!(pool.snapshot().reserved_blocks, next.reserved_blocks());
+    assert_eq!(admission.queue_snapshot()[0].in_flight, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn tenant_concurrency_holds_the_excess_in_the_queue() {
+    let (admission, _pool, store) = setup(100, "[tenants.a]\nmax_concurrency = 1\n[tenants.b]\n");
+    let first = admission.admit(ticket(&store, "a", 10, 10)).await.unwrap();
+    let second = spawn_admit(&admission, ticket(&store, "a", 10, 10));
+    until(|| queued(&admission) == 1).await;
+    // Another tenant is not held back by a's limit.
+    drop(admission.admit(ticket(&store, "b", 10, 10)).await.unwrap());
+    assert!(!second.is_finished());
+    drop(first);
+    drop(admitted(second).await);
+}
+
+#[tokio::test(start_paused = true)]
+async fn short_prompts_pass_a_full_long_lane() {
+    let policy =
+        "[tenants.a]\n[tenants.b]\n[lanes]\nlong_prompt_tokens = 100\nlong_max_concurrency = 1\n";
+    let (admission, _pool, store) = setup(100, policy);
+    let long = admission.admit(ticket(&store, "a", 200, 10)).await.unwrap();
+    assert_eq!(long.lane(), Lane::Long);
+    let second_long = spawn_admit(&admission, ticket(&store, "b", 150, 10));
+    until(|| queued(&admission) == 1).await;
+    let short = admission.admit(ticket(&store, "b", 20, 10)).await.unwrap();
+    assert_eq!(short.lane(), Lane::Short);
+    drop(long);
+    assert_eq!(admitted(second_long).await.lane(), Lane::Long);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_is_refused_with_429() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nqueue_depth = 1\n";
+    let (admission, _pool, store) = setup(100, policy);
+    let _running = admission.admit(ticket(&store, "a", 10, 10)).await.unwrap();
+    let _waiting = spawn_admit(&admission, ticket(&store, "a", 10, 10));
+    until(|| queued(&admission) == 1).await;
+    let rejection = admission
+        .admit(ticket(&store, "a", 10, 10))
+        .await
+        .unwrap_err();
+    assert_eq!((rejection.status(), rejection.code()), (429, "queue_full"));
+    assert_eq!(
+        rejection.retry_after(),
+        Some(MIN_CAPACITY_RETRY_AFTER),
+        "no drain data yet"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn rate_limits_apply_before_queueing() {
+    let (admission, _pool, store) = setup(
+        100,
+        "[tenants.a]\nrequests_per_minute = 1\ntokens_per_minute = 100\n",
+    );
+    let rejection = admission
+        .admit(ticket(&store, "a", 60, 50))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (rejection.code(), rejection.should_retry()),
+        ("insufficient_quota", false)
+    );
+    let _first = admission.admit(ticket(&store, "a", 10, 10)).await.unwrap();
+    let rejection = admission
+        .admit(ticket(&store, "a", 10, 10))
+        .await
+        .unwrap_err();
+    assert_eq!(rejection.code(), "rate_limit_exceeded");
+    assert_eq!(rejection.retry_after(), Some(Duration::from_secs(60)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn completion_refunds_unused_tokens() {
+    let (admission, _pool, store) = setup(100, "[tenants.a]\ntokens_per_minute = 1000\n");
+    let tenant = store.current().tenant("a").unwrap();
+    let mut running = admission
+        .admit(ticket(&store, "a", 100, 200))
+        .await
+        .unwrap();
+    assert_eq!(
+        running.rate_headers().tokens.map(|s| s.remaining),
+        Some(700)
+    );
+    running.record_completion(20);
+    drop(running);
+    assert_eq!(
+        admission.rate_headers(&tenant).tokens.map(|s| s.remaining),
+        Some(880)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backlog_that_cannot_drain_in_time_is_refused_at_once() {
+    let (admission, pool, store) = setup(
+        20,
+        "[tenants.a]\n[tenants.quick]\nmax_queue_wait = \"500ms\"\n[kv]\nhigh_watermark = 1.0\n",
+    );
+    // Teach the drain-rate estimate: 10 blocks (160 tokens) returned per second.
+    for _ in 0..2 {
+        let mut done = admission.admit(ticket(&store, "a", 80, 80)).await.unwrap();
+        done.record_completion(80);
+        drop(done);
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let _full = pool.try_reserve(20).unwrap();
+    // Needs 10 blocks = 160 tokens of capacity back: about 1 s, more than 500 ms.
+    let rejection = admission
+        .admit(ticket(&store, "quick", 80, 80))
+        .await
+        .unwrap_err();
+    match &rejection {
+        Rejection::KvSaturated {
+            needed_blocks: 10,
+            estimated_wait,
+            retry_after,
+            ..
+        } => {
+            assert_eq!(*estimated_wait, Duration::from_secs(1));
+            assert_eq!(*retry_after, Duration::from_secs(1));
+        }
+        other => panic!("expected KvSaturated, got {other:?}"),
+    }
+    assert_eq!(
+        (rejection.status(), rejection.code()),
+        (429, "kv_cache_saturated")
+    );
+    // A tenant that may wait longer is queued instead.
+    let patient = spawn_admit(&admission, ticket(&store, "a", 80, 80));
+    until(|| queued(&admission) == 1).await;
+    patient.abort();
+}

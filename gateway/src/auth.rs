@@ -1,0 +1,238 @@
+//! API-key authentication: `Authorization: Bearer KEY` → tenant, and admin checks for `/admin/*`.
+//!
+//! Policy files store only SHA-256 digests of keys. A presented key is hashed and compared with
+//! *every* stored digest in constant time (`subtle`), and the match is selected without an early
+//! exit, so response timing says nothing about how close a guess was or which tenant matched.
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+use http::header::AUTHORIZATION;
+use sha2::{Digest, Sha256};
+use subtle::{Choice, ConditionallySelectable, ConstantTimeEq};
+
+use crate::policy::{KeyDigest, Policy, TenantPolicy};
+
+/// Why a request could not be authenticated. All are HTTP 401.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    #[error("You didn't provide an API key. Send it as `Authorization: Bearer KEY`.")]
+    MissingKey,
+    #[error("The Authorization header must be `Bearer KEY`.")]
+    MalformedHeader,
+    #[error("Incorrect API key provided.")]
+    InvalidKey,
+    #[error("This endpoint needs an admin API key.")]
+    NotAdmin,
+}
+
+impl AuthError {
+    /// Every authentication failure is 401, as OpenAI answers.
+    pub fn status(&self) -> u16 {
+        401
+    }
+
+    /// OpenAI's error code for a bad or missing key.
+    pub fn code(&self) -> &'static str {
+        "invalid_api_key"
+    }
+
+    /// OpenAI's error type for authentication failures.
+    pub fn error_type(&self) -> &'static str {
+        "invalid_request_error"
+    }
+}
+
+/// Lowercase hex SHA-256 of a key, the form stored in policy files (`kvgate policy hash-key`).
+pub fn hash_key(key: &str) -> String {
+    hex::encode(digest_key(key))
+}
+
+/// SHA-256 of a key.
+pub fn digest_key(key: &str) -> KeyDigest {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// Maps a request's key to its tenant. No key: the anonymous tenant if the policy names one,
+/// else 401. A wrong key is always 401, even when anonymous access is allowed, so a typo in a
+/// key never silently downgrades a caller to anonymous limits.
+pub fn authenticate(policy: &Policy, headers: &HeaderMap) -> Result<Arc<TenantPolicy>, AuthError> {
+    let Some(key) = bearer_key(headers)? else {
+        return policy
+            .anonymous_tenant()
+            .cloned()
+            .ok_or(AuthError::MissingKey);
+    };
+    let digests = policy.tenant_key_digests();
+    find_digest(&digest_key(key), digests.iter().map(|(digest, _)| digest))
+        .and_then(|index| digests.get(index))
+        .map(|(_, tenant)| Arc::clone(tenant))
+        .ok_or(AuthError::InvalidKey)
+}
+
+/// Checks that the request carries one of the policy's admin keys.
+pub fn authenticate_admin(policy: &Policy, headers: &HeaderMap) -> Result<(), AuthError> {
+    let key = bearer_key(headers)?.ok_or(AuthError::MissingKey)?;
+    match find_digest(&digest_key(key), policy.admin_key_digests().iter()) {
+        Some(_) => Ok(()),
+        None => Err(AuthError::NotAdmin),
+    }
+}
+
+/// The key in `Authorization: Bearer KEY`, `None` when the header is absent.
+fn bearer_key(headers: &HeaderMap) -> Result<Option<&str>, AuthError> {
+    let Some(value) = headers.get(AUTHORIZATION) else {
+        return Ok(None);
+    };
+    let value = value.to_str().map_err(|_| AuthError::MalformedHeader)?;
+    let (scheme, key) = value
+        .trim()
+        .split_once(' ')
+        .ok_or(AuthError::MalformedHeader)?;
+    let key = key.trim();
+    if !scheme.eq_ignore_ascii_case("bearer") || key.is_empty() {
+        return Err(AuthError::MalformedHeader);
+    }
+    Ok(Some(key))
+}
+
+/// Index of the digest equal to `presented`. Visits every candidate and selects the match with
+/// constant-time operations; only the number of candidates is visible in the timing.
+fn find_digest<'a>(
+    presented: &KeyDigest,
+    candidates: impl Iterator<Item = &'a KeyDigest>,
+) -> Option<usize> {
+    let mut found = Choice::from(0);
+    let mut found_index = 0u64;
+    for (index, candidate) in candidates.enumerate() {
+        let equal = presented.ct_eq(candidate);
+        found_index = u64::conditional_select(&found_index, &(index as u64), equal);
+        found |= equal;
+    }
+    bool::from(found).then_some(found_index as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::parse_policy;
+    use http::HeaderValue;
+
+    fn policy(anonymous: bool) -> Policy {
+        let anonymous = if anonymous {
+            "anonymous_tenant = \"guest\"\n"
+        } else {
+            ""
+        };
+        let text = format!(
+            "{anonymous}admin_key_sha256 = [\"{admin}\"]\n\
+             [tenants.guest]\n\
+             [tenants.alpha]\nkey_sha256 = [\"{alpha}\"]\n\
+             [tenants.beta]\nkey_sha256 = [\"{beta_old}\", \"{beta_new}\"]\n",
+            admin = hash_key("sk-admin"),
+            alpha = hash_key("sk-alpha"),
+            beta_old = hash_key("sk-beta-old"),
+            beta_new = hash_key("sk-beta-new"),
+        );
+        match parse_policy("test.toml", &text) {
+            Ok(policy) => policy,
+            Err(err) => panic!("test policy must load: {err}"),
+        }
+    }
+
+    fn headers(authorization: Option<&str>) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(value) = authorization {
+            headers.insert(AUTHORIZATION, HeaderValue::from_str(value).unwrap());
+        }
+        headers
+    }
+
+    fn tenant_of(policy: &Policy, authorization: Option<&str>) -> Result<String, AuthError> {
+        authenticate(policy, &headers(authorization)).map(|tenant| tenant.name.clone())
+    }
+
+    #[test]
+    fn hash_key_is_lowercase_sha256_hex() {
+        assert_eq!(
+            hash_key("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn valid_keys_map_to_their_tenant_including_second_keys() {
+        let policy = policy(false);
+        assert_eq!(
+            tenant_of(&policy, Some("Bearer sk-alpha")),
+            Ok("alpha".into())
+        );
+        assert_eq!(
+            tenant_of(&policy, Some("Bearer sk-beta-old")),
+            Ok("beta".into())
+        );
+        assert_eq!(
+            tenant_of(&policy, Some("bearer  sk-beta-new ")),
+            Ok("beta".into())
+        );
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_even_with_anonymous_access() {
+        for anonymous in [false, true] {
+            let policy = policy(anonymous);
+            assert_eq!(
+                tenant_of(&policy, Some("Bearer sk-wrong")),
+                Err(AuthError::InvalidKey)
+            );
+            assert_eq!(
+                tenant_of(&policy, Some("Bearer sk-admin")),
+                Err(AuthError::InvalidKey)
+            );
+        }
+    }
+
+    #[test]
+    fn missing_key_is_anonymous_only_when_the_policy_names_a_tenant() {
+        assert_eq!(tenant_of(&policy(false), None), Err(AuthError::MissingKey));
+        assert_eq!(tenant_of(&policy(true), None), Ok("guest".into()));
+    }
+
+    #[test]
+    fn malformed_headers_are_rejected() {
+        let policy = policy(true);
+        for value in ["sk-alpha", "Basic sk-alpha", "Bearer ", "Bearer"] {
+            assert_eq!(
+                tenant_of(&policy, Some(value)),
+                Err(AuthError::MalformedHeader),
+                "{value:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn admin_endpoints_need_an_admin_key() {
+        let policy = policy(true);
+        assert_eq!(
+            authenticate_admin(&policy, &headers(Some("Bearer sk-admin"))),
+            Ok(())
+        );
+        assert_eq!(
+            authenticate_admin(&policy, &headers(Some("Bearer sk-alpha"))),
+            Err(AuthError::NotAdmin)
+        );
+        assert_eq!(
+            authenticate_admin(&policy, &headers(None)),
+            Err(AuthError::MissingKey)
+        );
+    }
+
+    #[test]
+    fn find_digest_returns_the_matching_index_wherever_it_is() {
+        let digests: Vec<KeyDigest> = (0..5).map(|i| digest_key(&format!("k{i}"))).collect();
+        for (index, digest) in digests.iter().enumerate() {
+            assert_eq!(find_digest(digest, digests.iter()), Some(index));
+        }
+        assert_eq!(find_digest(&digest_key("other"), digests.iter()), None);
+    }
+}

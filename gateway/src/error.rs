@@ -1,0 +1,317 @@
+//! The single rescue: every failure the gateway can answer with becomes a [`GatewayError`], and
+//! only this file decides its HTTP status, its OpenAI error body
+//! `{"error":{"message","type","param","code"}}`, its retry headers, and its SSE form for
+//! failures after a stream has started.
+//!
+//! Inner code never builds error responses itself (linkerd's rescue pattern): handlers, the
+//! JSON extractor and the middleware return `GatewayError`, so a client mistake can never leak
+//! out as a plain-text body or a 5xx.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, HeaderValue, StatusCode};
+
+use crate::admission::Rejection;
+use crate::auth::AuthError;
+use crate::openai::{ErrorBody, ErrorDetail};
+use crate::validate::ValidationError;
+
+/// Retry-After for transient server-side refusals (load shedding, draining, engine restart).
+pub const TRANSIENT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Everything the gateway answers with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error("{}", .0.message())]
+    Rejected(Rejection),
+    /// The body is not JSON, not UTF-8, or has a field of the wrong type.
+    #[error("{message}")]
+    BadBody { message: String, param: Option<String> },
+    #[error("The request body is larger than the {limit_bytes}-byte limit.")]
+    PayloadTooLarge { limit_bytes: usize },
+    #[error("The client sent no request body data for {}s.", .idle.as_secs_f64())]
+    BodyTimeout { idle: Duration },
+    #[error("Invalid URL ({method} {path})")]
+    NotFound { method: String, path: String },
+    #[error("Method {method} is not allowed for {path}")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("The request did not complete within {}s.", .after.as_secs_f64())]
+    RequestTimeout { after: Duration },
+    #[error("The server is at its limit of requests in flight. Please retry.")]
+    Overloaded,
+    #[error("The server is shutting down. Please retry.")]
+    ShuttingDown,
+    #[error("The server is not ready: {0}")]
+    NotReady(String),
+    /// The engine refused the sequence (stopped, restarting).
+    #[error("The inference engine is unavailable: {0}")]
+    EngineUnavailable(String),
+    /// Generation failed after it was accepted.
+    #[error("Generation failed: {0}")]
+    Generation(String),
+    /// A bug: a panic caught by the rescue layer, or an invariant that did not hold.
+    #[error("The server had an internal error: {0}")]
+    Internal(String),
+}
+
+impl From<Rejection> for GatewayError {
+    fn from(rejection: Rejection) -> Self {
+        GatewayError::Rejected(rejection)
+    }
+}
+
+// === impl GatewayError ===
+
+impl GatewayError {
+    pub fn status(&self) -> StatusCode {
+        use GatewayError::*;
+        let code = match self {
+            Invalid(ValidationError::ModelNotFound(_)) => 404,
+            Invalid(_) | BadBody { .. } => 400,
+            Auth(error) => error.status(),
+            Rejected(rejection) => rejection.status(),
+            PayloadTooLarge { .. } => 413,
+            BodyTimeout { .. } => 408,
+            NotFound { .. } => 404,
+            MethodNotAllowed { .. } => 405,
+            RequestTimeout { .. } => 504,
+            Overloaded | ShuttingDown | NotReady(_) | EngineUnavailable(_) => 503,
+            Generation(_) | Internal(_) => 500,
+        };
+        StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+
+    /// OpenAI `error.type`: `invalid_request_error` for client mistakes, `server_error` for ours.
+    pub fn error_type(&self) -> &'static str {
+        use GatewayError::*;
+        match self {
+            Auth(error) => error.error_type(),
+            Rejected(rejection) => rejection.error_type(),
+            Invalid(_) | BadBody { .. } | PayloadTooLarge { .. } | BodyTimeout { .. } => {
+                "invalid_request_error"
+            }
+            NotFound { .. } | MethodNotAllowed { .. } => "invalid_request_error",
+            RequestTimeout { .. } | Overloaded | ShuttingDown | NotReady(_) => "server_error",
+            EngineUnavailable(_) | Generation(_) | Internal(_) => "server_error",
+        }
+    }
+
+    /// OpenAI `error.code`: a stable identifier clients can branch on.
+    pub fn code(&self) -> Option<&'static str> {
+        use GatewayError::*;
+        Some(match self {
+            Invalid(error) => validation_code(error),
+            Auth(error) => error.code(),
+            Rejected(rejection) => rejection.code(),
+            BadBody { .. } => "invalid_json",
+            PayloadTooLarge { .. } => "request_too_large",
+            BodyTimeout { .. } => "request_timeout",
+            NotFound { .. } => "unknown_url",
+            MethodNotAllowed { .. } => "method_not_allowed",
+            RequestTimeout { .. } => "timeout",
+            Overloaded => "overloaded",
+            ShuttingDown => "shutting_down",
+            NotReady(_) => "not_ready",
+            EngineUnavailable(_) => "engine_unavailable",
+            Generation(_) => "generation_failed",
+            Internal(_) => "internal_error",
+        })
+    }
+
+    /// OpenAI `error.param`: the request field at fault, when there is one.
+    pub fn param(&self) -> Option<String> {
+        match self {
+            GatewayError::Invalid(error) => error.param(),
+            GatewayError::BadBody { param, .. } => param.clone(),
+            GatewayError::Rejected(rejection) => rejection.param().map(str::to_owned),
+            _ => None,
+        }
+    }
+
+    /// How long the client should wait before retrying, when retrying can help.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            GatewayError::Rejected(rejection) => rejection.retry_after(),
+            GatewayError::Overloaded
+            | GatewayError::ShuttingDown
+            | GatewayError::EngineUnavailable(_) => Some(TRANSIENT_RETRY_AFTER),
+            _ => None,
+        }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                error_type: self.error_type().to_owned(),
+                param: self.param(),
+                code: self.code().map(str::to_owned),
+            },
+        }
+    }
+
+    /// `retry-after` (whole seconds, rounded up), `retry-after-ms` and `x-should-retry`, plus the
+    /// rate-limit headers a rejection carries.
+    pub fn apply_headers(&self, headers: &mut HeaderMap) {
+        if let GatewayError::Rejected(rejection) = self {
+            // Admission owns the exact header set for its rejections.
+            rejection.apply_headers(headers);
+            return;
+        }
+        if let Some(after) = self.retry_after() {
+            apply_retry_after(headers, after);
+        }
+        // Tell openai-python not to retry client mistakes it would otherwise retry (408).
+        let retry = self.retry_after().is_some() || self.status().is_server_error();
+        let value = if retry { "true" } else { "false" };
+        headers.insert("x-should-retry", HeaderValue::from_static(value));
+    }
+
+    /// The same error as an SSE event, for failures after the stream's headers were sent:
+    /// `data: {"error":{...}}`, as OpenAI streams it.
+    pub fn sse_event(&self) -> Event {
+        Event::default().data(self.sse_data())
+    }
+
+    /// The JSON carried by [`GatewayError::sse_event`].
+    pub fn sse_data(&self) -> String {
+        serde_json::to_string(&self.body()).unwrap_or_else(|_| {
+            r#"{"error":{"message":"error","type":"server_error","param":null,"code":null}}"#
+                .to_owned()
+        })
+    }
+
+    fn log(&self, status: StatusCode) {
+        if status.is_server_error() {
+            tracing::error!(status = status.as_u16(), error = %self, "request failed");
+        } else {
+            tracing::debug!(status = status.as_u16(), error = %self, "request refused");
+        }
+    }
+}
+
+/// Codes for validation failures, following OpenAI where it has one.
+fn validation_code(error: &ValidationError) -> &'static str {
+    use ValidationError::*;
+    match error {
+        ModelNotFound(_) => "model_not_found",
+        InputTooLong { .. } | ContextLengthExceeded { .. } => "context_length_exceeded",
+        UnsupportedN(_) | UnsupportedEcho | UnsupportedContentPart { .. } | PromptCount(_) => {
+            "unsupported_value"
+        }
+        Template(_) => "invalid_messages",
+        EmptyMessages | TooManyMessages { .. } | MissingPartText { .. } | EmptyPrompt => {
+            "invalid_value"
+        }
+        MaxTokensTooSmall { .. } | MaxTokensTooLarge { .. } | Temperature(_) | TopP(_) => {
+            "invalid_value"
+        }
+        TooManyStops(_) | BadStop => "invalid_value",
+    }
+}
+
+/// Writes `retry-after` in whole seconds (rounded up, at least 1) and `retry-after-ms`.
+pub fn apply_retry_after(headers: &mut HeaderMap, after: Duration) {
+    let millis = u64::try_from(after.as_millis()).unwrap_or(u64::MAX).max(1);
+    headers.insert("retry-after", HeaderValue::from(millis.div_ceil(1000)));
+    headers.insert("retry-after-ms", HeaderValue::from(millis));
+}
+
+impl IntoResponse for GatewayError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        self.log(status);
+        let mut response = (status, Json(self.body())).into_response();
+        self.apply_headers(response.headers_mut());
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn body_json(response: Response) -> serde_json::Value {
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[tokio::test]
+    async fn every_error_is_openai_json_with_all_four_fields() {
+        let errors = [
+            GatewayError::BadBody { message: "bad".into(), param: Some("messages".into()) },
+            GatewayError::PayloadTooLarge { limit_bytes: 10 },
+            GatewayError::NotFound { method: "GET".into(), path: "/x".into() },
+            GatewayError::Internal("boom".into()),
+            GatewayError::Auth(AuthError::MissingKey),
+        ];
+        for error in errors {
+            let response = error.into_response();
+            let json = body_json(response).await;
+            let detail = json["error"].as_object().unwrap();
+            for field in ["message", "type", "param", "code"] {
+                assert!(detail.contains_key(field), "{field} missing in {json}");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn statuses_follow_the_conventions() {
+        let cases = [
+            (GatewayError::Invalid(ValidationError::ModelNotFound("x".into())), 404),
+            (GatewayError::Invalid(ValidationError::EmptyMessages), 400),
+            (GatewayError::Auth(AuthError::InvalidKey), 401),
+            (GatewayError::PayloadTooLarge { limit_bytes: 1 }, 413),
+            (GatewayError::BodyTimeout { idle: Duration::from_secs(1) }, 408),
+            (GatewayError::MethodNotAllowed { method: "GET".into(), path: "/".into() }, 405),
+            (GatewayError::Overloaded, 503),
+            (GatewayError::Generation("x".into()), 500),
+        ];
+        for (error, status) in cases {
+            assert_eq!(error.status().as_u16(), status, "{error:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn context_length_errors_carry_code_and_param() {
+        let error = GatewayError::from(ValidationError::ContextLengthExceeded {
+            prompt_tokens: 10,
+            max_tokens: 5,
+            limit: 12,
+            limit_name: "model's maximum context length",
+            what: "messages",
+        });
+        let json = body_json(error.into_response()).await;
+        assert_eq!(json["error"]["code"], "context_length_exceeded");
+        assert_eq!(json["error"]["param"], "messages");
+        assert_eq!(json["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn transient_503s_carry_retry_after_in_both_units() {
+        let response = GatewayError::Overloaded.into_response();
+        assert_eq!(response.headers()["retry-after"], "1");
+        assert_eq!(response.headers()["retry-after-ms"], "1000");
+        assert_eq!(response.headers()["x-should-retry"], "true");
+        let response = GatewayError::Invalid(ValidationError::EmptyMessages).into_response();
+        assert!(response.headers().get("retry-after").is_none());
+        assert_eq!(response.headers()["x-should-retry"], "false");
+    }
+
+    #[test]
+    fn sse_error_event_is_the_same_body() {
+        let error = GatewayError::Generation("engine stopped".into());
+        let sent: ErrorBody = serde_json::from_str(&error.sse_data()).unwrap();
+        assert_eq!(sent, error.body());
+        assert_eq!(sent.error.code.as_deref(), Some("generation_failed"));
+    }
+}

@@ -1,0 +1,21 @@
+//! kvgate's OpenAI-compatible admission gateway: validation, tenant policy, fair queues,
+//! admission by live KV occupancy, and the HTTP server.
+#![forbid(unsafe_code)]
+
+pub mod openai;
+pub mod validate;
+pub mod admission;
+pub mod auth;
+pub mod policy;
+pub mod queue;
+pub mod ratelimit;
+pub mod reload;
+pub mod metrics;
+pub mod error;
+pub mod extract;
+pub mod handlers;
+pub mod server;
+pub mod shutdown;
+pub mod stack;
+pub mod stream;
+pub mod inspect;

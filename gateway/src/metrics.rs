@@ -1,0 +1,268 @@
+//! Prometheus metrics: every metric name kvgate exports, the recording helpers the request path
+//! calls, and the `/metrics` renderer.
+//!
+//! Two kinds of metrics, two mechanisms:
+//!
+//! * **Events** (requests, rejections, latencies, token counts) are recorded where they happen
+//!   through the `metrics` facade into one process-wide `metrics-exporter-prometheus` recorder,
+//!   installed by [`install_recorder`] with per-metric histogram buckets.
+//! * **State** (KV blocks, memory, sequences, queues, engine counters) belongs to one engine and
+//!   one admission instance. [`Metrics::render`] reads it fresh from `Engine::stats()`,
+//!   `pool().snapshot()` and `Admission::queue_snapshot()` at scrape time and writes it
+//!   directly ([`state`]), so a scrape is never stale and two servers in one test process never
+//!   overwrite each other's gauges. Engine counters are the engine's cumulative totals, hence
+//!   monotonic.
+//!
+//! With `--metrics-compat vllm` the renderer also writes the vLLM names routers scrape
+//! (`vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`, ...), see [`vllm`].
+
+pub mod exposition;
+mod names;
+mod state;
+mod vllm;
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use kvgate_runtime::engine::Engine;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use parking_lot::Mutex;
+
+use crate::admission::{Admission, Rejection};
+pub use names::*;
+
+/// Whether extra, foreign-named metrics are exported for tools built for another server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compat {
+    #[default]
+    None,
+    /// vLLM's `vllm:` gauges and counters, for gateways (GIE EPP, llm-d) that scrape them.
+    Vllm,
+}
+
+impl std::str::FromStr for Compat {
+    type Err = MetricsError;
+    fn from_str(text: &str) -> Result<Compat, MetricsError> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "none" | "off" | "" => Ok(Compat::None),
+            "vllm" => Ok(Compat::Vllm),
+            other => Err(MetricsError::UnknownCompat(other.to_string())),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("unknown --metrics-compat {0:?}: use none or vllm")]
+    UnknownCompat(String),
+    #[error("invalid histogram buckets for {name}: {reason}")]
+    Buckets { name: &'static str, reason: String },
+    #[error("another metrics recorder is already installed in this process")]
+    ForeignRecorder,
+}
+
+/// Static facts about this server, shown in `kvgate_build_info` and the vLLM info metric.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MetricsConfig {
+    pub compat: Compat,
+    pub version: String,
+    pub backend: String,
+    /// Model name as served (also vLLM's `model_name` label).
+    pub model: String,
+    /// Memory the server may use (weights + KV + workspace); `None` when no budget was set.
+    pub memory_budget_bytes: Option<u64>,
+}
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+static INSTALL: Mutex<()> = Mutex::new(());
+
+/// Installs the process-wide recorder (once; later calls return the same handle, so several
+/// servers in one test process share it) and registers HELP texts.
+pub fn install_recorder() -> Result<PrometheusHandle, MetricsError> {
+    if let Some(handle) = HANDLE.get() {
+        return Ok(handle.clone());
+    }
+    let _installing = INSTALL.lock();
+    if let Some(handle) = HANDLE.get() {
+        return Ok(handle.clone());
+    }
+    let handle = build_recorder()?;
+    names::describe_all();
+    Ok(HANDLE.get_or_init(|| handle).clone())
+}
+
+fn build_recorder() -> Result<PrometheusHandle, MetricsError> {
+    let mut builder = PrometheusBuilder::new();
+    for (name, buckets) in names::HISTOGRAM_BUCKETS {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full((*name).to_string()), buckets)
+            .map_err(|e| MetricsError::Buckets { name, reason: e.to_string() })?;
+    }
+    builder.install_recorder().map_err(|_| MetricsError::ForeignRecorder)
+}
+
+/// Why a request was refused; the `reason` label of [`REQUESTS_REJECTED_TOTAL`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// Missing or unknown API key (401).
+    Auth,
+    /// Prompt + max_tokens over the model context or the KV pool (400).
+    Length,
+    /// Over the tenant's request or token rate (429, retryable).
+    Rate,
+    /// The request alone exceeds the tenant's token bucket (429 insufficient_quota, final).
+    Quota,
+    QueueFull,
+    QueueTimeout,
+    /// KV blocks are the bottleneck and the backlog will not drain in time (429).
+    KvSaturation,
+    /// Malformed or invalid request (400/404/422).
+    BadRequest,
+    /// Shutting down or the engine is gone (503).
+    Unavailable,
+}
+
+impl RejectReason {
+    pub const ALL: [RejectReason; 9] = [
+        RejectReason::Auth,
+        RejectReason::Length,
+        RejectReason::Rate,
+        RejectReason::Quota,
+        RejectReason::QueueFull,
+        RejectReason::QueueTimeout,
+        RejectReason::KvSaturation,
+        RejectReason::BadRequest,
+        RejectReason::Unavailable,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::Auth => "auth",
+            RejectReason::Length => "length",
+            RejectReason::Rate => "rate",
+            RejectReason::Quota => "quota",
+            RejectReason::QueueFull => "queue_full",
+            RejectReason::QueueTimeout => "queue_timeout",
+            RejectReason::KvSaturation => "kv_saturation",
+            RejectReason::BadRequest => "bad_request",
+            RejectReason::Unavailable => "unavailable",
+        }
+    }
+}
+
+impl From<&Rejection> for RejectReason {
+    fn from(rejection: &Rejection) -> RejectReason {
+        match rejection {
+            Rejection::RateLimited { .. } => RejectReason::Rate,
+            Rejection::InsufficientQuota { .. } => RejectReason::Quota,
+            Rejection::QueueFull { .. } => RejectReason::QueueFull,
+            Rejection::QueueTimeout { .. } => RejectReason::QueueTimeout,
+            Rejection::KvSaturated { .. } => RejectReason::KvSaturation,
+            Rejection::NeverFits { .. } => RejectReason::Length,
+            Rejection::Unavailable => RejectReason::Unavailable,
+        }
+    }
+}
+
+/// Counts one refused request in [`REQUESTS_REJECTED_TOTAL`]. Call it exactly once per refused
+/// request, at the place that decides the refusal (admission counts its own; the HTTP layer
+/// counts auth, validation and length refusals it makes before admission).
+pub fn record_rejection(tenant: &str, reason: RejectReason) {
+    metrics::counter!(REQUESTS_REJECTED_TOTAL, "tenant" => tenant.to_string(), "reason" => reason.as_str())
+        .increment(1);
+}
+
+/// Counts one request in [`REQUESTS_TOTAL`] with its final admission outcome. Call it exactly
+/// once per request that reached a handler; `route` is a static route name ("chat", ...).
+pub fn record_request(tenant: &str, route: &'static str, admitted: bool) {
+    let outcome = if admitted { "admitted" } else { "rejected" };
+    metrics::counter!(REQUESTS_TOTAL, "tenant" => tenant.to_string(), "route" => route, "outcome" => outcome)
+        .increment(1);
+}
+
+/// Time a request spent in admission (queue + reservation) before it started.
+pub fn record_queue_wait(tenant: &str, wait: Duration) {
+    metrics::histogram!(QUEUE_WAIT_SECONDS, "tenant" => tenant.to_string()).record(wait.as_secs_f64());
+}
+
+/// From the request's arrival to its first generated token leaving the server.
+pub fn record_time_to_first_token(elapsed: Duration) {
+    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS).record(elapsed.as_secs_f64());
+}
+
+/// Gap between two successive tokens of one stream.
+pub fn record_inter_token_latency(gap: Duration) {
+    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS).record(gap.as_secs_f64());
+}
+
+/// A request that ran in the engine has ended (finished, stopped, cancelled or failed).
+pub fn record_request_finished(tenant: &str, duration: Duration, prompt_tokens: usize, generation_tokens: usize) {
+    metrics::histogram!(REQUEST_DURATION_SECONDS).record(duration.as_secs_f64());
+    metrics::histogram!(PROMPT_TOKENS).record(prompt_tokens as f64);
+    metrics::histogram!(GENERATION_TOKENS).record(generation_tokens as f64);
+    metrics::counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string()).increment(prompt_tokens as u64);
+    metrics::counter!(GENERATION_TOKENS_TOTAL, "tenant" => tenant.to_string())
+        .increment(generation_tokens as u64);
+}
+
+/// A policy file reload was attempted.
+pub fn record_policy_reload(success: bool) {
+    let result = if success { "success" } else { "failure" };
+    metrics::counter!(POLICY_RELOADS_TOTAL, "result" => result).increment(1);
+}
+
+/// The `/metrics` renderer of one server: the shared recorder plus this server's engine and
+/// admission state. Cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    handle: PrometheusHandle,
+    config: MetricsConfig,
+    engine: Engine,
+    admission: Option<Admission>,
+    state: state::StateTracker,
+}
+
+impl Metrics {
+    /// Installs the recorder if needed and binds it to this server's engine and admission.
+    pub fn new(config: MetricsConfig, engine: Engine, admission: Option<Admission>) -> Result<Metrics, MetricsError> {
+        let handle = install_recorder()?;
+        Ok(Metrics {
+            inner: Arc::new(Inner { handle, config, engine, admission, state: state::StateTracker::default() }),
+        })
+    }
+
+    /// The full exposition: fresh engine and admission state, then the recorded events.
+    pub fn render(&self) -> String {
+        let inner = &self.inner;
+        let snapshot = state::Snapshot::take(&inner.engine, inner.admission.as_ref());
+        let mut out = exposition::Writer::default();
+        inner.state.write(&mut out, &snapshot, &inner.config);
+        if inner.config.compat == Compat::Vllm {
+            vllm::write(&mut out, &snapshot, &inner.config);
+        }
+        let mut text = out.finish();
+        text.push_str(&inner.handle.render());
+        text
+    }
+
+    /// Samples the engine every `interval`: records the batch size of steps taken since the
+    /// last sample, keeps the memory peak, and runs the recorder's upkeep (which bounds the
+    /// memory histograms use between scrapes). Stops when the returned handle is aborted.
+    pub fn spawn_sampler(&self, interval: Duration) -> tokio::task::JoinHandle<()> {
+        let metrics = self.clone();
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval.max(Duration::from_millis(10)));
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                ticker.tick().await;
+                let stats = metrics.inner.engine.stats();
+                metrics.inner.state.sample(&stats);
+                metrics.inner.handle.run_upkeep();
+            }
+        })
+    }
+}

@@ -1,0 +1,471 @@
+//! OpenAI wire types for `/v1/chat/completions`, `/v1/completions` and `/v1/models`.
+//!
+//! Only shapes live here, no rules: every bound and default is applied once in `validate.rs`.
+//! Request fields that carry numbers are deserialized wide (`i64`, `f64`) on purpose, so that a
+//! negative `max_tokens` reaches validation and gets a message naming the field instead of a
+//! generic type error. Unknown request fields are ignored, as clients routinely send options
+//! (penalties, `logit_bias`) that have no effect here. Response types mirror OpenAI's output
+//! field for field, including the `null`s clients expect to see (`logprobs`, `finish_reason`).
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
+
+// === Requests ===
+
+/// Body of `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessage>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Deprecated by OpenAI in favour of `max_completion_tokens`; both are accepted.
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<StopSequences>,
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Number of choices; only 1 is supported.
+    #[serde(default)]
+    pub n: Option<i64>,
+}
+
+/// Body of `POST /v1/completions` (the legacy text completion API).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: PromptInput,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<StopSequences>,
+    #[serde(default)]
+    pub user: Option<String>,
+    #[serde(default)]
+    pub n: Option<i64>,
+    /// Echoing the prompt back is not supported; `true` is rejected by validation.
+    #[serde(default)]
+    pub echo: Option<bool>,
+}
+
+/// `stream_options` of a streaming request.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Who wrote a chat message. `developer` is OpenAI's newer name for `system`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+}
+
+impl Role {
+    /// The role name the model's chat template understands.
+    pub fn template_name(self) -> &'static str {
+        match self {
+            Role::System | Role::Developer => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// One message of a chat conversation.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    pub role: Role,
+    /// `null` is allowed (OpenAI allows it for assistant turns) and reads as empty text.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// Message content: a plain string or an array of typed parts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// One element of an array-form message content. Only `type: "text"` is supported; other part
+/// types (images, audio) are kept so validation can name them in its error.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// `stop`: one string or an array of strings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StopSequences(pub Vec<String>);
+
+/// `prompt` of the legacy completions API: one string or an array of strings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptInput(pub Vec<String>);
+
+// === Responses ===
+
+/// Why generation ended, as OpenAI spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+/// Token accounting of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+        }
+    }
+}
+
+/// Non-streaming answer of `/v1/chat/completions`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_fingerprint: Option<String>,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: AssistantMessage,
+    /// Always `null`: log-probabilities are not offered.
+    pub logprobs: Option<serde_json::Value>,
+    pub finish_reason: FinishReason,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AssistantMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// One SSE chunk of a streaming chat completion.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_fingerprint: Option<String>,
+    pub choices: Vec<ChunkChoice>,
+    /// Absent unless `stream_options.include_usage`; then `null` on every chunk but the last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChunkChoice {
+    pub index: u32,
+    pub delta: Delta,
+    pub logprobs: Option<serde_json::Value>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// What a chunk adds to the assistant message. The first chunk carries the role.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Delta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// Answer (or, with `stream`, one SSE chunk) of `/v1/completions`: both share one shape.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TextCompletion {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_fingerprint: Option<String>,
+    pub choices: Vec<TextChoice>,
+    /// Always present on a full answer; on chunks it follows the chat chunk's rule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TextChoice {
+    pub text: String,
+    pub index: u32,
+    pub logprobs: Option<serde_json::Value>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelList {
+    pub object: String,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub owned_by: String,
+}
+
+/// Every error body: `{"error":{"message","type","param","code"}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// `param` and `code` are always present, `null` when they do not apply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub error_type: String,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+// === impl Deserialize for the string-or-array fields ===
+
+/// Visits either one string or an array of `T`, so errors can say what was expected instead of
+/// serde's "did not match any variant of untagged enum".
+struct OneOrMany<T> {
+    expecting: &'static str,
+    item: PhantomData<T>,
+}
+
+impl<T> OneOrMany<T> {
+    fn new(expecting: &'static str) -> Self {
+        OneOrMany {
+            expecting,
+            item: PhantomData,
+        }
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Visitor<'de> for OneOrMany<T> {
+    /// `Ok` for a single string, `Err` for an array.
+    type Value = Result<String, Vec<T>>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(self.expecting)
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Ok(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Ok(v))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        // The hint comes from the client; cap it so a lying length cannot reserve memory.
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Err(items))
+    }
+}
+
+impl<'de> Deserialize<'de> for MessageContent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let visitor = OneOrMany::<ContentPart>::new("a string or an array of content parts");
+        Ok(match d.deserialize_any(visitor)? {
+            Ok(text) => MessageContent::Text(text),
+            Err(parts) => MessageContent::Parts(parts),
+        })
+    }
+}
+
+/// Reads a string or an array of strings into one list.
+fn one_or_many_strings<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let visitor = OneOrMany::<String>::new("a string or an array of strings");
+    Ok(match d.deserialize_any(visitor)? {
+        Ok(one) => vec![one],
+        Err(many) => many,
+    })
+}
+
+impl<'de> Deserialize<'de> for StopSequences {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        one_or_many_strings(d).map(StopSequences)
+    }
+}
+
+impl<'de> Deserialize<'de> for PromptInput {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        one_or_many_strings(d).map(PromptInput)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn content_is_a_string_or_text_parts() {
+        let msg: ChatMessage = serde_json::from_value(json!({"role": "user", "content": "hi"})).unwrap();
+        assert_eq!(msg.content, Some(MessageContent::Text("hi".into())));
+        let parts = json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]});
+        let msg: ChatMessage = serde_json::from_value(parts).unwrap();
+        let Some(MessageContent::Parts(parts)) = msg.content else { panic!("expected parts") };
+        assert_eq!(parts[0].text.as_deref(), Some("a"));
+        assert_eq!(parts[1].kind, "image_url");
+        let msg: ChatMessage = serde_json::from_value(json!({"role": "assistant", "content": null})).unwrap();
+        assert_eq!(msg.content, None);
+        let err = serde_json::from_value::<ChatMessage>(json!({"role": "user", "content": 5})).unwrap_err();
+        assert!(err.to_string().contains("a string or an array of content parts"), "{err}");
+    }
+
+    #[test]
+    fn stop_and_prompt_accept_one_or_many() {
+        let req: CompletionRequest =
+            serde_json::from_value(json!({"model": "m", "prompt": "p", "stop": "x"})).unwrap();
+        assert_eq!(req.stop, Some(StopSequences(vec!["x".into()])));
+        assert_eq!(req.prompt, PromptInput(vec!["p".into()]));
+        let req: CompletionRequest =
+            serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"], "stop": ["x", "y"]})).unwrap();
+        assert_eq!(req.stop, Some(StopSequences(vec!["x".into(), "y".into()])));
+        assert_eq!(req.prompt.0.len(), 2);
+    }
+
+    #[test]
+    fn unknown_request_fields_are_ignored_and_developer_is_system() {
+        let req: ChatCompletionRequest = serde_json::from_value(json!({
+            "model": "m", "frequency_penalty": 0.5, "logit_bias": {},
+            "messages": [{"role": "developer", "content": "be brief"}],
+            "stream": true, "stream_options": {"include_usage": true}, "max_completion_tokens": 5
+        }))
+        .unwrap();
+        assert_eq!(req.messages[0].role.template_name(), "system");
+        assert_eq!(req.stream, Some(true));
+        assert_eq!(req.stream_options.and_then(|o| o.include_usage), Some(true));
+        assert_eq!(req.max_completion_tokens, Some(5));
+    }
+
+    #[test]
+    fn chat_completion_serializes_like_openai() {
+        let response = ChatCompletion {
+            id: "chatcmpl-1".into(),
+            object: "chat.completion".into(),
+            created: 1,
+            model: "m".into(),
+            system_fingerprint: None,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: AssistantMessage { role: "assistant".into(), content: "hi".into() },
+                logprobs: None,
+                finish_reason: FinishReason::Length,
+            }],
+            usage: Usage::new(3, 2),
+        };
+        assert_eq!(
+            serde_json::to_value(&response).unwrap(),
+            json!({
+                "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                             "logprobs": null, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+            })
+        );
+    }
+
+    #[test]
+    fn chunk_usage_is_absent_null_or_present() {
+        let chunk = |usage| ChatCompletionChunk {
+            id: "c".into(),
+            object: "chat.completion.chunk".into(),
+            created: 1,
+            model: "m".into(),
+            system_fingerprint: None,
+            choices: vec![ChunkChoice {
+                index: 0,
+                delta: Delta { role: None, content: Some("x".into()) },
+                logprobs: None,
+                finish_reason: None,
+            }],
+            usage,
+        };
+        let absent = serde_json::to_value(chunk(None)).unwrap();
+        assert!(absent.get("usage").is_none());
+        assert_eq!(absent["choices"][0]["finish_reason"], serde_json::Value::Null);
+        assert_eq!(absent["choices"][0]["delta"], json!({"content": "x"}));
+        let null = serde_json::to_value(chunk(Some(None))).unwrap();
+        assert_eq!(null["usage"], serde_json::Value::Null);
+        assert!(null.as_object().unwrap().contains_key("usage"));
+        let present = serde_json::to_value(chunk(Some(Some(Usage::new(1, 1))))).unwrap();
+        assert_eq!(present["usage"]["total_tokens"], 2);
+    }
+
+    #[test]
+    fn errors_always_have_all_four_fields() {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: "m".into(),
+                error_type: "invalid_request_error".into(),
+                param: None,
+                code: None,
+            },
+        };
+        assert_eq!(
+            serde_json::to_value(body).unwrap(),
+            json!({"error": {"message": "m", "type": "invalid_request_error", "param": null, "code": null}})
+        );
+    }
+}

@@ -1,0 +1,264 @@
+//! Tenant policy: who may call the gateway and under which limits.
+//!
+//! A policy file is TOML (`policies/*.toml`): `[defaults]`, `[tenants.NAME]` overrides, optional
+//! `anonymous_tenant`, `admin_key_sha256`, `[kv]` and `[lanes]`. Loading is two-phase, like
+//! ripgrep's lowargs/hiargs: `raw` records what was written (with spans), then `build` (with
+//! `limits` for per-tenant inheritance) checks meaning into a typed [`Policy`]. Every error
+//! names the file, line, column and field (`source`), because a bad policy reload must be
+//! fixable from the log line alone.
+
+mod build;
+mod limits;
+mod raw;
+mod source;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A SHA-256 digest of an API key; the plain key is never stored.
+pub type KeyDigest = [u8; 32];
+
+/// The validated policy. Immutable: a reload builds a new one (see `reload.rs`).
+#[derive(Debug)]
+pub struct Policy {
+    source: PathBuf,
+    tenants: BTreeMap<String, Arc<TenantPolicy>>,
+    anonymous_tenant: Option<Arc<TenantPolicy>>,
+    tenant_keys: Vec<(KeyDigest, Arc<TenantPolicy>)>,
+    admin_keys: Vec<KeyDigest>,
+    /// How admission reserves KV blocks.
+    pub kv: KvPolicy,
+    /// The long-prompt lane.
+    pub lanes: LanePolicy,
+}
+
+/// One tenant's effective limits (its overrides on top of `[defaults]` on top of built-ins).
+/// Requests hold an `Arc` of this, so a reload never changes limits under a running request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantPolicy {
+    pub name: String,
+    pub max_input_tokens: usize,
+    pub max_output_tokens: usize,
+    /// Cap on prompt + max_tokens.
+    pub max_total_tokens: usize,
+    pub max_messages: usize,
+    /// What to do with a conversation longer than `max_input_tokens`.
+    pub overflow: Overflow,
+    /// Requests running at once; the excess waits in the queue.
+    pub max_concurrency: usize,
+    /// `None`: no request-rate limit.
+    pub requests_per_minute: Option<NonZeroU32>,
+    /// `None`: no token-rate limit. Also the token bucket's size (its burst).
+    pub tokens_per_minute: Option<NonZeroU32>,
+    /// Most requests waiting in this tenant's queue.
+    pub queue_depth: usize,
+    /// Most tokens (prompt + max_tokens) waiting in this tenant's queue.
+    pub queue_tokens: usize,
+    /// Longest a request may wait in the queue before a 503.
+    pub max_queue_wait: Duration,
+    /// Fair-share weight: under contention a tenant gets tokens in proportion to it.
+    pub weight: NonZeroU32,
+}
+
+/// What validation does with a prompt that is too long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overflow {
+    /// 400 `context_length_exceeded`.
+    Reject,
+    /// Drop the oldest non-system messages until the prompt fits.
+    TruncateOldest,
+}
+
+/// `[kv]`: admission reserves KV blocks under `high_watermark × total_blocks`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvPolicy {
+    /// Fraction of the pool admission may fill, in (0, 1].
+    pub high_watermark: f64,
+    pub reservation: ReservationMode,
+    /// Extra blocks reserved beyond the prompt in `Prompt` mode.
+    pub prompt_headroom_blocks: usize,
+}
+
+/// How many blocks a request reserves before it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReservationMode {
+    /// prompt + max_tokens: the request can never run out of KV.
+    Full,
+    /// prompt + headroom: more concurrency; the engine may preempt when decode outgrows it.
+    Prompt,
+}
+
+/// `[lanes]`: prompts of at least `long_prompt_tokens` go to a lane capped at
+/// `long_max_concurrency`, so short prompts never queue behind a wall of long prefills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LanePolicy {
+    pub long_prompt_tokens: usize,
+    pub long_max_concurrency: usize,
+}
+
+/// A policy file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("cannot read policy file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}:{line}:{column}: `{field}`: {message}", path.display())]
+    Invalid {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        field: String,
+        message: String,
+    },
+}
+
+/// Reads and validates a policy file.
+pub fn load_policy(path: impl AsRef<Path>) -> Result<Policy, PolicyError> {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_policy(path, &text)
+}
+
+/// Validates policy text; `path` is only used to name the file in errors.
+pub fn parse_policy(path: impl AsRef<Path>, text: &str) -> Result<Policy, PolicyError> {
+    build::build(path.as_ref(), text)
+}
+
+/// Loads a file and summarises it, for `kvgate policy check FILE`.
+pub fn check_policy_file(path: impl AsRef<Path>) -> Result<PolicySummary, PolicyError> {
+    load_policy(path).map(|policy| policy.summary())
+}
+
+impl Policy {
+    /// The tenant called `name`, if declared.
+    pub fn tenant(&self, name: &str) -> Option<Arc<TenantPolicy>> {
+        self.tenants.get(name).cloned()
+    }
+
+    /// All declared tenants, by name.
+    pub fn tenants(&self) -> impl Iterator<Item = &Arc<TenantPolicy>> {
+        self.tenants.values()
+    }
+
+    /// The tenant that requests without an API key belong to, if any.
+    pub fn anonymous_tenant(&self) -> Option<&Arc<TenantPolicy>> {
+        self.anonymous_tenant.as_ref()
+    }
+
+    /// Every (key digest, tenant) pair; auth compares against all of them.
+    pub fn tenant_key_digests(&self) -> &[(KeyDigest, Arc<TenantPolicy>)] {
+        &self.tenant_keys
+    }
+
+    /// Digests of keys that may call `/admin/*`.
+    pub fn admin_key_digests(&self) -> &[KeyDigest] {
+        &self.admin_keys
+    }
+
+    /// The file this policy was loaded from.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// A printable overview (no key material beyond counts).
+    pub fn summary(&self) -> PolicySummary {
+        let tenants = self
+            .tenants
+            .values()
+            .map(|tenant| TenantSummary {
+                policy: TenantPolicy::clone(tenant),
+                keys: self
+                    .tenant_keys
+                    .iter()
+                    .filter(|(_, owner)| owner.name == tenant.name)
+                    .count(),
+            })
+            .collect();
+        PolicySummary {
+            source: self.source.clone(),
+            tenants,
+            anonymous_tenant: self.anonymous_tenant.as_ref().map(|t| t.name.clone()),
+            admin_keys: self.admin_keys.len(),
+            kv: self.kv,
+            lanes: self.lanes,
+        }
+    }
+}
+
+/// What `kvgate policy check` prints.
+#[derive(Debug, Clone)]
+pub struct PolicySummary {
+    pub source: PathBuf,
+    pub tenants: Vec<TenantSummary>,
+    pub anonymous_tenant: Option<String>,
+    pub admin_keys: usize,
+    pub kv: KvPolicy,
+    pub lanes: LanePolicy,
+}
+
+/// One tenant in a [`PolicySummary`].
+#[derive(Debug, Clone)]
+pub struct TenantSummary {
+    pub policy: TenantPolicy,
+    /// Number of API key digests mapped to this tenant.
+    pub keys: usize,
+}
+
+impl fmt::Display for PolicySummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{}: ok", self.source.display())?;
+        let anonymous = self
+            .anonymous_tenant
+            .as_deref()
+            .unwrap_or("(none: a key is required)");
+        writeln!(f, "anonymous tenant: {anonymous}")?;
+        writeln!(f, "admin keys: {}", self.admin_keys)?;
+        let mode = match self.kv.reservation {
+            ReservationMode::Full => "full".to_string(),
+            ReservationMode::Prompt => {
+                format!("prompt + {} blocks", self.kv.prompt_headroom_blocks)
+            }
+        };
+        writeln!(
+            f,
+            "kv: high watermark {}, reservation {mode}",
+            self.kv.high_watermark
+        )?;
+        writeln!(
+            f,
+            "lanes: long prompts >= {} tokens, at most {} at once",
+            self.lanes.long_prompt_tokens, self.lanes.long_max_concurrency
+        )?;
+        for TenantSummary { policy: t, keys } in &self.tenants {
+            let per_minute =
+                |limit: Option<NonZeroU32>| limit.map_or("unlimited".into(), |n| n.to_string());
+            writeln!(
+                f,
+                "tenant {}: keys {keys}, weight {}, concurrency {}, rpm {}, tpm {}, input {}, output {}, total {}, queue {} req / {} tok / {:?}",
+                t.name,
+                t.weight,
+                t.max_concurrency,
+                per_minute(t.requests_per_minute),
+                per_minute(t.tokens_per_minute),
+                t.max_input_tokens,
+                t.max_output_tokens,
+                t.max_total_tokens,
+                t.queue_depth,
+                t.queue_tokens,
+                t.max_queue_wait,
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,189 @@
+use std::path::PathBuf;
+
+use super::*;
+
+fn shipped(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../policies")
+        .join(name)
+}
+
+/// The error for `text`, as (line, column, field, message).
+fn error_of(text: &str) -> (usize, usize, String, String) {
+    match parse_policy("p.toml", text) {
+        Ok(_) => panic!("expected an error for:\n{text}"),
+        Err(PolicyError::Invalid {
+            path,
+            line,
+            column,
+            field,
+            message,
+        }) => {
+            assert_eq!(path, PathBuf::from("p.toml"));
+            (line, column, field, message)
+        }
+        Err(other) => panic!("unexpected error {other}"),
+    }
+}
+
+#[test]
+fn shipped_default_policy_admits_anonymous_callers() {
+    let policy = load_policy(shipped("default.toml")).unwrap();
+    let anonymous = policy.anonymous_tenant().unwrap();
+    assert_eq!(anonymous.name, "local");
+    assert_eq!(anonymous.max_input_tokens, 2048);
+    assert_eq!(anonymous.max_output_tokens, 512);
+    assert!(anonymous.max_input_tokens + anonymous.max_output_tokens <= 8192);
+    assert_eq!(policy.kv.high_watermark, 0.9);
+}
+
+#[test]
+fn shipped_multi_tenant_policy_has_three_weighted_tenants_and_an_admin() {
+    let summary = check_policy_file(shipped("multi-tenant.toml")).unwrap();
+    let names: Vec<&str> = summary
+        .tenants
+        .iter()
+        .map(|t| t.policy.name.as_str())
+        .collect();
+    assert_eq!(names, ["alpha", "beta", "gamma"]);
+    let weights: Vec<u32> = summary
+        .tenants
+        .iter()
+        .map(|t| t.policy.weight.get())
+        .collect();
+    assert_eq!(weights, [3, 2, 1]);
+    assert!(summary.tenants.iter().all(|t| t.keys == 1));
+    assert_eq!(summary.anonymous_tenant, None);
+    assert_eq!(summary.admin_keys, 1);
+    let gamma = &summary.tenants[2].policy;
+    assert_eq!(gamma.overflow, Overflow::TruncateOldest);
+    assert_eq!(gamma.max_queue_wait, Duration::from_secs(10));
+    assert_eq!(gamma.max_input_tokens, 2048, "inherited from [defaults]");
+    assert!(
+        summary
+            .to_string()
+            .contains("tenant gamma: keys 1, weight 1")
+    );
+}
+
+#[test]
+fn tenants_inherit_defaults_then_builtins() {
+    let policy = parse_policy(
+        "p.toml",
+        "[defaults]\nmax_concurrency = 3\nrequests_per_minute = 60\n[tenants.a]\nweight = 5\n[tenants.b]\nrequests_per_minute = 10\n",
+    )
+    .unwrap();
+    let a = policy.tenant("a").unwrap();
+    assert_eq!(
+        (
+            a.weight.get(),
+            a.max_concurrency,
+            a.requests_per_minute.map(|n| n.get())
+        ),
+        (5, 3, Some(60))
+    );
+    assert_eq!(a.tokens_per_minute, None, "no built-in token limit");
+    assert_eq!(a.max_queue_wait, Duration::from_secs(30));
+    assert_eq!(
+        policy
+            .tenant("b")
+            .unwrap()
+            .requests_per_minute
+            .map(|n| n.get()),
+        Some(10)
+    );
+    assert!(policy.tenant("c").is_none());
+}
+
+#[test]
+fn syntax_errors_name_line_column_and_field() {
+    let (line, column, field, _) = error_of("[tenants.a]\nweight = = 3\n");
+    assert_eq!((line, column, field.as_str()), (2, 10, "tenants.a.weight"));
+}
+
+#[test]
+fn unknown_fields_are_errors_with_their_location() {
+    let (line, column, field, message) = error_of("[tenants.a]\nmax_concurency = 3\n");
+    assert_eq!((line, column), (2, 1));
+    assert_eq!(field, "tenants.a.max_concurency");
+    assert!(message.contains("unknown field"), "{message}");
+
+    let (line, _, field, _) = error_of("[tenants.a]\n[kvv]\nhigh_watermark = 0.5\n");
+    assert_eq!((line, field.as_str()), (2, "kvv"));
+}
+
+#[test]
+fn type_errors_point_at_the_value() {
+    let (line, column, field, _) = error_of("[tenants.a]\n\nweight = \"heavy\"\n");
+    assert_eq!((line, column, field.as_str()), (3, 10, "tenants.a.weight"));
+}
+
+#[test]
+fn semantic_errors_point_at_the_offending_field() {
+    let (line, column, field, message) = error_of("[tenants.a]\nweight = 0\n");
+    assert_eq!((line, column, field.as_str()), (2, 10, "tenants.a.weight"));
+    assert!(message.contains("at least 1"), "{message}");
+
+    let (line, column, field, _) = error_of("[tenants.a]\n[kv]\nhigh_watermark = 1.5\n");
+    assert_eq!((line, column, field.as_str()), (3, 18, "kv.high_watermark"));
+    let (_, _, field, _) = error_of("[tenants.a]\n[kv]\nhigh_watermark = 0.0\n");
+    assert_eq!(field, "kv.high_watermark");
+
+    let (line, _, field, message) = error_of("[tenants.a]\nmax_queue_wait = \"30 seconds\"\n");
+    assert_eq!((line, field.as_str()), (2, "tenants.a.max_queue_wait"));
+    assert!(message.contains("not a duration"), "{message}");
+
+    let (line, _, field, message) =
+        error_of("[defaults]\nmax_total_tokens = 1000\n[tenants.a]\nmax_input_tokens = 1500\n");
+    assert_eq!((line, field.as_str()), (4, "tenants.a.max_input_tokens"));
+    assert!(
+        message.contains("exceeds max_total_tokens (1000)"),
+        "{message}"
+    );
+}
+
+#[test]
+fn duplicate_key_digests_across_tenants_are_rejected() {
+    let digest = "ab".repeat(32);
+    let text = format!(
+        "[tenants.a]\nkey_sha256 = [\"{digest}\"]\n[tenants.b]\nkey_sha256 = [\n  \"{}\",\n  \"{digest}\",\n]\n",
+        "cd".repeat(32)
+    );
+    let (line, column, field, message) = error_of(&text);
+    assert_eq!(
+        (line, column, field.as_str()),
+        (6, 3, "tenants.b.key_sha256")
+    );
+    assert!(message.contains("tenant `a`"), "{message}");
+}
+
+#[test]
+fn keys_must_be_digests_and_belong_to_tenants() {
+    let (_, _, field, message) = error_of("[tenants.a]\nkey_sha256 = [\"sk-plain-key\"]\n");
+    assert_eq!(field, "tenants.a.key_sha256");
+    assert!(message.contains("hash-key"), "{message}");
+    let (_, _, field, _) = error_of(&format!(
+        "[defaults]\nkey_sha256 = [\"{}\"]\n[tenants.a]\n",
+        "ab".repeat(32)
+    ));
+    assert_eq!(field, "defaults.key_sha256");
+}
+
+#[test]
+fn anonymous_tenant_must_exist_and_a_policy_needs_tenants() {
+    let (line, column, field, _) = error_of("anonymous_tenant = \"guest\"\n[tenants.a]\n");
+    assert_eq!((line, column, field.as_str()), (1, 20, "anonymous_tenant"));
+    let (_, _, field, _) = error_of("[defaults]\nweight = 2\n");
+    assert_eq!(field, "tenants");
+    let (_, _, field, _) = error_of("[tenants.\"bad name\"]\n");
+    assert_eq!(field, "tenants.bad name");
+}
+
+#[test]
+fn read_errors_name_the_file() {
+    let error = load_policy("/nonexistent/kvgate.toml").unwrap_err();
+    assert!(
+        error.to_string().contains("/nonexistent/kvgate.toml"),
+        "{error}"
+    );
+}

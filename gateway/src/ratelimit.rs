@@ -1,0 +1,330 @@
+//! Per-tenant requests-per-minute and tokens-per-minute limits (governor's GCRA), and the
+//! OpenAI `x-ratelimit-*` headers that report them.
+//!
+//! Tokens are debited up front (prompt + max_tokens, the most a request can use) so a burst of
+//! admitted streams can never overshoot the limit, and the unused part is refunded when the
+//! response ends. governor cannot un-consume cells, so a refund goes into a per-bucket *credit*
+//! that later debits spend before asking governor. The credit is capped so that credit plus
+//! governor's remaining capacity never exceeds the bucket size: a refund restores capacity, it
+//! never creates burst beyond the quota. Wait times come from governor's `NotUntil`, so a
+//! Retry-After is exact, not a guessed window.
+//!
+//! Time is read through [`TokioClock`], so tests drive it with `tokio::time::pause`/`advance`.
+
+mod clock;
+mod headers;
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use governor::middleware::StateInformationMiddleware;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+pub use clock::{TokioClock, TokioInstant};
+pub use headers::{BucketStatus, RateLimitHeaders, format_reset};
+
+use crate::policy::TenantPolicy;
+
+/// Which limit refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    Requests,
+    Tokens,
+}
+
+impl LimitKind {
+    /// OpenAI's `type` for a rate-limit error: "requests" or "tokens".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitKind::Requests => "requests",
+            LimitKind::Tokens => "tokens",
+        }
+    }
+}
+
+/// A refused debit.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RateLimitError {
+    /// Over the limit now; `wait` is governor's exact time until the debit would pass.
+    Limited {
+        kind: LimitKind,
+        limit: u32,
+        requested: u32,
+        wait: Duration,
+        headers: RateLimitHeaders,
+    },
+    /// Bigger than the bucket: it can never pass, so retrying is pointless.
+    ExceedsBucket {
+        kind: LimitKind,
+        limit: u32,
+        requested: u32,
+        headers: RateLimitHeaders,
+    },
+}
+
+/// The rate-limit state of every tenant. Cheap to share (`Arc`); thread-safe.
+#[derive(Debug, Default)]
+pub struct RateLimits {
+    tenants: Mutex<HashMap<String, Arc<TenantBuckets>>>,
+}
+
+impl RateLimits {
+    pub fn new() -> RateLimits {
+        RateLimits::default()
+    }
+
+    /// Debits one request and `tokens` tokens from the tenant's buckets, all or nothing.
+    pub fn try_debit(&self, tenant: &TenantPolicy, tokens: usize) -> Result<Debit, RateLimitError> {
+        let buckets = self.buckets(tenant);
+        let tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
+        if let Some(bucket) = &buckets.tokens
+            && tokens > bucket.limit.get()
+        {
+            let (kind, limit, headers) = (LimitKind::Tokens, bucket.limit.get(), buckets.headers());
+            return Err(RateLimitError::ExceedsBucket {
+                kind,
+                limit,
+                requested: tokens,
+                headers,
+            });
+        }
+        if let Some(bucket) = &buckets.tokens
+            && let Err(wait) = bucket.debit(tokens)
+        {
+            let (kind, limit, headers) = (LimitKind::Tokens, bucket.limit.get(), buckets.headers());
+            return Err(RateLimitError::Limited {
+                kind,
+                limit,
+                requested: tokens,
+                wait,
+                headers,
+            });
+        }
+        if let Some(bucket) = &buckets.requests
+            && let Err(wait) = bucket.debit(1)
+        {
+            // All or nothing: give back the tokens just taken.
+            if let Some(token_bucket) = &buckets.tokens {
+                token_bucket.refund(tokens);
+            }
+            let (kind, limit, headers) =
+                (LimitKind::Requests, bucket.limit.get(), buckets.headers());
+            return Err(RateLimitError::Limited {
+                kind,
+                limit,
+                requested: 1,
+                wait,
+                headers,
+            });
+        }
+        Ok(Debit {
+            buckets,
+            tokens,
+            settled: false,
+        })
+    }
+
+    /// The tenant's current state, for responses that never reached a debit.
+    pub fn headers(&self, tenant: &TenantPolicy) -> RateLimitHeaders {
+        self.buckets(tenant).headers()
+    }
+
+    /// Forgets tenants for which `keep` is false (e.g. removed by a policy reload).
+    pub fn retain(&self, mut keep: impl FnMut(&str) -> bool) {
+        self.tenants.lock().retain(|name, _| keep(name));
+    }
+
+    /// The tenant's buckets, rebuilt (full) when a policy reload changed its quotas.
+    fn buckets(&self, tenant: &TenantPolicy) -> Arc<TenantBuckets> {
+        let mut tenants = self.tenants.lock();
+        let quotas = (tenant.requests_per_minute, tenant.tokens_per_minute);
+        if let Some(existing) = tenants.get(&tenant.name)
+            && existing.quotas == quotas
+        {
+            return Arc::clone(existing);
+        }
+        let buckets = Arc::new(TenantBuckets {
+            quotas,
+            requests: tenant.requests_per_minute.map(Bucket::per_minute),
+            tokens: tenant.tokens_per_minute.map(Bucket::per_minute),
+        });
+        tenants.insert(tenant.name.clone(), Arc::clone(&buckets));
+        buckets
+    }
+}
+
+/// A debit that has passed: one request and `tokens` tokens. Not Clone, so it is given back at
+/// most once. [`Debit::settle`] keeps what the response used; dropping it unsettled refunds
+/// everything, because then the request never ran (rejected later, or its client left).
+#[derive(Debug)]
+pub struct Debit {
+    buckets: Arc<TenantBuckets>,
+    tokens: u32,
+    settled: bool,
+}
+
+impl Debit {
+    /// Tokens charged up front.
+    pub fn tokens(&self) -> u32 {
+        self.tokens
+    }
+
+    /// The response ended having used `used_tokens`: refund the rest of the up-front charge.
+    pub fn settle(mut self, used_tokens: usize) {
+        let used = u32::try_from(used_tokens).unwrap_or(u32::MAX);
+        if let Some(bucket) = &self.buckets.tokens {
+            bucket.refund(self.tokens.saturating_sub(used));
+        }
+        self.settled = true;
+    }
+
+    /// The request never ran: refund it all (same as dropping it).
+    pub fn cancel(self) {}
+
+    /// The buckets' state now.
+    pub fn headers(&self) -> RateLimitHeaders {
+        self.buckets.headers()
+    }
+}
+
+impl Drop for Debit {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        if let Some(bucket) = &self.buckets.requests {
+            bucket.refund(1);
+        }
+        if let Some(bucket) = &self.buckets.tokens {
+            bucket.refund(self.tokens);
+        }
+    }
+}
+
+/// One tenant's two buckets and the quotas they were built from.
+#[derive(Debug)]
+struct TenantBuckets {
+    quotas: (Option<NonZeroU32>, Option<NonZeroU32>),
+    requests: Option<Bucket>,
+    tokens: Option<Bucket>,
+}
+
+impl TenantBuckets {
+    fn headers(&self) -> RateLimitHeaders {
+        let now = Instant::now();
+        RateLimitHeaders {
+            requests: self.requests.as_ref().map(|b| b.status(now)),
+            tokens: self.tokens.as_ref().map(|b| b.status(now)),
+        }
+    }
+}
+
+type Gcra = RateLimiter<NotKeyed, InMemoryState, TokioClock, StateInformationMiddleware>;
+
+/// A per-minute GCRA bucket (burst = the per-minute limit) plus the refund credit.
+struct Bucket {
+    limit: NonZeroU32,
+    /// Time for one cell to replenish: a minute / limit.
+    cell_period: Duration,
+    gcra: Gcra,
+    state: Mutex<BucketState>,
+}
+
+/// What governor does not expose: refund credit, and its remaining capacity at the last debit,
+/// from which the remaining capacity at any later time follows (one cell per `cell_period`).
+#[derive(Debug)]
+struct BucketState {
+    credit: u32,
+    remaining_at_last_debit: u32,
+    last_debit: Instant,
+}
+
+impl std::fmt::Debug for Bucket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bucket")
+            .field("limit", &self.limit)
+            .field("state", &self.state)
+            .finish()
+    }
+}
+
+impl Bucket {
+    fn per_minute(limit: NonZeroU32) -> Bucket {
+        let gcra = RateLimiter::direct_with_clock(Quota::per_minute(limit), TokioClock)
+            .with_middleware::<StateInformationMiddleware>();
+        Bucket {
+            limit,
+            cell_period: Duration::from_secs(60) / limit.get(),
+            gcra,
+            state: Mutex::new(BucketState {
+                credit: 0,
+                remaining_at_last_debit: limit.get(),
+                last_debit: Instant::now(),
+            }),
+        }
+    }
+
+    /// Takes `n` cells (credit first), or says how long until they would fit.
+    fn debit(&self, n: u32) -> Result<(), Duration> {
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        self.trim_credit(&mut state, now);
+        let from_credit = state.credit.min(n);
+        let Some(from_gcra) = NonZeroU32::new(n - from_credit) else {
+            state.credit -= from_credit;
+            return Ok(());
+        };
+        match self.gcra.check_n(from_gcra) {
+            Ok(Ok(snapshot)) => {
+                state.credit -= from_credit;
+                state.remaining_at_last_debit = snapshot.remaining_burst_capacity();
+                state.last_debit = now;
+                Ok(())
+            }
+            Ok(Err(not_until)) => Err(not_until.wait_time_from(TokioInstant::from(now))),
+            // Callers check n against the limit first; treat it as a full window if not.
+            Err(_insufficient) => Err(Duration::from_secs(60)),
+        }
+    }
+
+    /// Returns `n` unused cells as credit.
+    fn refund(&self, n: u32) {
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        state.credit = state.credit.saturating_add(n);
+        self.trim_credit(&mut state, now);
+    }
+
+    /// Keeps credit + governor's remaining capacity within the bucket size.
+    fn trim_credit(&self, state: &mut BucketState, now: Instant) {
+        let room = self.limit.get() - self.gcra_remaining(state, now);
+        state.credit = state.credit.min(room);
+    }
+
+    /// governor's remaining capacity at `now`: what was left at the last debit plus what has
+    /// replenished since (may under-count by one cell: the fraction of a period is dropped).
+    fn gcra_remaining(&self, state: &BucketState, now: Instant) -> u32 {
+        let elapsed = now.saturating_duration_since(state.last_debit);
+        let replenished = elapsed.as_nanos() / self.cell_period.as_nanos().max(1);
+        let remaining = u128::from(state.remaining_at_last_debit) + replenished;
+        remaining.min(u128::from(self.limit.get())) as u32
+    }
+
+    fn status(&self, now: Instant) -> BucketStatus {
+        let state = self.state.lock();
+        let remaining = (self.gcra_remaining(&state, now) + state.credit).min(self.limit.get());
+        BucketStatus {
+            limit: self.limit.get(),
+            remaining,
+            reset: self.cell_period * (self.limit.get() - remaining),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

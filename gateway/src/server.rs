@@ -1,0 +1,162 @@
+//! The HTTP server: [`ServeConfig`], the routes, and [`bind`] → [`Server::run`].
+//!
+//! Binding and running are separate so callers (main, the end-to-end tests) can listen on
+//! port 0 and learn the real address from [`Server::local_addr`] before traffic starts.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{any, get, post};
+use kvgate_runtime::engine::Engine;
+use kvgate_runtime::tokenizer::Tokenizer;
+use tokio::net::TcpListener;
+
+use crate::admission::Admission;
+use crate::handlers::{self, AppState, BodyLimits, StateParts};
+use crate::reload::PolicyStore;
+use crate::shutdown::{self, ConnectionLimits};
+use crate::stack::{self, GatewayService, StackConfig};
+use crate::validate::PromptCodec;
+
+/// Everything about how the server listens and treats connections.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub listen: SocketAddr,
+    /// The model id clients must send (`model` field) and `/v1/models` lists.
+    pub model_name: String,
+    /// Longest time to receive a request's headers, including idle keep-alive time.
+    pub header_read_timeout: Duration,
+    /// Longest stall of a body upload, or of a write the client does not read.
+    pub idle_timeout: Duration,
+    /// Longest time until response headers (covers non-streamed generation).
+    pub request_timeout: Duration,
+    pub body_limit_bytes: usize,
+    /// How long in-flight requests (streams included) may take to finish after shutdown.
+    pub shutdown_grace: Duration,
+    /// Requests handled at once before load shedding (503).
+    pub max_in_flight: usize,
+    pub max_connections: usize,
+    /// Blocking threads that render templates and tokenize at once.
+    pub validation_workers: usize,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            model_name: "SmolLM2-135M-Instruct".to_owned(),
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(300),
+            body_limit_bytes: 4 * 1024 * 1024,
+            shutdown_grace: Duration::from_secs(30),
+            max_in_flight: 1024,
+            max_connections: 4096,
+            validation_workers: 2,
+        }
+    }
+}
+
+/// A bound, not yet running server.
+pub struct Server {
+    listener: TcpListener,
+    service: GatewayService,
+    state: AppState,
+    limits: ConnectionLimits,
+}
+
+/// Binds `config.listen` and builds the service; nothing is accepted until [`Server::run`].
+pub async fn bind(
+    config: &ServeConfig,
+    engine: Engine,
+    codec: Arc<dyn PromptCodec>,
+    store: PolicyStore,
+    admission: Admission,
+) -> io::Result<Server> {
+    let listener = TcpListener::bind(config.listen).await?;
+    let state = AppState::new(StateParts {
+        engine,
+        codec,
+        store,
+        admission,
+        model_name: config.model_name.clone(),
+        body: BodyLimits {
+            max_bytes: config.body_limit_bytes,
+            idle_timeout: config.idle_timeout,
+        },
+        validation_workers: config.validation_workers,
+    });
+    let service = stack::build(
+        routes(state.clone()),
+        StackConfig {
+            request_timeout: config.request_timeout,
+            max_in_flight: config.max_in_flight,
+            body_limit_bytes: config.body_limit_bytes,
+        },
+    );
+    let limits = ConnectionLimits {
+        header_read_timeout: config.header_read_timeout,
+        idle_timeout: config.idle_timeout,
+        max_connections: config.max_connections,
+        shutdown_grace: config.shutdown_grace,
+    };
+    Ok(Server {
+        listener,
+        service,
+        state,
+        limits,
+    })
+}
+
+impl Server {
+    /// The address actually bound (port 0 resolved).
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serves until `shutdown` resolves, then drains in-flight requests within the grace
+    /// period and returns.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let state = self.state;
+        tracing::info!(addr = ?self.listener.local_addr().ok(), "serving");
+        shutdown::serve_until(self.listener, self.service, self.limits, shutdown, move || {
+            state.start_draining();
+        })
+        .await;
+        tracing::info!("drained; server stopped");
+    }
+}
+
+/// Binds and serves until `shutdown` resolves (e.g. [`shutdown::signal`]), then drains.
+pub async fn serve(
+    config: ServeConfig,
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    store: PolicyStore,
+    admission: Admission,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
+    let codec: Arc<dyn PromptCodec> = tokenizer;
+    let server = bind(&config, engine, codec, store, admission).await?;
+    server.run(shutdown).await;
+    Ok(())
+}
+
+/// The route table. `/metrics` and `/admin/kv` answer 404 JSON until their modules land.
+fn routes(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/models", get(handlers::list_models))
+        .route("/healthz", get(handlers::healthz))
+        .route("/readyz", get(handlers::readyz))
+        .route("/metrics", any(handlers::not_found))
+        .route("/admin/kv", any(handlers::not_found))
+        .fallback(handlers::not_found)
+        .method_not_allowed_fallback(handlers::method_not_allowed)
+        .with_state(state)
+}

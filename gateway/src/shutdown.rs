@@ -1,0 +1,292 @@
+//! Connections and their end: the accept loop, per-connection timeouts, and the drain.
+//!
+//! Shutdown follows linkerd's shape: once the shutdown future resolves the listener is closed
+//! (no new connections), every connection is asked to finish gracefully (hyper stops
+//! keep-alive and completes the request in flight, streams included), and the drain is awaited
+//! up to a grace period; whatever is still open then is aborted.
+//!
+//! Slow clients are bounded three ways. hyper's header-read timeout covers slow headers and
+//! idle keep-alive connections (hyper 1.x starts it whenever it waits for a request head).
+//! The body extractor times out a stalled upload. And [`StallGuard`] closes a connection whose
+//! writes have been blocked for the idle timeout: a client that stopped reading its stream
+//! would otherwise hold its concurrency slot and KV reservation forever.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::stack::GatewayService;
+
+/// Per-connection limits.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    pub header_read_timeout: Duration,
+    /// Longest a write to the client may stay blocked before the connection is closed.
+    pub idle_timeout: Duration,
+    /// Open connections at most; the accept loop waits for a slot beyond it.
+    pub max_connections: usize,
+    pub shutdown_grace: Duration,
+}
+
+/// Waits for SIGTERM or SIGINT (Ctrl-C).
+pub async fn signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut stream) => {
+                stream.recv().await;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGTERM; only Ctrl-C stops the server");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = terminate => tracing::info!("SIGTERM received: draining"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received: draining"),
+    }
+}
+
+/// Accepts connections until `shutdown` resolves, then drains them within the grace period.
+/// `on_drain` runs once, right when shutdown begins (readiness goes false there).
+pub async fn serve_until(
+    listener: TcpListener,
+    service: GatewayService,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()>,
+    on_drain: impl FnOnce(),
+) {
+    let (drain_tx, drain_rx) = watch::channel(false);
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut connections = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        // Reap finished connections so the set only holds live ones.
+        while connections.try_join_next().is_some() {}
+        let slot = tokio::select! {
+            _ = &mut shutdown => break,
+            slot = Arc::clone(&slots).acquire_owned() => slot,
+        };
+        let Ok(slot) = slot else { break };
+        let accepted = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let service = service.clone();
+                let drain = drain_rx.clone();
+                connections.spawn(async move {
+                    serve_connection(stream, service, limits, drain).await;
+                    tracing::trace!(%peer, "connection closed");
+                    drop(slot);
+                });
+            }
+            // Accept errors (EMFILE, ECONNABORTED) are per-connection: log and keep serving.
+            Err(error) => {
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    drop(listener);
+    on_drain();
+    let open = connections.len();
+    tracing::info!(open, grace = ?limits.shutdown_grace, "stopped accepting; draining connections");
+    let _ = drain_tx.send(true);
+    let drained = tokio::time::timeout(limits.shutdown_grace, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(left = connections.len(), "grace period over; aborting connections");
+        connections.shutdown().await;
+    }
+}
+
+/// Serves one HTTP/1.1 connection until it closes, stalls, or finishes draining.
+async fn serve_connection(
+    stream: TcpStream,
+    service: GatewayService,
+    limits: ConnectionLimits,
+    mut drain: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let guard = StallGuard::new(stream);
+    let stall = guard.clock();
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .serve_connection(TokioIo::new(guard), TowerToHyperService::new(service));
+    tokio::pin!(connection);
+    let mut draining = *drain.borrow();
+    if draining {
+        connection.as_mut().graceful_shutdown();
+    }
+    let check_every = (limits.idle_timeout / 4).max(Duration::from_millis(10));
+    let mut stall_check = tokio::time::interval(check_every);
+    loop {
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(%error, "connection ended with an error");
+                }
+                return;
+            }
+            changed = drain.changed(), if !draining => {
+                draining = true;
+                if changed.is_ok() {
+                    connection.as_mut().graceful_shutdown();
+                }
+            }
+            _ = stall_check.tick() => {
+                if stall.blocked_for() >= limits.idle_timeout {
+                    tracing::info!(idle = ?limits.idle_timeout, "client stopped reading; closing");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+// === impl StallGuard ===
+
+/// An IO wrapper that remembers since when its writes have been blocked.
+#[derive(Debug)]
+pub struct StallGuard<IO> {
+    io: IO,
+    clock: Arc<StallClock>,
+}
+
+/// Shared between the IO and the connection's watchdog.
+#[derive(Debug)]
+pub struct StallClock {
+    epoch: Instant,
+    /// Milliseconds after `epoch` + 1 at which the current write blocked; 0 = not blocked.
+    blocked_since: AtomicU64,
+}
+
+impl StallClock {
+    /// How long the current write has been blocked (zero if it is not).
+    pub fn blocked_for(&self) -> Duration {
+        match self.blocked_since.load(Ordering::Acquire) {
+            0 => Duration::ZERO,
+            since => {
+                let now = self.now_ms();
+                Duration::from_millis(now.saturating_sub(since - 1))
+            }
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+    }
+
+    fn record<T>(&self, poll: &Poll<T>) {
+        match poll {
+            Poll::Pending => {
+                let now = self.now_ms() + 1;
+                let _ = self.blocked_since.compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+            }
+            Poll::Ready(_) => self.blocked_since.store(0, Ordering::Release),
+        }
+    }
+}
+
+impl<IO> StallGuard<IO> {
+    pub fn new(io: IO) -> StallGuard<IO> {
+        StallGuard {
+            io,
+            clock: Arc::new(StallClock {
+                epoch: Instant::now(),
+                blocked_since: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    pub fn clock(&self) -> Arc<StallClock> {
+        Arc::clone(&self.clock)
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for StallGuard<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for StallGuard<IO> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.clock.record(&poll);
+        poll
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.clock.record(&poll);
+        poll
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.io).poll_flush(cx);
+        self.clock.record(&poll);
+        poll
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_blocked_write_is_timed_and_progress_resets_it() {
+        let (client, server) = tokio::io::duplex(16);
+        let mut guard = StallGuard::new(server);
+        let clock = guard.clock();
+        assert_eq!(clock.blocked_for(), Duration::ZERO);
+        // Nobody reads `client`: after 16 bytes the write blocks.
+        let writer = tokio::spawn(async move {
+            guard.write_all(&[7u8; 64]).await.unwrap();
+            guard
+        });
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(clock.blocked_for() >= Duration::from_secs(5), "{:?}", clock.blocked_for());
+        // The client reads everything: the write completes and the clock resets.
+        let mut client = client;
+        let mut sink = vec![0u8; 64];
+        client.read_exact(&mut sink).await.unwrap();
+        let _guard = writer.await.unwrap();
+        assert_eq!(clock.blocked_for(), Duration::ZERO);
+    }
+}

@@ -1,0 +1,144 @@
+//! The middleware stack around the router, in a fixed order. The first layer listed is the
+//! outermost: it sees the request first and the response last (tower's `ServiceBuilder` rule).
+//!
+//! The stack wraps the *whole* router once (not each route, as `Router::layer` would), so the
+//! in-flight limit is one global semaphore. Auth is not here: it is the `Tenant` extractor,
+//! because it needs the live policy and must run before the body is read but after routing
+//! (health probes and 404s need no key). Admission (per-tenant concurrency, queues, KV) is not
+//! here either: its guard must live in the response body, which a tower layer cannot do.
+
+use std::any::Any;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::error_handling::HandleErrorLayer;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderName, HeaderValue};
+use hyper::body::Incoming;
+use rand::Rng;
+use rand::distr::Alphanumeric;
+use tokio::sync::Semaphore;
+use tower::limit::GlobalConcurrencyLimitLayer;
+use tower::load_shed::LoadShedLayer;
+use tower::load_shed::error::Overloaded;
+use tower::timeout::TimeoutLayer;
+use tower::timeout::error::Elapsed;
+use tower::util::BoxCloneSyncService;
+use tower::{BoxError, ServiceBuilder};
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
+use tower_http::trace::TraceLayer;
+
+use crate::error::GatewayError;
+
+/// Every response carries this header; a client-supplied value is kept.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The service hyper runs for every connection.
+pub type GatewayService = BoxCloneSyncService<Request<Incoming>, Response, Infallible>;
+
+/// Settings of the layers.
+#[derive(Debug, Clone, Copy)]
+pub struct StackConfig {
+    /// Time until the response *headers*; a stream may run longer.
+    pub request_timeout: Duration,
+    /// Requests inside the stack at once; beyond it, 503 at once.
+    pub max_in_flight: usize,
+    pub body_limit_bytes: usize,
+}
+
+/// Wraps `router` (already given its state) in the stack.
+pub fn build(router: Router, config: StackConfig) -> GatewayService {
+    let in_flight = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+    let request_id = HeaderName::from_static(REQUEST_ID_HEADER);
+    let timeout = config.request_timeout;
+    let service = ServiceBuilder::new()
+        // 1. One body type in and out, so the layers below compose with hyper.
+        .map_request(|request: Request<Incoming>| request.map(Body::new))
+        .map_response(|response: Response<_>| response.map(Body::new))
+        // 2. Request id first, so every log line and every response below can carry it.
+        .layer(SetRequestIdLayer::new(request_id.clone(), RandomRequestId))
+        // 3. Copy it onto the response, including responses made by the rescue and panic layers.
+        .layer(PropagateRequestIdLayer::new(request_id))
+        // 4. Tracing: one span per request, inside the id so the span can name it.
+        .layer(TraceLayer::new_for_http().make_span_with(request_span))
+        // 5. A panic anywhere below becomes a 500 JSON error, never a dropped connection.
+        .layer(CatchPanicLayer::custom(panic_response))
+        // 6. Rescue: the errors of the layers below (shed, timeout) become OpenAI JSON here.
+        .layer(HandleErrorLayer::new(move |error: BoxError| async move {
+            rescue(error, timeout)
+        }))
+        // 7. Load shedding outside the limit: at the limit, answer 503 at once instead of
+        //    queueing in front of admission, which has its own fair, bounded queues.
+        .layer(LoadShedLayer::new())
+        .layer(GlobalConcurrencyLimitLayer::with_semaphore(in_flight))
+        // 8. Timeout, inside the limit so waiting time is not counted twice. Bounds body upload,
+        //    validation, queueing and non-streamed generation; dropping the handler cancels.
+        .layer(TimeoutLayer::new(timeout))
+        // 9. Body limit, innermost: by Content-Length at once, and as a cap on chunked bodies.
+        .layer(axum::middleware::from_fn_with_state(config.body_limit_bytes, limit_body))
+        .service(router);
+    BoxCloneSyncService::new(service)
+}
+
+/// Turns the errors of the load-shed and timeout layers into responses.
+fn rescue(error: BoxError, timeout: Duration) -> GatewayError {
+    if error.is::<Overloaded>() {
+        GatewayError::Overloaded
+    } else if error.is::<Elapsed>() {
+        GatewayError::RequestTimeout { after: timeout }
+    } else {
+        GatewayError::Internal(error.to_string())
+    }
+}
+
+fn panic_response(panic: Box<dyn Any + Send + 'static>) -> Response {
+    let detail = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("unknown panic");
+    tracing::error!(panic = detail, "handler panicked");
+    GatewayError::Internal("the request handler panicked".to_owned()).into_response()
+}
+
+async fn limit_body(State(limit): State<usize>, request: Request, next: Next) -> Response {
+    let announced = request
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > limit as u64) {
+        return GatewayError::PayloadTooLarge { limit_bytes: limit }.into_response();
+    }
+    let request = request.map(|body| Body::new(http_body_util::Limited::new(body, limit)));
+    next.run(request).await
+}
+
+fn request_span(request: &Request) -> tracing::Span {
+    let id = request
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    tracing::info_span!("request", method = %request.method(), path = %request.uri().path(), id)
+}
+
+/// `req_` + 24 random alphanumerics, like OpenAI's ids.
+#[derive(Debug, Clone, Copy)]
+struct RandomRequestId;
+
+impl MakeRequestId for RandomRequestId {
+    fn make_request_id<B>(&mut self, _request: &http::Request<B>) -> Option<RequestId> {
+        let suffix: String =
+            rand::rng().sample_iter(&Alphanumeric).take(24).map(char::from).collect();
+        HeaderValue::try_from(format!("req_{suffix}")).ok().map(RequestId::new)
+    }
+}

@@ -1,0 +1,512 @@
+//! Request → [`ValidRequest`], once (TGI's shape): defaults, bounds, chat template, tokenization
+//! and the tenant's length limits, so nothing downstream checks again.
+//!
+//! Cheap checks (model name, `n`, sampling bounds, message count) run before the expensive
+//! ones (rendering and tokenizing), so a malformed burst costs little. Every [`ValidationError`]
+//! names the offending field and, for length limits, states both the limit and the value given.
+//! The tokenizer is reached through [`PromptCodec`] so these rules can be tested with a fake.
+
+use kvgate_runtime::chat_template::ChatMessage;
+use kvgate_runtime::tokenizer::Tokenizer;
+
+use crate::openai::{
+    ChatCompletionRequest, ChatMessage as WireMessage, CompletionRequest, MessageContent,
+    StreamOptions,
+};
+use crate::policy::Overflow;
+
+/// At most this many stop sequences, as OpenAI allows.
+pub const MAX_STOP_SEQUENCES: usize = 4;
+/// A stop sequence longer than this is certainly a mistake (and costs the engine per token).
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// What validation needs from the model's tokenizer.
+pub trait PromptCodec: Send + Sync {
+    /// Renders a conversation with the model's chat template, ending with the assistant prompt.
+    fn render_chat(&self, turns: &[TemplateTurn]) -> Result<String, String>;
+    /// Token ids of `text`; special-token markup (`<|im_start|>`) becomes control tokens.
+    fn encode(&self, text: &str) -> Vec<u32>;
+}
+
+/// One message as the chat template sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateTurn {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// The limits one request is validated against: the tenant's policy clipped by the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_input_tokens: u32,
+    pub max_output_tokens: u32,
+    pub max_total_tokens: u32,
+    pub max_messages: u32,
+    pub overflow: Overflow,
+    /// The model's context window; no request may exceed it whatever the tenant allows.
+    pub model_context: u32,
+}
+
+/// Which API a request came through; it decides the response shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// A request that passed every rule, with all defaults filled in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidRequest {
+    pub endpoint: Endpoint,
+    pub prompt_ids: Vec<u32>,
+    /// Completion budget; `prompt_ids.len() + max_tokens` fits every limit.
+    pub max_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub user: Option<String>,
+    /// Messages dropped by `truncate_oldest` (0 when nothing was dropped).
+    pub dropped_messages: usize,
+}
+
+impl ValidRequest {
+    pub fn prompt_tokens(&self) -> u32 {
+        u32::try_from(self.prompt_ids.len()).unwrap_or(u32::MAX)
+    }
+}
+
+/// One variant per rule; messages name the field, the limit and the value given.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ValidationError {
+    #[error("The model `{0}` does not exist or you do not have access to it.")]
+    ModelNotFound(String),
+    #[error("`n` must be 1 (got {0}): only one choice per request is supported")]
+    UnsupportedN(i64),
+    #[error("`echo` is not supported")]
+    UnsupportedEcho,
+    #[error("`messages` must contain at least one message")]
+    EmptyMessages,
+    #[error("too many messages: {given} given, this API key allows at most {limit}")]
+    TooManyMessages { given: usize, limit: u32 },
+    #[error("content part type `{kind}` is not supported; only `text` parts are")]
+    UnsupportedContentPart { message: usize, part: usize, kind: String },
+    #[error("a `text` content part must have a string `text` field")]
+    MissingPartText { message: usize, part: usize },
+    #[error("`prompt` must be one string (got {0} prompts); batched prompts are not supported")]
+    PromptCount(usize),
+    #[error("`prompt` must not be empty")]
+    EmptyPrompt,
+    #[error("`{param}` must be at least 1 (got {given})")]
+    MaxTokensTooSmall { param: &'static str, given: i64 },
+    #[error(
+        "`{param}` is too large: {given}. This API key allows at most {limit} completion tokens."
+    )]
+    MaxTokensTooLarge { param: &'static str, given: i64, limit: u32 },
+    #[error("`temperature` must be between 0 and 2 (got {0})")]
+    Temperature(f64),
+    #[error("`top_p` must be greater than 0 and at most 1 (got {0})")]
+    TopP(f64),
+    #[error("`stop` may hold at most {MAX_STOP_SEQUENCES} sequences (got {0})")]
+    TooManyStops(usize),
+    #[error("`stop` sequences must be non-empty and at most {MAX_STOP_BYTES} bytes")]
+    BadStop,
+    #[error("the chat template could not render these messages: {0}")]
+    Template(String),
+    #[error(
+        "This API key's maximum input length is {limit} tokens. However, your prompt is \
+         {prompt_tokens} tokens. Please reduce the length of the {what}."
+    )]
+    InputTooLong { prompt_tokens: u32, limit: u32, what: &'static str },
+    #[error(
+        "This {limit_name} is {limit} tokens. However, you requested {} tokens ({prompt_tokens} \
+         in the {what}, {max_tokens} in the completion). Please reduce the length of the {what} \
+         or completion.", *prompt_tokens as u64 + *max_tokens as u64
+    )]
+    ContextLengthExceeded {
+        prompt_tokens: u32,
+        max_tokens: u32,
+        limit: u32,
+        limit_name: &'static str,
+        what: &'static str,
+    },
+}
+
+impl ValidationError {
+    /// The request field at fault, as OpenAI's `param` (e.g. `messages[2].content[0].type`).
+    pub fn param(&self) -> Option<String> {
+        use ValidationError::*;
+        let param = match self {
+            ModelNotFound(_) => "model",
+            UnsupportedN(_) => "n",
+            UnsupportedEcho => "echo",
+            EmptyMessages | TooManyMessages { .. } => "messages",
+            UnsupportedContentPart { message, part, .. } => {
+                return Some(format!("messages[{message}].content[{part}].type"));
+            }
+            MissingPartText { message, part } => {
+                return Some(format!("messages[{message}].content[{part}].text"));
+            }
+            PromptCount(_) | EmptyPrompt => "prompt",
+            MaxTokensTooSmall { param, .. } | MaxTokensTooLarge { param, .. } => param,
+            Temperature(_) => "temperature",
+            TopP(_) => "top_p",
+            TooManyStops(_) | BadStop => "stop",
+            Template(_) => "messages",
+            InputTooLong { what, .. } | ContextLengthExceeded { what, .. } => what,
+        };
+        Some(param.to_owned())
+    }
+
+    /// True for the length-limit family OpenAI reports as `context_length_exceeded`.
+    pub fn is_context_length(&self) -> bool {
+        matches!(
+            self,
+            ValidationError::InputTooLong { .. } | ValidationError::ContextLengthExceeded { .. }
+        )
+    }
+}
+
+// === Chat ===
+
+/// Validates a chat request for `model_name` under `limits`.
+pub fn validate_chat(
+    req: &ChatCompletionRequest,
+    model_name: &str,
+    limits: &Limits,
+    codec: &dyn PromptCodec,
+) -> Result<ValidRequest, ValidationError> {
+    check_model(&req.model, model_name)?;
+    check_n(req.n)?;
+    if req.messages.is_empty() {
+        return Err(ValidationError::EmptyMessages);
+    }
+    if req.messages.len() > limits.max_messages as usize {
+        return Err(ValidationError::TooManyMessages {
+            given: req.messages.len(),
+            limit: limits.max_messages,
+        });
+    }
+    let (max_tokens_param, max_tokens) = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(n), _) => ("max_completion_tokens", Some(n)),
+        (None, n) => ("max_tokens", n),
+    };
+    let requested = check_max_tokens(max_tokens_param, max_tokens, limits)?;
+    let sampling = check_sampling(req.temperature, req.top_p)?;
+    let stop = check_stop(req.stop.as_ref().map(|s| s.0.as_slice()))?;
+    let turns = template_turns(&req.messages)?;
+
+    let fit = fit_conversation(&turns, requested, limits, codec)?;
+    let max_tokens = finish_length_rules(fit.prompt_ids.len(), requested, limits, "messages")?;
+    Ok(ValidRequest {
+        endpoint: Endpoint::Chat,
+        prompt_ids: fit.prompt_ids,
+        max_tokens,
+        temperature: sampling.0,
+        top_p: sampling.1,
+        seed: req.seed.map(seed_bits),
+        stop,
+        stream: req.stream.unwrap_or(false),
+        include_usage: include_usage(req.stream_options),
+        user: req.user.clone(),
+        dropped_messages: fit.dropped_messages,
+    })
+}
+
+/// Flattens OpenAI messages into template turns, rejecting non-text content parts.
+fn template_turns(messages: &[WireMessage]) -> Result<Vec<TemplateTurn>, ValidationError> {
+    let mut turns = Vec::with_capacity(messages.len());
+    for (message_index, message) in messages.iter().enumerate() {
+        let content = match &message.content {
+            None => String::new(),
+            Some(MessageContent::Text(text)) => text.clone(),
+            Some(MessageContent::Parts(parts)) => {
+                let mut joined = String::new();
+                for (part_index, part) in parts.iter().enumerate() {
+                    if part.kind != "text" {
+                        return Err(ValidationError::UnsupportedContentPart {
+                            message: message_index,
+                            part: part_index,
+                            kind: part.kind.clone(),
+                        });
+                    }
+                    let text = part.text.as_deref().ok_or(ValidationError::MissingPartText {
+                        message: message_index,
+                        part: part_index,
+                    })?;
+                    joined.push_str(text);
+                }
+                joined
+            }
+        };
+        turns.push(TemplateTurn {
+            role: message.role.template_name(),
+            content,
+        });
+    }
+    Ok(turns)
+}
+
+/// A rendered, tokenized conversation and how many messages were dropped to make it fit.
+struct Fitted {
+    prompt_ids: Vec<u32>,
+    dropped_messages: usize,
+}
+
+/// Renders the whole conversation; if it is too long and the tenant allows truncation, drops
+/// the fewest oldest turns that make it fit (binary search: the prompt shrinks as turns go).
+fn fit_conversation(
+    turns: &[TemplateTurn],
+    requested: Option<u32>,
+    limits: &Limits,
+    codec: &dyn PromptCodec,
+) -> Result<Fitted, ValidationError> {
+    let full = tokenize_turns(turns, codec)?;
+    let fits = |ids: &[u32]| prompt_fits(ids.len(), requested, limits);
+    if fits(&full) || limits.overflow == Overflow::Reject {
+        return Ok(Fitted {
+            prompt_ids: full,
+            dropped_messages: 0,
+        });
+    }
+    let starts = turn_starts(turns);
+    // Dropping `k` turns removes the non-system messages before `starts[k]`; the newest turn
+    // (k = starts.len() - 1) always stays. Find the smallest k that fits.
+    let (mut lo, mut hi) = (1, starts.len().saturating_sub(1));
+    let mut best: Option<(Vec<u32>, usize)> = None;
+    while lo <= hi {
+        let k = lo + (hi - lo) / 2;
+        let kept = keep_from(turns, starts[k]);
+        let ids = tokenize_turns(&kept, codec)?;
+        if fits(&ids) {
+            best = Some((ids, turns.len() - kept.len()));
+            hi = k - 1;
+        } else {
+            lo = k + 1;
+        }
+    }
+    let (prompt_ids, dropped_messages) = match best {
+        Some(found) => found,
+        // Not even the newest turn alone fits: report the full prompt's numbers.
+        None => (full, 0),
+    };
+    Ok(Fitted {
+        prompt_ids,
+        dropped_messages,
+    })
+}
+
+/// Indices (into `turns`) where each non-system turn starts: at every user message, and at the
+/// first non-system message if the conversation does not open with a user.
+fn turn_starts(turns: &[TemplateTurn]) -> Vec<usize> {
+    let mut starts = Vec::new();
+    for (i, turn) in turns.iter().enumerate() {
+        if turn.role == "system" {
+            continue;
+        }
+        if starts.is_empty() || turn.role == "user" {
+            starts.push(i);
+        }
+    }
+    starts
+}
+
+/// Every system turn, plus the non-system turns from index `start` on.
+fn keep_from(turns: &[TemplateTurn], start: usize) -> Vec<TemplateTurn> {
+    turns
+        .iter()
+        .enumerate()
+        .filter(|(i, t)| t.role == "system" || *i >= start)
+        .map(|(_, t)| t.clone())
+        .collect()
+}
+
+fn tokenize_turns(
+    turns: &[TemplateTurn],
+    codec: &dyn PromptCodec,
+) -> Result<Vec<u32>, ValidationError> {
+    let text = codec.render_chat(turns).map_err(ValidationError::Template)?;
+    Ok(codec.encode(&text))
+}
+
+// === Completions ===
+
+/// Validates a legacy completions request for `model_name` under `limits`.
+pub fn validate_completion(
+    req: &CompletionRequest,
+    model_name: &str,
+    limits: &Limits,
+    codec: &dyn PromptCodec,
+) -> Result<ValidRequest, ValidationError> {
+    check_model(&req.model, model_name)?;
+    check_n(req.n)?;
+    if req.echo == Some(true) {
+        return Err(ValidationError::UnsupportedEcho);
+    }
+    let prompt = match req.prompt.0.as_slice() {
+        [one] => one,
+        many => return Err(ValidationError::PromptCount(many.len())),
+    };
+    if prompt.is_empty() {
+        return Err(ValidationError::EmptyPrompt);
+    }
+    let requested = check_max_tokens("max_tokens", req.max_tokens, limits)?;
+    let sampling = check_sampling(req.temperature, req.top_p)?;
+    let stop = check_stop(req.stop.as_ref().map(|s| s.0.as_slice()))?;
+
+    let prompt_ids = codec.encode(prompt);
+    let max_tokens = finish_length_rules(prompt_ids.len(), requested, limits, "prompt")?;
+    Ok(ValidRequest {
+        endpoint: Endpoint::Completion,
+        prompt_ids,
+        max_tokens,
+        temperature: sampling.0,
+        top_p: sampling.1,
+        seed: req.seed.map(seed_bits),
+        stop,
+        stream: req.stream.unwrap_or(false),
+        include_usage: include_usage(req.stream_options),
+        user: req.user.clone(),
+        dropped_messages: 0,
+    })
+}
+
+// === Shared rules ===
+
+fn check_model(requested: &str, served: &str) -> Result<(), ValidationError> {
+    if requested == served {
+        Ok(())
+    } else {
+        Err(ValidationError::ModelNotFound(requested.to_owned()))
+    }
+}
+
+fn check_n(n: Option<i64>) -> Result<(), ValidationError> {
+    match n {
+        None | Some(1) => Ok(()),
+        Some(other) => Err(ValidationError::UnsupportedN(other)),
+    }
+}
+
+/// Bounds an explicit completion budget; `None` means "use the default" (decided later, once
+/// the prompt length is known).
+fn check_max_tokens(
+    param: &'static str,
+    given: Option<i64>,
+    limits: &Limits,
+) -> Result<Option<u32>, ValidationError> {
+    let Some(given) = given else { return Ok(None) };
+    if given < 1 {
+        return Err(ValidationError::MaxTokensTooSmall { param, given });
+    }
+    let limit = limits.max_output_tokens.min(limits.model_context);
+    match u32::try_from(given) {
+        Ok(n) if n <= limit => Ok(Some(n)),
+        _ => Err(ValidationError::MaxTokensTooLarge { param, given, limit }),
+    }
+}
+
+/// Temperature in [0, 2] (default 1) and top_p in (0, 1] (default 1), as OpenAI documents.
+fn check_sampling(
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+) -> Result<(f32, f32), ValidationError> {
+    let temperature = temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ValidationError::Temperature(temperature));
+    }
+    let top_p = top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ValidationError::TopP(top_p));
+    }
+    Ok((temperature as f32, top_p as f32))
+}
+
+fn check_stop(stop: Option<&[String]>) -> Result<Vec<String>, ValidationError> {
+    let stop = stop.unwrap_or_default();
+    if stop.len() > MAX_STOP_SEQUENCES {
+        return Err(ValidationError::TooManyStops(stop.len()));
+    }
+    if stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+        return Err(ValidationError::BadStop);
+    }
+    Ok(stop.to_vec())
+}
+
+/// OpenAI seeds are signed 64-bit; the sampler takes the same bits unsigned.
+fn seed_bits(seed: i64) -> u64 {
+    u64::from_ne_bytes(seed.to_ne_bytes())
+}
+
+fn include_usage(options: Option<StreamOptions>) -> bool {
+    options.and_then(|o| o.include_usage).unwrap_or(false)
+}
+
+/// The tightest total (prompt + completion) limit and what to call it in messages.
+fn total_limit(limits: &Limits) -> (u32, &'static str) {
+    if limits.model_context <= limits.max_total_tokens {
+        (limits.model_context, "model's maximum context length")
+    } else {
+        (limits.max_total_tokens, "API key's maximum total length")
+    }
+}
+
+/// Whether a prompt of `prompt_len` tokens leaves room for the completion.
+fn prompt_fits(prompt_len: usize, requested: Option<u32>, limits: &Limits) -> bool {
+    let (total, _) = total_limit(limits);
+    let output = u64::from(requested.unwrap_or(1));
+    prompt_len <= limits.max_input_tokens as usize && prompt_len as u64 + output <= u64::from(total)
+}
+
+/// Applies the length limits to the final prompt and returns the completion budget: the
+/// requested one, or by default the tenant's output cap clipped to the room left.
+fn finish_length_rules(
+    prompt_len: usize,
+    requested: Option<u32>,
+    limits: &Limits,
+    what: &'static str,
+) -> Result<u32, ValidationError> {
+    let prompt_tokens = u32::try_from(prompt_len).unwrap_or(u32::MAX);
+    if prompt_tokens > limits.max_input_tokens {
+        return Err(ValidationError::InputTooLong {
+            prompt_tokens,
+            limit: limits.max_input_tokens,
+            what,
+        });
+    }
+    let (limit, limit_name) = total_limit(limits);
+    let room = limit.saturating_sub(prompt_tokens);
+    let max_tokens = requested.unwrap_or_else(|| limits.max_output_tokens.min(room));
+    if max_tokens == 0 || max_tokens > room {
+        return Err(ValidationError::ContextLengthExceeded {
+            prompt_tokens,
+            max_tokens: max_tokens.max(1),
+            limit,
+            limit_name,
+            what,
+        });
+    }
+    Ok(max_tokens)
+}
+
+// === impl PromptCodec for the model's tokenizer ===
+
+impl PromptCodec for Tokenizer {
+    fn render_chat(&self, turns: &[TemplateTurn]) -> Result<String, String> {
+        let messages: Vec<ChatMessage> = turns
+            .iter()
+            .map(|turn| ChatMessage::new(turn.role, turn.content.as_str()))
+            .collect();
+        self.apply_chat_template(&messages, true).map_err(|error| error.to_string())
+    }
+
+    fn encode(&self, text: &str) -> Vec<u32> {
+        // `true`: the rendered template's `<|im_start|>` markup must become control tokens.
+        Tokenizer::encode(self, text, true)
+    }
+}
+
+#[cfg(test)]
+mod tests;

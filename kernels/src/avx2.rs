@@ -1,0 +1,303 @@
+//! AVX2 + FMA + F16C matmul: activation quantization and register-tiled quantized dot products.
+//!
+//! Results are bit-identical to the scalar reference in `dot.rs` (and so to ggml's AVX2 build):
+//! per weight-row × activation-row pair, eight f32 lanes receive `fma(dw·da, lane_sum, acc)` per
+//! block and are reduced with `hsum8`; integer lane sums are exact whichever instructions make
+//! them. Speed comes from reuse, not from reordering: a tile of `WR` weight rows × `AR`
+//! activation rows shares each unpacked weight block across `AR` activation rows and each
+//! activation block across `WR` weight rows. Activations are stored split (`qs`, `d`, `s` as f32)
+//! so that the inner loop never converts f16 scales of the activations.
+
+use crate::matmul::{MatmulScratch, OutPtr, QMatrix, for_each_row_chunk};
+use crate::quant::{ActivationType, Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType};
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+/// Activations quantized for the AVX2 kernels: row `a`, block `b` at `qs[(a*nb + b)*32..]`,
+/// scale `d[a*nb + b]` and (Q8_1) `s[a*nb + b]`, both already rounded through f16.
+#[derive(Default)]
+pub(crate) struct PackedActs {
+    nb: usize,
+    qs: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+pub(crate) fn matmul(
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+    pool: &rayon::ThreadPool,
+) {
+    if matches!(w.ty, WeightType::F32 | WeightType::F16) {
+        // Float weights do not occur in the supported llama GGUFs' matmuls; the reference
+        // code compiled with FMA is fast enough for them.
+        return crate::matmul::matmul_scalar(w, x, m, out, scratch, pool);
+    }
+    let with_sums = w.ty.vec_dot_type() == ActivationType::Q8_1;
+    pack_acts(x, m, w.cols, with_sums, &mut scratch.packed);
+    let acts = &scratch.packed;
+    let out = OutPtr::new(out);
+    let work = |rows: Range<usize>| {
+        // SAFETY: AVX2/FMA/F16C were detected by `simd_level`; `w` was validated by `matmul`.
+        unsafe {
+            match w.ty {
+                WeightType::Q4_1 => rows_kernel::<Q4_1>(w, acts, m, rows, out),
+                WeightType::Q4_0 => rows_kernel::<Q4_0>(w, acts, m, rows, out),
+                WeightType::Q8_0 => rows_kernel::<Q8_0>(w, acts, m, rows, out),
+                WeightType::F32 | WeightType::F16 => unreachable!("handled above"),
+            }
+        }
+    };
+    for_each_row_chunk(pool, w.rows, WR, &work);
+}
+
+fn pack_acts(x: &[f32], m: usize, cols: usize, with_sums: bool, p: &mut PackedActs) {
+    let nb = cols / QK;
+    p.nb = nb;
+    p.qs.resize(m * nb * QK, 0);
+    p.d.resize(m * nb, 0.0);
+    p.s.resize(if with_sums { m * nb } else { 0 }, 0.0);
+    // SAFETY: AVX2/F16C detected by the caller's dispatch; slices sized above.
+    unsafe { quantize_rows(x, &mut p.qs, &mut p.d, with_sums.then_some(&mut p.s[..])) };
+}
+
+/// ggml's AVX2 `quantize_row_q8_0` / `quantize_row_q8_1`, writing the split layout.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_rows(x: &[f32], qs: &mut [i8], d: &mut [f32], mut s: Option<&mut [f32]>) {
+    assert!(qs.len() == x.len() && d.len() * QK == x.len());
+    let sign = _mm256_set1_ps(-0.0);
+    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (b, xb) in x.chunks_exact(QK).enumerate() {
+        let p = xb.as_ptr();
+        // SAFETY: `xb` has 32 elements; `qs` has 32 bytes at `b * 32` (asserted above).
+        unsafe {
+            let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+            let mut max_abs = _mm256_andnot_ps(sign, v[0]);
+            for vi in &v[1..] {
+                max_abs = _mm256_max_ps(max_abs, _mm256_andnot_ps(sign, *vi));
+            }
+            let mut max4 = _mm_max_ps(_mm256_extractf128_ps(max_abs, 1), _mm256_castps256_ps128(max_abs));
+            max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+            max4 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
+            let amax = _mm_cvtss_f32(max4);
+            let scale = amax / 127.0;
+            d[b] = round_f16(scale);
+            let mul = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let i: [__m256i; 4] = std::array::from_fn(|j| {
+                _mm256_cvtps_epi32(_mm256_round_ps::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(v[j], mul)))
+            });
+            if let Some(s) = s.as_deref_mut() {
+                let sum = hsum_i32_8(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+                s[b] = round_f16(scale * sum as f32);
+            }
+            let lo = _mm256_packs_epi32(i[0], i[1]);
+            let hi = _mm256_packs_epi32(i[2], i[3]);
+            let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), perm);
+            _mm256_storeu_si256(qs.as_mut_ptr().add(b * QK).cast(), bytes);
+        }
+    }
+}
+
+#[inline(always)]
+fn round_f16(v: f32) -> f32 {
+    half::f16::from_f32(v).to_f32()
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_i32_8(a: __m256i) -> i32 {
+    let sum128 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    let hi64 = _mm_unpackhi_epi64(sum128, sum128);
+    let sum64 = _mm_add_epi32(hi64, sum128);
+    let hi32 = _mm_shuffle_epi32(sum64, 0b10_11_00_01);
+    _mm_cvtsi128_si32(_mm_add_epi32(sum64, hi32))
+}
+
+/// ggml's `hsum_float_8`: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum8(x: __m256) -> f32 {
+    let mut r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    _mm_cvtss_f32(r)
+}
+
+/// One quantized weight format as the kernels see it.
+trait WeightBlock {
+    const BYTES: usize;
+    /// Values are signed (need the sign trick for `maddubs`) rather than 0..15.
+    const SIGNED: bool;
+    /// Has a per-block minimum `m` (Q4_1), paired with the activation sums `s`.
+    const HAS_MIN: bool;
+    /// The 32 values of the block at `p` (signed, or unsigned 0..15 when `!SIGNED`).
+    unsafe fn values(p: *const u8) -> __m256i;
+    /// `(d, m)` of the block at `p` (`m` = 0 when absent).
+    unsafe fn scales(p: *const u8) -> (f32, f32);
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    // Low nibbles are elements 0..16, high nibbles 16..32 (ggml's bytes_from_nibbles_32).
+    // SAFETY: the caller guarantees 16 readable bytes at `p`.
+    let tmp = unsafe { _mm_loadu_si128(p.cast()) };
+    let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
+    // SAFETY: the caller guarantees 4 readable bytes at `p`.
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { p.cast::<i32>().read_unaligned() }));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+struct Q4_1;
+struct Q4_0;
+struct Q8_0;
+
+impl WeightBlock for Q4_1 {
+    const BYTES: usize = Q4_1_BLOCK_BYTES;
+    const SIGNED: bool = false;
+    const HAS_MIN: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values(p: *const u8) -> __m256i {
+        unsafe { nibbles(p.add(4)) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(p: *const u8) -> (f32, f32) {
+        unsafe { f16_pair(p) }
+    }
+}
+
+impl WeightBlock for Q4_0 {
+    const BYTES: usize = Q4_0_BLOCK_BYTES;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values(p: *const u8) -> __m256i {
+        unsafe { _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(p: *const u8) -> (f32, f32) {
+        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(unsafe { p.cast::<u16>().read_unaligned() })));
+        (_mm_cvtss_f32(d), 0.0)
+    }
+}
+
+impl WeightBlock for Q8_0 {
+    const BYTES: usize = Q8_0_BLOCK_BYTES;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values(p: *const u8) -> __m256i {
+        unsafe { _mm256_loadu_si256(p.add(2).cast()) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(p: *const u8) -> (f32, f32) {
+        unsafe { Q4_0::scales(p) }
+    }
+}
+
+/// Weight rows per tile (also the row-chunk alignment between threads).
+const WR: usize = 4;
+/// Activation rows per tile.
+const AR: usize = 2;
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_kernel<T: WeightBlock>(w: &QMatrix, acts: &PackedActs, m: usize, rows: Range<usize>, out: OutPtr) {
+    let row_bytes = w.row_bytes();
+    assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
+    assert!(acts.qs.len() >= m * acts.nb * QK && acts.nb * T::BYTES == row_bytes);
+    let base = w.data.as_ptr();
+    let mut r = rows.start;
+    while r < rows.end {
+        let wr = if rows.end - r >= WR { WR } else { 1 };
+        let mut a = 0;
+        while a < m {
+            let ar = (m - a).min(AR);
+            // SAFETY: rows r..r+wr and activation rows a..a+ar are in bounds (asserted above).
+            unsafe {
+                let wp = base.add(r * row_bytes);
+                match (wr, ar) {
+                    (WR, AR) => tile::<T, WR, AR>(wp, row_bytes, acts, a, r, w.rows, out),
+                    (WR, _) => tile::<T, WR, 1>(wp, row_bytes, acts, a, r, w.rows, out),
+                    (_, AR) => tile::<T, 1, AR>(wp, row_bytes, acts, a, r, w.rows, out),
+                    _ => tile::<T, 1, 1>(wp, row_bytes, acts, a, r, w.rows, out),
+                }
+            }
+            a += if ar == AR { AR } else { 1 };
+        }
+        r += wr;
+    }
+}
+
+/// `R` weight rows starting at `wp` × `A` activation rows starting at `a0`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<T: WeightBlock, const R: usize, const A: usize>(
+    wp: *const u8,
+    row_bytes: usize,
+    acts: &PackedActs,
+    a0: usize,
+    r0: usize,
+    rows: usize,
+    out: OutPtr,
+) {
+    let nb = acts.nb;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); A]; R];
+    for b in 0..nb {
+        let mut wv = [_mm256_setzero_si256(); R];
+        let mut dw = [0.0f32; R];
+        for i in 0..R {
+            let p = unsafe { wp.add(i * row_bytes + b * T::BYTES) };
+            wv[i] = unsafe { T::values(p) };
+            dw[i] = unsafe { T::scales(p) }.0;
+        }
+        for j in 0..A {
+            let idx = (a0 + j) * nb + b;
+            let av = unsafe { _mm256_loadu_si256(acts.qs.as_ptr().add(idx * QK).cast()) };
+            let da = acts.d[idx];
+            for i in 0..R {
+                let prod = if T::SIGNED {
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(wv[i], wv[i]), _mm256_sign_epi8(av, wv[i]))
+                } else {
+                    _mm256_maddubs_epi16(wv[i], av)
+                };
+                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw[i] * da), sums, acc[i][j]);
+            }
+        }
+    }
+    let mut summs = [[0.0f32; A]; R];
+    if T::HAS_MIN {
+        // ggml adds `m·s` in its own fused chain, separate from the lanes.
+        for b in 0..nb {
+            for (i, si) in summs.iter_mut().enumerate() {
+                let mw = unsafe { T::scales(wp.add(i * row_bytes + b * T::BYTES)) }.1;
+                for (j, sij) in si.iter_mut().enumerate() {
+                    *sij = mw.mul_add(acts.s[(a0 + j) * nb + b], *sij);
+                }
+            }
+        }
+    }
+    for i in 0..R {
+        for j in 0..A {
+            let value = unsafe { hsum8(acc[i][j]) } + summs[i][j];
+            // SAFETY: this thread owns weight rows r0..r0+R.
+            unsafe { out.write((a0 + j) * rows + r0 + i, value) };
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! Scalar reference dot products between one weight row and one activation row, in ggml's
+//! byte layouts, with ggml's x86 rounding behaviour.
+//!
+//! ggml (AVX2 build, and llamafile's tinyBLAS for Q8_0 and f16) accumulates every dot product in
+//! eight f32 lanes: per 32-element block, lane `l` receives the exact integer sum of elements
+//! `4l..4l+4` converted to f32, multiplied by the block's combined scale with one fused
+//! multiply-add; the lanes are reduced at the end as `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
+//! Q4_1 additionally carries `Σ m·s` in a separate scalar chain (fused, as GCC contracts it)
+//! added after the reduction. Reproducing that order exactly is what makes greedy decoding
+//! token-identical to llama.cpp, so these functions are the oracle every SIMD path is tested
+//! against, bit for bit.
+
+use crate::quant::{
+    Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, Q8_1_BLOCK_BYTES, QK, read_f16,
+};
+use half::f16;
+
+/// ggml's 8-lane f32 accumulator.
+pub(crate) type Lanes = [f32; 8];
+
+/// ggml's `hsum_float_8` reduction order.
+#[inline(always)]
+pub(crate) fn hsum8(a: &Lanes) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+/// Adds one block's eight integer lane sums, scaled by `d`, into the accumulator.
+#[inline(always)]
+pub(crate) fn fma_lanes(acc: &mut Lanes, d: f32, sums: &[i32; 8]) {
+    for (a, &s) in acc.iter_mut().zip(sums) {
+        *a = d.mul_add(s as f32, *a);
+    }
+}
+
+/// Integer lane sums of one block: lane `l` = Σ_{j in 4l..4l+4} w[j]·x[j].
+#[inline(always)]
+pub(crate) fn lane_sums(w: &[i32; QK], x: &[u8]) -> [i32; 8] {
+    let mut sums = [0i32; 8];
+    for (l, s) in sums.iter_mut().enumerate() {
+        for j in 4 * l..4 * l + 4 {
+            *s += w[j] * i32::from(x[j] as i8);
+        }
+    }
+    sums
+}
+
+/// Unpacks 16 nibble bytes into 32 values (low nibbles first), minus `offset`.
+#[inline(always)]
+pub(crate) fn unpack_nibbles(qs: &[u8], offset: i32) -> [i32; QK] {
+    let mut w = [0i32; QK];
+    for (j, &q) in qs[..QK / 2].iter().enumerate() {
+        w[j] = i32::from(q & 0x0F) - offset;
+        w[j + QK / 2] = i32::from(q >> 4) - offset;
+    }
+    w
+}
+
+/// Q4_0 weight row · Q8_0 activation row.
+pub fn dot_q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (wb, xb) in w.chunks_exact(Q4_0_BLOCK_BYTES).zip(x.chunks_exact(Q8_0_BLOCK_BYTES)) {
+        let d = read_f16(wb, 0) * read_f16(xb, 0);
+        let sums = lane_sums(&unpack_nibbles(&wb[2..], 8), &xb[2..]);
+        fma_lanes(&mut acc, d, &sums);
+    }
+    hsum8(&acc)
+}
+
+/// Q4_1 weight row · Q8_1 activation row.
+pub fn dot_q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut summs = 0.0f32;
+    for (wb, xb) in w.chunks_exact(Q4_1_BLOCK_BYTES).zip(x.chunks_exact(Q8_1_BLOCK_BYTES)) {
+        let d = read_f16(wb, 0) * read_f16(xb, 0);
+        summs = read_f16(wb, 2).mul_add(read_f16(xb, 2), summs);
+        let sums = lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..]);
+        fma_lanes(&mut acc, d, &sums);
+    }
+    hsum8(&acc) + summs
+}
+
+/// Q8_0 weight row · Q8_0 activation row.
+pub fn dot_q8_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (wb, xb) in w.chunks_exact(Q8_0_BLOCK_BYTES).zip(x.chunks_exact(Q8_0_BLOCK_BYTES)) {
+        let d = read_f16(wb, 0) * read_f16(xb, 0);
+        let mut wq = [0i32; QK];
+        for (o, &q) in wq.iter_mut().zip(&wb[2..]) {
+            *o = i32::from(q as i8);
+        }
+        fma_lanes(&mut acc, d, &lane_sums(&wq, &xb[2..]));
+    }
+    hsum8(&acc)
+}
+
+/// Eight-lane float dot product (tinyBLAS order): lane `l` accumulates elements `l, l+8, ...`
+/// with fused multiply-adds, then `hsum8`. A tail shorter than 8 is added afterwards in order.
+pub(crate) fn dot_lanes_f32(n: usize, w: impl Fn(usize) -> f32, x: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let full = n / 8 * 8;
+    for base in (0..full).step_by(8) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a = w(base + l).mul_add(x(base + l), *a);
+        }
+    }
+    let mut sum = hsum8(&acc);
+    for i in full..n {
+        sum = w(i).mul_add(x(i), sum);
+    }
+    sum
+}
+
+/// f16 weight row (little-endian bytes) · f16 activation row.
+pub fn dot_f16_f16(w: &[u8], x: &[f16]) -> f32 {
+    dot_lanes_f32(x.len(), |i| read_f16(w, 2 * i), |i| x[i].to_f32())
+}
+
+/// f32 weight row (little-endian bytes) · f32 activation row.
+pub fn dot_f32_f32(w: &[u8], x: &[f32]) -> f32 {
+    let wf = |i: usize| f32::from_le_bytes([w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]]);
+    dot_lanes_f32(x.len(), wf, |i| x[i])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{WeightType, dequantize_row, quantize_row_q8_0, quantize_row_q8_1};
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    fn random_blocks(rng: &mut StdRng, ty: WeightType, nb: usize) -> Vec<u8> {
+        let mut out = vec![0u8; nb * ty.block_bytes()];
+        rng.fill(&mut out[..]);
+        for b in out.chunks_exact_mut(ty.block_bytes()) {
+            b[0..2].copy_from_slice(&f16::from_f32(rng.random_range(0.001..0.05)).to_le_bytes());
+            if ty == WeightType::Q4_1 {
+                let m = rng.random_range(-0.2..0.2f32);
+                b[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+            }
+        }
+        out
+    }
+
+    fn naive(ty: WeightType, w: &[u8], x: &[f32]) -> f64 {
+        let mut wf = vec![0.0; x.len()];
+        dequantize_row(ty, w, &mut wf).unwrap();
+        wf.iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum()
+    }
+
+    #[test]
+    fn quantized_dots_approximate_the_float_dot() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for ty in [WeightType::Q4_0, WeightType::Q4_1, WeightType::Q8_0] {
+            let nb = 18;
+            let w = random_blocks(&mut rng, ty, nb);
+            let x: Vec<f32> = (0..nb * QK).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let exact = naive(ty, &w, &x);
+            let got = match ty {
+                WeightType::Q4_1 => {
+                    let mut q = vec![0u8; nb * Q8_1_BLOCK_BYTES];
+                    quantize_row_q8_1(&x, &mut q);
+                    dot_q4_1_q8_1(&w, &q)
+                }
+                _ => {
+                    let mut q = vec![0u8; nb * Q8_0_BLOCK_BYTES];
+                    quantize_row_q8_0(&x, &mut q);
+                    if ty == WeightType::Q4_0 { dot_q4_0_q8_0(&w, &q) } else { dot_q8_0_q8_0(&w, &q) }
+                }
+            };
+            // Activation quantization error: ≤ half a step (amax/254) per element.
+            let bound: f64 = {
+                let mut wf = vec![0.0; x.len()];
+                dequantize_row(ty, &w, &mut wf).unwrap();
+                wf.iter().map(|v| f64::from(v.abs())).sum::<f64>() / 254.0 * 1.1 + 1e-3
+            };
+            assert!((f64::from(got) - exact).abs() <= bound, "{ty:?}: {got} vs {exact}");
+        }
+    }
+
+    #[test]
+    fn hsum8_uses_ggml_pairing() {
+        // Values chosen so that any other association order gives a different f32.
+        let a = [1.0e8f32, 1.0, -1.0e8, 1.0, 3.0, 1.0, 5.0, 1.0];
+        assert_eq!(hsum8(&a), ((1.0e8 + 3.0) + (-1.0e8 + 5.0)) + ((1.0 + 1.0) + (1.0 + 1.0)));
+    }
+
+    #[test]
+    fn float_dots_match_exact_small_integers() {
+        let w: Vec<u8> = (0..20).flat_map(|i| f16::from_f32(i as f32).to_le_bytes()).collect();
+        let x: Vec<f16> = (0..20).map(|i| f16::from_f32((i % 3) as f32)).collect();
+        let exact: f32 = (0..20).map(|i| (i * (i % 3)) as f32).sum();
+        assert_eq!(dot_f16_f16(&w, &x), exact);
+        let w32: Vec<u8> = (0..20).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let x32: Vec<f32> = (0..20).map(|i| (i % 3) as f32).collect();
+        assert_eq!(dot_f32_f32(&w32, &x32), exact);
+    }
+}

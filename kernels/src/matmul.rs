@@ -1,0 +1,229 @@
+//! Threaded quantized matrix product `out[m × rows] = x[m × cols] · Wᵀ`, the operation behind
+//! every linear layer.
+//!
+//! Activations are first converted per row to the weight's `vec_dot_type` (as ggml does), then
+//! each thread of the pool computes one contiguous range of weight rows for all `m` activation
+//! rows, so every weight byte is read from memory once per call whatever `m` is. The AVX2 path
+//! tiles several weight rows × activation rows per block load; the scalar path is the reference
+//! (`matmul_reference`) and the fallback on CPUs without AVX2. Both give bit-identical results.
+
+use crate::dot::{dot_f16_f16, dot_f32_f32, dot_q4_0_q8_0, dot_q4_1_q8_1, dot_q8_0_q8_0};
+use crate::quant::{ActivationType, WeightType, quantize_row_q8_0, quantize_row_q8_1};
+use crate::{KernelError, SimdLevel, simd_level};
+use half::f16;
+use std::ops::Range;
+
+/// A weight matrix in GGML layout: `rows` rows of `cols` elements, each row `ty.row_bytes(cols)`
+/// bytes, rows back to back. Borrowed from the (possibly unaligned) memory-mapped file.
+#[derive(Clone, Copy, Debug)]
+pub struct QMatrix<'a> {
+    pub ty: WeightType,
+    pub data: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> QMatrix<'a> {
+    /// Validates that `data` holds exactly `rows` rows of `cols` elements of `ty`.
+    pub fn new(ty: WeightType, data: &'a [u8], rows: usize, cols: usize) -> Result<Self, KernelError> {
+        ty.check_cols(cols)?;
+        let expected = ty
+            .row_bytes(cols)
+            .checked_mul(rows)
+            .ok_or(KernelError::Overflow { rows, cols })?;
+        if data.len() != expected {
+            return Err(KernelError::DataSize { ty, rows, cols, expected, actual: data.len() });
+        }
+        Ok(Self { ty, data, rows, cols })
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols)
+    }
+
+    /// The bytes of row `r`.
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    fn assert_valid(&self) {
+        assert!(self.ty.check_cols(self.cols).is_ok(), "QMatrix cols not a block multiple");
+        assert!(
+            self.data.len() >= self.rows * self.row_bytes(),
+            "QMatrix data shorter than rows × row_bytes"
+        );
+    }
+}
+
+/// Reusable activation-conversion buffers, so that the hot path does not allocate once the
+/// largest batch has been seen (they grow to `m × cols` of the biggest call and stay there).
+#[derive(Default)]
+pub struct MatmulScratch {
+    /// Activations in ggml's block layout (scalar path).
+    pub(crate) ggml_bytes: Vec<u8>,
+    /// Activations rounded to f16 (f16 weights).
+    pub(crate) halves: Vec<f16>,
+    /// Activations in the SIMD-friendly split layout (AVX2 path).
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) packed: crate::avx2::PackedActs,
+}
+
+impl MatmulScratch {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+/// Raw output pointer shared by the threads of one matmul; each thread writes a disjoint set of
+/// columns `r` of `out[a * rows + r]`.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: threads only write disjoint elements (distinct weight-row ranges), and the pointer
+// outlives the scope that uses it.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    pub(crate) fn new(out: &mut [f32]) -> Self {
+        Self { ptr: out.as_mut_ptr(), len: out.len() }
+    }
+
+    /// Writes `value` at `index`.
+    ///
+    /// # Safety
+    /// No other thread may access `index` during the call's lifetime.
+    #[inline(always)]
+    pub(crate) unsafe fn write(self, index: usize, value: f32) {
+        assert!(index < self.len, "matmul output index out of bounds");
+        // SAFETY: bounds checked above; exclusivity is the caller's contract.
+        unsafe { *self.ptr.add(index) = value };
+    }
+}
+
+/// `out[i * w.rows + r] = dot(W row r, x row i)` for `i in 0..m`; `x` is `m × w.cols`.
+pub fn matmul(
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+    pool: &rayon::ThreadPool,
+) {
+    w.assert_valid();
+    assert_eq!(x.len(), m * w.cols, "matmul: x must be m × cols");
+    assert_eq!(out.len(), m * w.rows, "matmul: out must be m × rows");
+    if m == 0 || w.rows == 0 {
+        return;
+    }
+    match simd_level() {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => crate::avx2::matmul(w, x, m, out, scratch, pool),
+        _ => matmul_scalar(w, x, m, out, scratch, pool),
+    }
+}
+
+/// Single-threaded scalar oracle: ggml-layout quantization plus the `dot` reference functions.
+pub fn matmul_reference(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]) {
+    let mut scratch = MatmulScratch::new();
+    w.assert_valid();
+    assert_eq!(x.len(), m * w.cols);
+    assert_eq!(out.len(), m * w.rows);
+    prepare_scalar_acts(w, x, m, &mut scratch);
+    scalar_rows(w, x, m, &scratch, 0..w.rows, OutPtr::new(out));
+}
+
+pub(crate) fn matmul_scalar(
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+    pool: &rayon::ThreadPool,
+) {
+    prepare_scalar_acts(w, x, m, scratch);
+    let out = OutPtr::new(out);
+    let scratch = &*scratch;
+    for_each_row_chunk(pool, w.rows, 1, &|rows| scalar_rows(w, x, m, scratch, rows, out));
+}
+
+fn prepare_scalar_acts(w: &QMatrix, x: &[f32], m: usize, scratch: &mut MatmulScratch) {
+    let cols = w.cols;
+    match w.ty.vec_dot_type() {
+        ActivationType::F32 => {}
+        ActivationType::F16 => {
+            scratch.halves.clear();
+            scratch.halves.extend(x.iter().map(|&v| f16::from_f32(v)));
+        }
+        ActivationType::Q8_0 | ActivationType::Q8_1 => {
+            let q8_1 = w.ty.vec_dot_type() == ActivationType::Q8_1;
+            let block = if q8_1 { crate::quant::Q8_1_BLOCK_BYTES } else { crate::quant::Q8_0_BLOCK_BYTES };
+            let row_bytes = cols / crate::QK * block;
+            scratch.ggml_bytes.resize(m * row_bytes, 0);
+            for (xr, qr) in x.chunks_exact(cols).zip(scratch.ggml_bytes.chunks_exact_mut(row_bytes)) {
+                if q8_1 { quantize_row_q8_1(xr, qr) } else { quantize_row_q8_0(xr, qr) }
+            }
+        }
+    }
+}
+
+fn scalar_rows(w: &QMatrix, x: &[f32], m: usize, scratch: &MatmulScratch, rows: Range<usize>, out: OutPtr) {
+    let cols = w.cols;
+    let act_bytes = if m == 0 { 0 } else { scratch.ggml_bytes.len() / m };
+    for r in rows {
+        let wr = w.row(r);
+        for a in 0..m {
+            let value = match w.ty {
+                WeightType::F32 => dot_f32_f32(wr, &x[a * cols..(a + 1) * cols]),
+                WeightType::F16 => dot_f16_f16(wr, &scratch.halves[a * cols..(a + 1) * cols]),
+                WeightType::Q8_0 => dot_q8_0_q8_0(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes]),
+                WeightType::Q4_0 => dot_q4_0_q8_0(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes]),
+                WeightType::Q4_1 => dot_q4_1_q8_1(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes]),
+            };
+            // SAFETY: each thread owns a distinct range of rows `r`.
+            unsafe { out.write(a * w.rows + r, value) };
+        }
+    }
+}
+
+/// Runs `work` over `rows` split into one contiguous range per pool thread (each a multiple of
+/// `align` except the last). Splitting once per call keeps the per-matmul overhead to a single
+/// fork/join, which matters when a decode step issues ~200 small matmuls.
+pub(crate) fn for_each_row_chunk(
+    pool: &rayon::ThreadPool,
+    rows: usize,
+    align: usize,
+    work: &(dyn Fn(Range<usize>) + Sync),
+) {
+    let threads = pool.current_num_threads().max(1);
+    let units = rows.div_ceil(align.max(1));
+    let chunks = threads.min(units);
+    if chunks <= 1 {
+        work(0..rows);
+        return;
+    }
+    let bounds = |c: usize| (units * c / chunks * align).min(rows);
+    pool.install(|| split_join(0, chunks, &bounds, work));
+}
+
+fn split_join(
+    first: usize,
+    end: usize,
+    bounds: &(dyn Fn(usize) -> usize + Sync),
+    work: &(dyn Fn(Range<usize>) + Sync),
+) {
+    if end - first == 1 {
+        work(bounds(first)..bounds(first + 1));
+        return;
+    }
+    let mid = first + (end - first) / 2;
+    rayon::join(|| split_join(first, mid, bounds, work), || split_join(mid, end, bounds, work));
+}
+
+#[cfg(test)]
+mod tests;

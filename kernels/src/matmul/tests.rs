@@ -1,0 +1,140 @@
+use super::*;
+use crate::quant::{QK, dequantize_row};
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
+}
+
+/// Random but realistic blocks: small positive scales, mins of both signs, random quants.
+fn random_matrix(rng: &mut StdRng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut data = vec![0u8; rows * ty.row_bytes(cols)];
+    rng.fill(&mut data[..]);
+    match ty {
+        WeightType::F32 => {
+            for c in data.chunks_exact_mut(4) {
+                c.copy_from_slice(&rng.random_range(-1.0f32..1.0).to_le_bytes());
+            }
+        }
+        WeightType::F16 => {
+            for c in data.chunks_exact_mut(2) {
+                c.copy_from_slice(&f16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes());
+            }
+        }
+        _ => {
+            for b in data.chunks_exact_mut(ty.block_bytes()) {
+                b[0..2].copy_from_slice(&f16::from_f32(rng.random_range(0.0005..0.05)).to_le_bytes());
+                if ty == WeightType::Q4_1 {
+                    b[2..4].copy_from_slice(&f16::from_f32(rng.random_range(-0.3..0.3)).to_le_bytes());
+                }
+            }
+        }
+    }
+    data
+}
+
+fn random_acts(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    // Mix magnitudes so that scales differ between blocks; include an all-zero block.
+    let mut x: Vec<f32> = (0..n).map(|i| rng.random_range(-1.0..1.0) * if i % 97 < 40 { 8.0 } else { 0.5 }).collect();
+    if n >= QK {
+        x[..QK].fill(0.0);
+    }
+    x
+}
+
+const TYPES: [WeightType; 5] = [WeightType::Q4_1, WeightType::Q4_0, WeightType::Q8_0, WeightType::F16, WeightType::F32];
+
+fn check_against_reference(ty: WeightType, rows: usize, cols: usize, m: usize, threads: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let data = random_matrix(&mut rng, ty, rows, cols);
+    let w = QMatrix::new(ty, &data, rows, cols).unwrap();
+    let x = random_acts(&mut rng, m * cols);
+    let mut want = vec![0.0; m * rows];
+    matmul_reference(&w, &x, m, &mut want);
+    let mut got = vec![f32::NAN; m * rows];
+    let mut scratch = MatmulScratch::new();
+    matmul(&w, &x, m, &mut got, &mut scratch, &pool(threads));
+    for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.to_bits(), r.to_bits(), "{ty:?} {rows}x{cols} m={m} t={threads} [{i}]: {g} vs {r}");
+    }
+}
+
+#[test]
+fn dispatching_matmul_is_bit_identical_to_reference() {
+    for ty in TYPES {
+        for (rows, cols) in [(1, 32), (5, 64), (13, 96), (64, 576), (37, 1536)] {
+            for m in [1, 2, 3, 5, 8] {
+                check_against_reference(ty, rows, cols, m, 2, rows as u64 * 31 + m as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_results() {
+    for threads in [1, 3, 4] {
+        check_against_reference(WeightType::Q4_1, 41, 128, 7, threads, 3);
+        check_against_reference(WeightType::Q8_0, 9, 64, 1, threads, 4);
+    }
+}
+
+#[test]
+fn reference_approximates_float_product() {
+    let mut rng = StdRng::seed_from_u64(21);
+    let (rows, cols, m) = (16, 256, 3);
+    for ty in TYPES {
+        let data = random_matrix(&mut rng, ty, rows, cols);
+        let w = QMatrix::new(ty, &data, rows, cols).unwrap();
+        let x = random_acts(&mut rng, m * cols);
+        let mut out = vec![0.0; m * rows];
+        matmul_reference(&w, &x, m, &mut out);
+        let mut wf = vec![0.0; cols];
+        for r in 0..rows {
+            dequantize_row(ty, w.row(r), &mut wf).unwrap();
+            for a in 0..m {
+                let xa = &x[a * cols..(a + 1) * cols];
+                let exact: f64 = wf.iter().zip(xa).map(|(&p, &q)| f64::from(p) * f64::from(q)).sum();
+                // Activation rounding: ≤ half a step of 127 levels per block (Σ|w|·amax/254).
+                let bound: f64 = wf.iter().zip(xa).map(|(&p, _)| f64::from(p.abs())).sum::<f64>() * 8.0 / 254.0 + 1e-3;
+                let got = f64::from(out[a * rows + r]);
+                assert!((got - exact).abs() <= bound, "{ty:?} r{r} a{a}: {got} vs {exact}");
+            }
+        }
+    }
+}
+
+#[test]
+fn qmatrix_new_validates_shapes() {
+    let data = vec![0u8; 2 * 20];
+    assert!(QMatrix::new(WeightType::Q4_1, &data, 2, 32).is_ok());
+    assert!(matches!(QMatrix::new(WeightType::Q4_1, &data, 3, 32), Err(KernelError::DataSize { .. })));
+    assert!(matches!(QMatrix::new(WeightType::Q4_1, &data, 1, 48), Err(KernelError::ColsNotBlockMultiple { .. })));
+    assert!(matches!(QMatrix::new(WeightType::Q8_0, &data, usize::MAX, 32), Err(KernelError::Overflow { .. })));
+}
+
+#[test]
+fn scratch_is_reused_across_shapes() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let p = pool(2);
+    let mut scratch = MatmulScratch::new();
+    for (ty, rows, cols, m) in [(WeightType::Q4_1, 8, 64, 4), (WeightType::Q8_0, 3, 128, 1), (WeightType::Q4_1, 8, 64, 2)] {
+        let data = random_matrix(&mut rng, ty, rows, cols);
+        let w = QMatrix::new(ty, &data, rows, cols).unwrap();
+        let x = random_acts(&mut rng, m * cols);
+        let (mut got, mut want) = (vec![0.0; m * rows], vec![0.0; m * rows]);
+        matmul(&w, &x, m, &mut got, &mut scratch, &p);
+        matmul_reference(&w, &x, m, &mut want);
+        assert_eq!(got, want);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn random_shapes_match_reference(
+        ty_index in 0usize..3, rows in 1usize..40, blocks in 1usize..6, m in 1usize..10, seed in any::<u64>()
+    ) {
+        check_against_reference(TYPES[ty_index], rows, blocks * QK, m, 2, seed);
+    }
+}

@@ -1,0 +1,427 @@
+//! The engine: a dedicated thread that owns the scheduler and the backend, and a cheap `Clone`
+//! handle ([`Engine`]) that the gateway and the CLI use to submit requests and read state.
+//!
+//! Requests cross into the engine thread through a bounded command channel; tokens come back on
+//! a per-request bounded tokio channel sized so the engine never blocks on a slow reader
+//! (`max_tokens + 4` events at most are ever sent). Dropping the [`GenerationHandle`] closes that
+//! channel, which the engine treats as cancellation: the sequence is removed and its blocks are
+//! back in the pool by the next step.
+//!
+//! Shutdown (explicit, or when the last `Engine` handle is dropped) aborts: every waiting and
+//! running sequence receives `TokenEvent::Error("engine shut down")` and the thread exits. A
+//! graceful drain is the gateway's job (stop admitting, wait for streams), before it calls this.
+
+mod worker;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+use tokio::sync::mpsc as tokio_mpsc;
+
+use crate::backend::{Backend, MemoryUsage};
+use crate::block_pool::{BlockPool, Reservation};
+use crate::kv_math::blocks_for_tokens;
+use crate::scheduler::SchedulerConfig;
+use crate::tokenizer::Tokenizer;
+
+pub use crate::sequence::{
+    FinishReason, SamplingParams, SeqId, SeqStatus, Sequence, StopParams, TokenEvent,
+};
+
+/// What the engine needs from a tokenizer to stream text and detect the end of generation.
+pub trait TokenDecoder: Send + Sync {
+    /// Raw bytes of a token (may be part of a UTF-8 character).
+    fn token_bytes(&self, id: u32) -> &[u8];
+    /// End-of-generation token (eos, eot, `<|im_end|>`…).
+    fn is_eog(&self, id: u32) -> bool;
+    /// Special tokens produce no text in the stream.
+    fn is_special(&self, id: u32) -> bool;
+}
+
+impl TokenDecoder for Tokenizer {
+    fn token_bytes(&self, id: u32) -> &[u8] {
+        Tokenizer::token_bytes(self, id)
+    }
+    fn is_eog(&self, id: u32) -> bool {
+        Tokenizer::is_eog(self, id)
+    }
+    fn is_special(&self, id: u32) -> bool {
+        Tokenizer::is_special(self, id)
+    }
+}
+
+/// Sizes and limits of an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool (the backend's KV cache must hold at least this many).
+    pub num_blocks: usize,
+    /// Bytes of one block in the backend's cache (reporting only).
+    pub bytes_per_block: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Token budget per step.
+    pub max_batched_tokens: usize,
+    /// Largest prefill chunk per sequence per step; 0 = only the budget limits it.
+    pub long_prefill_threshold: usize,
+    /// Prompt + max_tokens may not exceed this.
+    pub max_model_len: usize,
+    /// Capacity of the submit queue (and of the engine's waiting list).
+    pub command_queue: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            num_blocks: 1024,
+            bytes_per_block: 0,
+            max_num_seqs: 64,
+            max_batched_tokens: 512,
+            long_prefill_threshold: 256,
+            max_model_len: 8192,
+            command_queue: 256,
+        }
+    }
+}
+
+impl EngineConfig {
+    fn validate(&self) -> Result<(), EngineError> {
+        let positive = [
+            ("block_size", self.block_size),
+            ("num_blocks", self.num_blocks),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_batched_tokens", self.max_batched_tokens),
+            ("max_model_len", self.max_model_len),
+            ("command_queue", self.command_queue),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(EngineError::InvalidConfig(format!("{name} must be at least 1")));
+        }
+        let slots = self.num_blocks.checked_mul(self.block_size);
+        if slots.is_none_or(|s| s > u32::MAX as usize) {
+            return Err(EngineError::InvalidConfig(format!(
+                "num_blocks × block_size must fit in u32 KV slots (got {} × {})",
+                self.num_blocks, self.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn scheduler(&self) -> SchedulerConfig {
+        SchedulerConfig {
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            long_prefill_threshold: self.long_prefill_threshold,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid engine config: {0}")]
+    InvalidConfig(String),
+    #[error("could not start the engine thread: {0}")]
+    Spawn(#[from] std::io::Error),
+}
+
+/// Why a request was not accepted. Nothing was queued; its reservation has been released.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("engine queue is full")]
+    QueueFull,
+    #[error("request needs {needed_blocks} KV blocks but the whole pool has {total}")]
+    TooLong { needed_blocks: usize, total: usize },
+    #[error("engine has shut down")]
+    ShutDown,
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+}
+
+/// One generation job.
+#[derive(Debug)]
+pub struct GenerationRequest {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub stop: StopParams,
+    /// Capacity reserved by admission on this engine's pool; `None` draws on free blocks only.
+    pub reservation: Option<Reservation>,
+    /// Tenant name, shown by `inspect`.
+    pub label: String,
+}
+
+/// The caller's end of a request. Dropping it (or `events`) cancels the sequence.
+#[derive(Debug)]
+pub struct GenerationHandle {
+    pub id: SeqId,
+    pub events: tokio_mpsc::Receiver<TokenEvent>,
+}
+
+/// Counters and gauges, refreshed by the engine thread after every step.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub steps: u64,
+    pub preemptions_total: u64,
+    pub cancellations_total: u64,
+    pub finished_total: u64,
+    pub errors_total: u64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    /// Allocated KV slots not holding a token, over running sequences (last-block tails).
+    pub kv_waste_slots: usize,
+    pub last_batch_seqs: usize,
+    pub last_batch_tokens: usize,
+    /// Wall time of the last step's forward + sampling, in microseconds.
+    pub last_step_micros: u64,
+    /// Largest `backend.memory()` total seen since start.
+    pub peak_memory_bytes: u64,
+    #[serde(skip)]
+    pub memory: MemoryUsage,
+}
+
+/// One sequence as `/admin/kv` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SeqSnapshot {
+    pub id: SeqId,
+    #[serde(serialize_with = "serialize_label")]
+    pub label: Arc<str>,
+    pub state: SeqStatus,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub computed_tokens: usize,
+    pub blocks: usize,
+    /// Blocks still promised to it by its reservation.
+    pub reserved_blocks: usize,
+    pub preemptions: u32,
+}
+
+fn serialize_label<S: serde::Serializer>(label: &Arc<str>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(label)
+}
+
+enum Command {
+    Submit(Box<Sequence>),
+    /// Look at the shutdown flag now.
+    Wake,
+}
+
+/// State shared between handles and the engine thread.
+struct Shared {
+    stats: Mutex<EngineStats>,
+    snapshots: Mutex<Vec<SeqSnapshot>>,
+    /// Set by `shutdown`; the engine checks it every loop iteration.
+    shutting_down: AtomicBool,
+}
+
+struct Inner {
+    commands: SyncSender<Command>,
+    pool: Arc<BlockPool>,
+    shared: Arc<Shared>,
+    config: EngineConfig,
+    vocab_size: usize,
+    next_id: AtomicU64,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Handle to a running engine; clones share it.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("config", &self.inner.config).finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Starts the engine thread over `backend`, with a fresh block pool of `config.num_blocks`.
+    pub fn spawn(
+        backend: Box<dyn Backend>,
+        decoder: Arc<dyn TokenDecoder + Send + Sync>,
+        config: EngineConfig,
+    ) -> Result<Engine, EngineError> {
+        config.validate()?;
+        let vocab_size = backend.vocab_size();
+        if vocab_size == 0 {
+            return Err(EngineError::InvalidConfig("backend reports an empty vocabulary".into()));
+        }
+        let pool = BlockPool::new(config.num_blocks, config.block_size, config.bytes_per_block);
+        let shared = Arc::new(Shared {
+            stats: Mutex::new(EngineStats::default()),
+            snapshots: Mutex::new(Vec::new()),
+            shutting_down: AtomicBool::new(false),
+        });
+        let (commands, receiver) = mpsc::sync_channel(config.command_queue);
+        let worker = worker::Worker::new(
+            backend,
+            decoder,
+            Arc::clone(&pool),
+            config.scheduler(),
+            config.command_queue,
+            receiver,
+            Arc::clone(&shared),
+        );
+        let thread = std::thread::Builder::new()
+            .name("kvgate-engine".into())
+            .spawn(move || worker.run())?;
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                commands,
+                pool,
+                shared,
+                config,
+                vocab_size,
+                next_id: AtomicU64::new(1),
+                thread: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.inner.pool
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// Queues a request. Fails fast (never blocks): a full queue is `QueueFull`.
+    pub fn submit(&self, req: GenerationRequest) -> Result<GenerationHandle, SubmitError> {
+        if self.inner.shared.shutting_down.load(Ordering::Acquire) {
+            return Err(SubmitError::ShutDown);
+        }
+        self.check(&req)?;
+        let id = SeqId(self.inner.next_id.fetch_add(1, Ordering::Relaxed));
+        let credit = match req.reservation {
+            Some(reservation) => reservation,
+            None => self.inner.pool.empty_reservation(),
+        };
+        // Token events ≤ max_tokens, then one Finished or Error: the engine never waits.
+        let (sender, events) = tokio_mpsc::channel(req.stop.max_tokens + 4);
+        let label: Arc<str> = req.label.into();
+        let seq = Sequence::new(id, label, req.prompt, req.sampling, req.stop, credit, sender);
+        match self.inner.commands.try_send(Command::Submit(Box::new(seq))) {
+            Ok(()) => Ok(GenerationHandle { id, events }),
+            Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::ShutDown),
+        }
+    }
+
+    fn check(&self, req: &GenerationRequest) -> Result<(), SubmitError> {
+        let config = &self.inner.config;
+        let invalid = |msg: String| Err(SubmitError::InvalidRequest(msg));
+        if req.prompt.is_empty() {
+            return invalid("prompt has no tokens".into());
+        }
+        if req.stop.max_tokens == 0 {
+            return invalid("max_tokens must be at least 1".into());
+        }
+        let total_tokens = req.prompt.len().saturating_add(req.stop.max_tokens);
+        if total_tokens > config.max_model_len {
+            return invalid(format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {} tokens",
+                req.prompt.len(),
+                req.stop.max_tokens,
+                config.max_model_len
+            ));
+        }
+        if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= self.inner.vocab_size) {
+            return invalid(format!("token id {bad} is outside the vocabulary of {}", self.inner.vocab_size));
+        }
+        let s = &req.sampling;
+        if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+            return invalid(format!("temperature must be a finite number ≥ 0, got {}", s.temperature));
+        }
+        if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+            return invalid(format!("top_p must be in (0, 1], got {}", s.top_p));
+        }
+        if let Some(r) = &req.reservation
+            && !r.belongs_to(&self.inner.pool)
+        {
+            return invalid("reservation was made on another engine's pool".into());
+        }
+        let needed_blocks = blocks_for_tokens(total_tokens, config.block_size);
+        if needed_blocks > config.num_blocks {
+            return Err(SubmitError::TooLong { needed_blocks, total: config.num_blocks });
+        }
+        Ok(())
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.inner.shared.stats.lock().clone()
+    }
+
+    /// Every live sequence (waiting and running), as of the last step.
+    pub fn inspect(&self) -> Vec<SeqSnapshot> {
+        self.inner.shared.snapshots.lock().clone()
+    }
+
+    /// Stops the engine: live sequences get `TokenEvent::Error`, the thread is joined. Blocks
+    /// for at most one step; call it outside async code (or in `spawn_blocking`). Idempotent.
+    pub fn shutdown(&self) {
+        self.inner.shared.shutting_down.store(true, Ordering::Release);
+        // Wakes an idle engine. If the queue is full the engine is busy and sees the flag anyway.
+        let _ = self.inner.commands.try_send(Command::Wake);
+        let thread = self.inner.thread.lock().take();
+        if let Some(thread) = thread
+            && thread.join().is_err()
+        {
+            tracing::error!("engine thread panicked");
+        }
+    }
+}
+
+/// Everything a finished generation produced, from [`generate_blocking`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenerationOutput {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenerateError {
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    #[error("generation failed: {0}")]
+    Failed(String),
+    #[error("engine stopped before the generation finished")]
+    Interrupted,
+}
+
+/// Submits `req` and waits for the whole result. For tests, the CLI and batch-invariance checks;
+/// it blocks the calling thread, so do not call it from inside an async task.
+pub fn generate_blocking(
+    engine: &Engine,
+    req: GenerationRequest,
+) -> Result<GenerationOutput, GenerateError> {
+    let mut handle = engine.submit(req)?;
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    while let Some(event) = handle.events.blocking_recv() {
+        match event {
+            TokenEvent::Token { id, text: delta } => {
+                tokens.push(id);
+                text.push_str(&delta);
+            }
+            TokenEvent::Finished { reason, prompt_tokens, .. } => {
+                return Ok(GenerationOutput { tokens, text, finish_reason: reason, prompt_tokens });
+            }
+            TokenEvent::Error(msg) => return Err(GenerateError::Failed(msg)),
+        }
+    }
+    Err(GenerateError::Interrupted)
+}
+
+#[cfg(test)]
+mod tests;

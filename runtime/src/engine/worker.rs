@@ -1,0 +1,302 @@
+//! The engine thread's loop. Each iteration: take new requests, drop cancelled sequences,
+//! schedule, lower to `BatchInputs`, run the backend, sample, record, stream events, remove
+//! finished sequences, publish stats. All buffers (batch, inputs, logits, sampled ids) live in
+//! the worker and are reused every step.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::error::TrySendError;
+
+use super::{Command, EngineStats, SeqSnapshot, Shared, TokenDecoder};
+use crate::backend::{Backend, BatchInputs};
+use crate::batch::build_inputs;
+use crate::block_pool::BlockPool;
+use crate::sampler::Sampler;
+use crate::scheduler::{ScheduledBatch, Scheduler, SchedulerConfig};
+use crate::sequence::{FinishReason, SeqStatus, Sequence, TokenEvent};
+
+/// How long a stalled engine (work queued, nothing schedulable: every free block is reserved
+/// elsewhere) waits for a command before looking at the pool and cancellations again.
+const STALL_POLL: Duration = Duration::from_millis(5);
+
+pub(super) struct Worker {
+    backend: Box<dyn Backend>,
+    decoder: Arc<dyn TokenDecoder + Send + Sync>,
+    scheduler: Scheduler,
+    sampler: Sampler,
+    commands: Receiver<Command>,
+    /// Most sequences held in the waiting list before the command queue is left to fill up.
+    max_waiting: usize,
+    shared: Arc<Shared>,
+    stats: EngineStats,
+    batch: ScheduledBatch,
+    inputs: BatchInputs,
+    logits: Vec<f32>,
+    sampled: Vec<u32>,
+    removed: Vec<Sequence>,
+    snapshots: Vec<SeqSnapshot>,
+}
+
+impl Worker {
+    pub(super) fn new(
+        backend: Box<dyn Backend>,
+        decoder: Arc<dyn TokenDecoder + Send + Sync>,
+        pool: Arc<BlockPool>,
+        config: SchedulerConfig,
+        max_waiting: usize,
+        commands: Receiver<Command>,
+        shared: Arc<Shared>,
+    ) -> Worker {
+        Worker {
+            backend,
+            decoder,
+            scheduler: Scheduler::new(config, pool),
+            sampler: Sampler::new(),
+            commands,
+            max_waiting,
+            shared,
+            stats: EngineStats::default(),
+            batch: ScheduledBatch::default(),
+            inputs: BatchInputs::default(),
+            logits: Vec::new(),
+            sampled: Vec::new(),
+            removed: Vec::new(),
+            snapshots: Vec::new(),
+        }
+    }
+
+    pub(super) fn run(mut self) {
+        loop {
+            if !self.take_commands() || self.shared.shutting_down.load(Ordering::Acquire) {
+                break;
+            }
+            self.drop_cancelled();
+            let progressed = self.step();
+            self.publish();
+            self.send_final_events();
+            if !progressed && self.scheduler.has_work() && !self.wait_for_command() {
+                break;
+            }
+        }
+        self.abort_all("engine shut down");
+        self.publish();
+        self.send_final_events();
+    }
+
+    /// Moves queued commands into the scheduler. Blocks when there is nothing to do. Returns
+    /// false when every handle is gone.
+    fn take_commands(&mut self) -> bool {
+        if !self.scheduler.has_work() {
+            match self.commands.recv() {
+                Ok(command) => self.apply(command),
+                Err(_) => return false,
+            }
+        }
+        while self.scheduler.num_waiting() < self.max_waiting {
+            match self.commands.try_recv() {
+                Ok(command) => self.apply(command),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return false,
+            }
+        }
+        true
+    }
+
+    /// Waits briefly for a command while stalled. Returns false when every handle is gone.
+    fn wait_for_command(&mut self) -> bool {
+        match self.commands.recv_timeout(STALL_POLL) {
+            Ok(command) => {
+                self.apply(command);
+                true
+            }
+            Err(RecvTimeoutError::Timeout) => true,
+            Err(RecvTimeoutError::Disconnected) => false,
+        }
+    }
+
+    fn apply(&mut self, command: Command) {
+        match command {
+            Command::Submit(seq) => {
+                self.stats.prompt_tokens_total += seq.prompt_len as u64;
+                self.scheduler.add(*seq);
+            }
+            Command::Wake => {}
+        }
+    }
+
+    /// A closed event channel means the caller went away: free the sequence now.
+    fn drop_cancelled(&mut self) {
+        let first = self.removed.len();
+        self.scheduler.remove_where(|seq| seq.events.is_closed(), &mut self.removed);
+        for seq in &self.removed[first..] {
+            tracing::debug!(seq = %seq.id, "cancelled by the client");
+            self.stats.cancellations_total += 1;
+        }
+    }
+
+    /// One scheduler step. Returns false when nothing could be scheduled.
+    fn step(&mut self) -> bool {
+        self.scheduler.schedule(&mut self.batch);
+        self.stats.preemptions_total = self.scheduler.preemptions_total();
+        if self.batch.is_empty() {
+            return false;
+        }
+        let started = Instant::now();
+        let block_size = self.scheduler.config().block_size;
+        let lowered = build_inputs(&self.batch, self.scheduler.running(), block_size, &mut self.inputs);
+        let result = match lowered {
+            Ok(()) => self.forward(),
+            Err(e) => Err(e.to_string()),
+        };
+        match result {
+            Ok(()) => {
+                self.scheduler.postprocess(&self.batch, &self.sampled);
+                self.emit_tokens();
+            }
+            Err(message) => self.fail_batch(&message),
+        }
+        self.scheduler.take_finished(&mut self.removed);
+        self.stats.steps += 1;
+        self.stats.last_batch_seqs = self.batch.seqs.len();
+        self.stats.last_batch_tokens = self.batch.num_tokens;
+        self.stats.last_step_micros = started.elapsed().as_micros() as u64;
+        true
+    }
+
+    /// Runs the backend and samples one token per sequence that needs logits.
+    fn forward(&mut self) -> Result<(), String> {
+        self.backend.forward(&self.inputs, &mut self.logits).map_err(|e| e.to_string())?;
+        let memory = self.backend.memory();
+        self.stats.memory = memory;
+        self.stats.peak_memory_bytes = self.stats.peak_memory_bytes.max(memory.total_bytes());
+        let vocab = self.backend.vocab_size();
+        let rows = self.inputs.num_logits_rows();
+        if self.logits.len() < rows * vocab {
+            return Err(format!(
+                "backend returned {} logits for {rows} rows of {vocab}",
+                self.logits.len()
+            ));
+        }
+        self.sampled.clear();
+        let running = self.scheduler.running_mut();
+        let mut rows_iter = self.logits.chunks_exact(vocab);
+        for entry in self.batch.seqs.iter().filter(|e| e.needs_logits) {
+            let (Some(row), Some(seq)) = (rows_iter.next(), running.get_mut(entry.index)) else {
+                return Err("logits rows do not match the batch".into());
+            };
+            self.sampled.push(self.sampler.sample(row, &seq.sampling, &mut seq.rng));
+        }
+        Ok(())
+    }
+
+    /// Streams the token each sequence just got and applies the stop conditions.
+    fn emit_tokens(&mut self) {
+        let running = self.scheduler.running_mut();
+        for entry in self.batch.seqs.iter().filter(|e| e.needs_logits) {
+            let Some(seq) = running.get_mut(entry.index) else { continue };
+            let Some(&id) = seq.token_ids.last() else { continue };
+            self.stats.generation_tokens_total += 1;
+            seq.first_token_at.get_or_insert_with(Instant::now);
+            let bytes = if self.decoder.is_special(id) { &[][..] } else { self.decoder.token_bytes(id) };
+            let delta = seq.output.push(bytes);
+            let reason = if delta.stopped || (!seq.stop.ignore_eos && self.decoder.is_eog(id)) {
+                Some(FinishReason::Stop)
+            } else if seq.num_output_tokens() >= seq.stop.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let mut text = delta.text;
+            if reason.is_some() && !delta.stopped {
+                text.push_str(&seq.output.finish());
+            }
+            let delivered = send(seq, TokenEvent::Token { id, text });
+            if let Some(reason) = reason {
+                seq.status = SeqStatus::Finished;
+                self.stats.finished_total += 1;
+                seq.final_event = Some(TokenEvent::Finished {
+                    reason,
+                    prompt_tokens: seq.prompt_len,
+                    completion_tokens: seq.num_output_tokens(),
+                });
+            } else if !delivered {
+                seq.status = SeqStatus::Finished;
+                self.stats.cancellations_total += 1;
+            }
+        }
+    }
+
+    /// The step failed: every sequence in it gets an error and is removed.
+    fn fail_batch(&mut self, message: &str) {
+        tracing::error!(error = message, seqs = self.batch.seqs.len(), "engine step failed");
+        let running = self.scheduler.running_mut();
+        for entry in &self.batch.seqs {
+            if let Some(seq) = running.get_mut(entry.index) {
+                seq.final_event = Some(TokenEvent::Error(message.to_string()));
+                seq.status = SeqStatus::Finished;
+                self.stats.errors_total += 1;
+            }
+        }
+    }
+
+    fn abort_all(&mut self, message: &str) {
+        let first = self.removed.len();
+        self.scheduler.remove_where(|_| true, &mut self.removed);
+        for seq in &mut self.removed[first..] {
+            seq.final_event = Some(TokenEvent::Error(message.to_string()));
+            self.stats.errors_total += 1;
+        }
+    }
+
+    /// Ends the streams of removed sequences; their blocks are already back in the pool and the
+    /// published stats already count them.
+    fn send_final_events(&mut self) {
+        for mut seq in self.removed.drain(..) {
+            if let Some(event) = seq.final_event.take() {
+                send(&seq, event);
+            }
+        }
+    }
+
+    /// Copies stats and per-sequence snapshots where the handles can read them.
+    fn publish(&mut self) {
+        self.stats.running = self.scheduler.running().len();
+        self.stats.waiting = self.scheduler.num_waiting();
+        self.stats.kv_waste_slots = self.scheduler.kv_waste_slots();
+        self.snapshots.clear();
+        let live = self.scheduler.running().iter().chain(self.scheduler.waiting());
+        self.snapshots.extend(live.map(snapshot));
+        self.shared.stats.lock().clone_from(&self.stats);
+        self.shared.snapshots.lock().clone_from(&self.snapshots);
+    }
+}
+
+fn snapshot(seq: &Sequence) -> SeqSnapshot {
+    SeqSnapshot {
+        id: seq.id,
+        label: Arc::clone(&seq.label),
+        state: seq.status,
+        prompt_tokens: seq.prompt_len,
+        output_tokens: seq.num_output_tokens(),
+        computed_tokens: seq.num_computed_tokens,
+        blocks: seq.block_table.len(),
+        reserved_blocks: seq.credit.blocks(),
+        preemptions: seq.num_preemptions,
+    }
+}
+
+/// Sends without blocking. False when the receiver is gone (or, against the sizing contract,
+/// full): either way the caller treats the sequence as cancelled.
+fn send(seq: &Sequence, event: TokenEvent) -> bool {
+    match seq.events.try_send(event) {
+        Ok(()) => true,
+        Err(TrySendError::Closed(_)) => false,
+        Err(TrySendError::Full(_)) => {
+            tracing::warn!(seq = %seq.id, "event channel full; cancelling the sequence");
+            false
+        }
+    }
+}

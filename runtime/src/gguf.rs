@@ -1,0 +1,674 @@
+//! Memory-mapped GGUF reader: header, metadata key/values, tensor infos and tensor bytes.
+//!
+//! The file is mapped once; tensor data is handed out as borrowed byte slices into the map, so
+//! loading a model costs no copies. Every length and offset read from the file is checked against
+//! the file size before use: a truncated or corrupt file is an error naming what was wrong, never
+//! a panic or an out-of-bounds read.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use kvgate_kernels::mmap::Mmap;
+
+const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+/// Sanity caps so a corrupt header cannot make us allocate absurd amounts of memory.
+const MAX_STRING_LEN: u64 = 64 << 20;
+const MAX_ARRAY_LEN: u64 = 1 << 26;
+const MAX_TENSOR_DIMS: u32 = 8;
+
+/// Everything that can go wrong reading a GGUF file.
+#[derive(Debug, thiserror::Error)]
+pub enum GgufError {
+    #[error("cannot open {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a GGUF file (magic bytes {found:?})")]
+    BadMagic { path: PathBuf, found: [u8; 4] },
+    #[error("{path}: unsupported GGUF version {version} (supported: 2 and 3)")]
+    UnsupportedVersion { path: PathBuf, version: u32 },
+    #[error("{path}: file is truncated or corrupt at byte {offset}: {what}")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        what: String,
+    },
+    #[error("{path}: tensor `{name}` has unsupported type {ty} (supported: F32, F16, Q8_0, Q4_0, Q4_1)")]
+    UnsupportedTensorType { path: PathBuf, name: String, ty: String },
+}
+
+/// GGML tensor types. Only the ones kvgate can compute with have their own variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    /// Any other GGML type id; loading a tensor of this type is an error.
+    Other(u32),
+}
+
+impl GgmlType {
+    fn from_id(id: u32) -> Self {
+        match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            8 => Self::Q8_0,
+            other => Self::Other(other),
+        }
+    }
+
+    /// (elements per block, bytes per block) for the supported types.
+    pub fn block_layout(self) -> Option<(u64, u64)> {
+        match self {
+            Self::F32 => Some((1, 4)),
+            Self::F16 => Some((1, 2)),
+            Self::Q4_0 => Some((32, 18)),
+            Self::Q4_1 => Some((32, 20)),
+            Self::Q8_0 => Some((32, 34)),
+            Self::Other(_) => None,
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Self::F32 => "F32".into(),
+            Self::F16 => "F16".into(),
+            Self::Q4_0 => "Q4_0".into(),
+            Self::Q4_1 => "Q4_1".into(),
+            Self::Q8_0 => "Q8_0".into(),
+            Self::Other(id) => format!("ggml type id {id}"),
+        }
+    }
+}
+
+/// One metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetaValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<MetaValue>),
+}
+
+impl MetaValue {
+    /// Any integer type that fits a u64 (GGUF writers are not consistent about widths).
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Self::U8(v) => Some(v.into()),
+            Self::U16(v) => Some(v.into()),
+            Self::U32(v) => Some(v.into()),
+            Self::U64(v) => Some(v),
+            Self::I8(v) => u64::try_from(v).ok(),
+            Self::I16(v) => u64::try_from(v).ok(),
+            Self::I32(v) => u64::try_from(v).ok(),
+            Self::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            Self::I8(v) => Some(v.into()),
+            Self::I16(v) => Some(v.into()),
+            Self::I32(v) => Some(v.into()),
+            Self::I64(v) => Some(v),
+            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
+        }
+    }
+
+    pub fn as_f32(&self) -> Option<f32> {
+        match *self {
+            Self::F32(v) => Some(v),
+            Self::F64(v) => Some(v as f32),
+            _ => None,
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Self::Bool(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Self::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[MetaValue]> {
+        match self {
+            Self::Array(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// Where one tensor lives in the file.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    pub name: String,
+    /// GGML order: `dims[0]` is the innermost (contiguous) dimension.
+    pub dims: Vec<u64>,
+    pub ty: GgmlType,
+    /// Offset from the start of the data section.
+    pub offset: u64,
+}
+
+impl TensorInfo {
+    pub fn num_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+}
+
+/// A parsed, memory-mapped GGUF file.
+pub struct GgufFile {
+    path: PathBuf,
+    map: Mmap,
+    pub version: u32,
+    pub metadata: BTreeMap<String, MetaValue>,
+    pub tensors: Vec<TensorInfo>,
+    data_start: u64,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("metadata_keys", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Maps and parses `path`. Tensor types and extents are checked here, so later accessors
+    /// cannot fail on a file that opened.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| GgufError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = File::open(&path).map_err(io)?;
+        // The map is read-only and the file is not expected to change while kvgate runs; a file
+        // truncated underneath a running process is outside what any mmap-based loader handles.
+        let map = kvgate_kernels::mmap::map_read_only(&file).map_err(io)?;
+        Self::parse(path, map)
+    }
+
+    fn parse(path: PathBuf, map: Mmap) -> Result<Self, GgufError> {
+        let mut r = Reader {
+            buf: &map,
+            pos: 0,
+            path: &path,
+        };
+        let magic: [u8; 4] = r.bytes(4, "magic")?.try_into().unwrap_or([0; 4]);
+        if &magic != GGUF_MAGIC {
+            return Err(GgufError::BadMagic { path, found: magic });
+        }
+        let version = r.u32("version")?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::UnsupportedVersion { path, version });
+        }
+        let n_tensors = r.u64("tensor count")?;
+        let n_kv = r.u64("metadata count")?;
+        if n_tensors > MAX_ARRAY_LEN || n_kv > MAX_ARRAY_LEN {
+            return Err(r.corrupt(format!(
+                "implausible counts: {n_tensors} tensors, {n_kv} metadata entries"
+            )));
+        }
+
+        let mut metadata = BTreeMap::new();
+        for _ in 0..n_kv {
+            let key = r.string("metadata key")?;
+            let ty = r.u32("metadata value type")?;
+            let value = r.value(ty, &key, 0)?;
+            metadata.insert(key, value);
+        }
+
+        let mut tensors = Vec::with_capacity(n_tensors as usize);
+        for _ in 0..n_tensors {
+            let name = r.string("tensor name")?;
+            let n_dims = r.u32("tensor dimension count")?;
+            if n_dims == 0 || n_dims > MAX_TENSOR_DIMS {
+                return Err(r.corrupt(format!("tensor `{name}` has {n_dims} dimensions")));
+            }
+            let mut dims = Vec::with_capacity(n_dims as usize);
+            for _ in 0..n_dims {
+                dims.push(r.u64("tensor dimension")?);
+            }
+            let ty = GgmlType::from_id(r.u32("tensor type")?);
+            let offset = r.u64("tensor offset")?;
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+            });
+        }
+
+        let alignment = metadata
+            .get("general.alignment")
+            .and_then(MetaValue::as_u64)
+            .filter(|a| a.is_power_of_two())
+            .unwrap_or(DEFAULT_ALIGNMENT);
+        let data_start = r.pos.div_ceil(alignment) * alignment;
+        let gguf = Self {
+            path,
+            version,
+            metadata,
+            tensors,
+            data_start,
+            map,
+        };
+        gguf.check_tensor_extents()?;
+        Ok(gguf)
+    }
+
+    /// Every tensor must have a supported type and lie entirely inside the file.
+    fn check_tensor_extents(&self) -> Result<(), GgufError> {
+        let file_len = self.map.len() as u64;
+        for t in &self.tensors {
+            let Some((block_elems, block_bytes)) = t.ty.block_layout() else {
+                return Err(GgufError::UnsupportedTensorType {
+                    path: self.path.clone(),
+                    name: t.name.clone(),
+                    ty: t.ty.name(),
+                });
+            };
+            let elems = t
+                .dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| self.corrupt(0, format!("tensor `{}` size overflows", t.name)))?;
+            if t.dims[0] % block_elems != 0 {
+                return Err(self.corrupt(
+                    0,
+                    format!(
+                        "tensor `{}` row length {} is not a multiple of the {} block size {block_elems}",
+                        t.name,
+                        t.dims[0],
+                        t.ty.name()
+                    ),
+                ));
+            }
+            let bytes = elems / block_elems * block_bytes;
+            let start = self.data_start.checked_add(t.offset);
+            let end = start.and_then(|s| s.checked_add(bytes));
+            match end {
+                Some(end) if end <= file_len => {}
+                _ => {
+                    return Err(self.corrupt(
+                        file_len,
+                        format!(
+                            "tensor `{}` ({bytes} bytes at data offset {}) extends past the end of the file",
+                            t.name, t.offset
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn corrupt(&self, offset: u64, what: String) -> GgufError {
+        GgufError::Corrupt {
+            path: self.path.clone(),
+            offset,
+            what,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Size of the mapped file in bytes.
+    pub fn file_len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    pub fn get(&self, key: &str) -> Option<&MetaValue> {
+        self.metadata.get(key)
+    }
+
+    pub fn get_str(&self, key: &str) -> Option<&str> {
+        self.get(key).and_then(MetaValue::as_str)
+    }
+
+    pub fn get_u64(&self, key: &str) -> Option<u64> {
+        self.get(key).and_then(MetaValue::as_u64)
+    }
+
+    pub fn get_f32(&self, key: &str) -> Option<f32> {
+        self.get(key).and_then(MetaValue::as_f32)
+    }
+
+    pub fn get_bool(&self, key: &str) -> Option<bool> {
+        self.get(key).and_then(MetaValue::as_bool)
+    }
+
+    /// A string array, e.g. `tokenizer.ggml.tokens`. `None` if absent or not all strings.
+    pub fn get_str_array(&self, key: &str) -> Option<Vec<&str>> {
+        self.get(key)?
+            .as_array()?
+            .iter()
+            .map(MetaValue::as_str)
+            .collect()
+    }
+
+    /// An integer array, e.g. `tokenizer.ggml.token_type`.
+    pub fn get_i64_array(&self, key: &str) -> Option<Vec<i64>> {
+        self.get(key)?
+            .as_array()?
+            .iter()
+            .map(MetaValue::as_i64)
+            .collect()
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The bytes of a tensor (bounds were checked when the file was opened).
+    pub fn tensor_data(&self, info: &TensorInfo) -> &[u8] {
+        let (block_elems, block_bytes) = info.ty.block_layout().unwrap_or((1, 0));
+        let len = info.num_elements() / block_elems * block_bytes;
+        let start = (self.data_start + info.offset) as usize;
+        &self.map[start..start + len as usize]
+    }
+
+    /// Total bytes of tensor data (what the weights occupy in memory).
+    pub fn tensor_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| self.tensor_data(t).len() as u64)
+            .sum()
+    }
+}
+
+/// Bounds-checked little-endian cursor over the mapped header.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: u64,
+    path: &'a Path,
+}
+
+impl Reader<'_> {
+    fn corrupt(&self, what: String) -> GgufError {
+        GgufError::Corrupt {
+            path: self.path.to_path_buf(),
+            offset: self.pos,
+            what,
+        }
+    }
+
+    fn bytes(&mut self, n: u64, what: &str) -> Result<&[u8], GgufError> {
+        let start = self.pos;
+        let end = start
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len() as u64)
+            .ok_or_else(|| self.corrupt(format!("unexpected end of file reading {what}")))?;
+        self.pos = end;
+        Ok(&self.buf[start as usize..end as usize])
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], GgufError> {
+        let b = self.bytes(N as u64, what)?;
+        let mut out = [0u8; N];
+        out.copy_from_slice(b);
+        Ok(out)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, GgufError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, GgufError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn string(&mut self, what: &str) -> Result<String, GgufError> {
+        let len = self.u64(what)?;
+        if len > MAX_STRING_LEN {
+            return Err(self.corrupt(format!("{what} claims {len} bytes")));
+        }
+        let bytes = self.bytes(len, what)?.to_vec();
+        String::from_utf8(bytes).map_err(|_| self.corrupt(format!("{what} is not valid UTF-8")))
+    }
+
+    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<MetaValue, GgufError> {
+        let what = format!("value of `{key}`");
+        Ok(match ty {
+            0 => MetaValue::U8(self.array::<1>(&what)?[0]),
+            1 => MetaValue::I8(self.array::<1>(&what)?[0] as i8),
+            2 => MetaValue::U16(u16::from_le_bytes(self.array(&what)?)),
+            3 => MetaValue::I16(i16::from_le_bytes(self.array(&what)?)),
+            4 => MetaValue::U32(u32::from_le_bytes(self.array(&what)?)),
+            5 => MetaValue::I32(i32::from_le_bytes(self.array(&what)?)),
+            6 => MetaValue::F32(f32::from_le_bytes(self.array(&what)?)),
+            7 => MetaValue::Bool(self.array::<1>(&what)?[0] != 0),
+            8 => MetaValue::String(self.string(&what)?),
+            9 => {
+                if depth > 2 {
+                    return Err(self.corrupt(format!("`{key}` nests arrays too deeply")));
+                }
+                let elem_ty = self.u32(&what)?;
+                let len = self.u64(&what)?;
+                if len > MAX_ARRAY_LEN {
+                    return Err(self.corrupt(format!("`{key}` claims {len} elements")));
+                }
+                let mut items = Vec::with_capacity(len.min(1 << 20) as usize);
+                for _ in 0..len {
+                    items.push(self.value(elem_ty, key, depth + 1)?);
+                }
+                MetaValue::Array(items)
+            }
+            10 => MetaValue::U64(u64::from_le_bytes(self.array(&what)?)),
+            11 => MetaValue::I64(i64::from_le_bytes(self.array(&what)?)),
+            12 => MetaValue::F64(f64::from_le_bytes(self.array(&what)?)),
+            other => return Err(self.corrupt(format!("`{key}` has unknown value type {other}"))),
+        })
+    }
+}
+
+/// Writes small GGUF files for tests (here and in other modules' tests).
+#[cfg(test)]
+pub(crate) mod testutil {
+    pub struct GgufBuilder {
+        kv: Vec<u8>,
+        n_kv: u64,
+        tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+    }
+
+    impl GgufBuilder {
+        pub fn new() -> Self {
+            Self {
+                kv: Vec::new(),
+                n_kv: 0,
+                tensors: Vec::new(),
+            }
+        }
+
+        fn key(&mut self, key: &str, ty: u32) {
+            self.kv.extend((key.len() as u64).to_le_bytes());
+            self.kv.extend(key.as_bytes());
+            self.kv.extend(ty.to_le_bytes());
+            self.n_kv += 1;
+        }
+
+        pub fn u32(mut self, key: &str, v: u32) -> Self {
+            self.key(key, 4);
+            self.kv.extend(v.to_le_bytes());
+            self
+        }
+
+        pub fn f32(mut self, key: &str, v: f32) -> Self {
+            self.key(key, 6);
+            self.kv.extend(v.to_le_bytes());
+            self
+        }
+
+        pub fn str(mut self, key: &str, v: &str) -> Self {
+            self.key(key, 8);
+            self.kv.extend((v.len() as u64).to_le_bytes());
+            self.kv.extend(v.as_bytes());
+            self
+        }
+
+        pub fn str_array(mut self, key: &str, items: &[&str]) -> Self {
+            self.key(key, 9);
+            self.kv.extend(8u32.to_le_bytes());
+            self.kv.extend((items.len() as u64).to_le_bytes());
+            for s in items {
+                self.kv.extend((s.len() as u64).to_le_bytes());
+                self.kv.extend(s.as_bytes());
+            }
+            self
+        }
+
+        pub fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
+            self.tensors.push((name.into(), dims.to_vec(), ty, data));
+            self
+        }
+
+        pub fn build(self) -> Vec<u8> {
+            let mut out = Vec::new();
+            out.extend(b"GGUF");
+            out.extend(3u32.to_le_bytes());
+            out.extend((self.tensors.len() as u64).to_le_bytes());
+            out.extend(self.n_kv.to_le_bytes());
+            out.extend(&self.kv);
+            let mut offset = 0u64;
+            for (name, dims, ty, data) in &self.tensors {
+                out.extend((name.len() as u64).to_le_bytes());
+                out.extend(name.as_bytes());
+                out.extend((dims.len() as u32).to_le_bytes());
+                for d in dims {
+                    out.extend(d.to_le_bytes());
+                }
+                out.extend(ty.to_le_bytes());
+                out.extend(offset.to_le_bytes());
+                offset += (data.len() as u64).div_ceil(32) * 32;
+            }
+            while out.len() % 32 != 0 {
+                out.push(0);
+            }
+            // Offsets above were assigned in order with 32-byte padding, which is what appending
+            // each tensor and padding reproduces.
+            for (_, _, _, data) in &self.tensors {
+                out.extend(data);
+                while out.len() % 32 != 0 {
+                    out.push(0);
+                }
+            }
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::GgufBuilder;
+    use super::*;
+    use std::io::Write;
+
+    fn write_tmp(name: &str, bytes: &[u8]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kvgate-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok();
+        let path = dir.join(name);
+        let mut f = File::create(&path).expect("create temp file");
+        f.write_all(bytes).expect("write temp file");
+        path
+    }
+
+    fn sample() -> Vec<u8> {
+        let f32s: Vec<u8> = (0..64).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        GgufBuilder::new()
+            .str("general.architecture", "llama")
+            .u32("llama.block_count", 2)
+            .f32("llama.rope.freq_base", 10000.0)
+            .str_array("tokenizer.ggml.tokens", &["a", "b", "ab"])
+            .tensor("w", &[32, 2], 0, f32s)
+            .build()
+    }
+
+    #[test]
+    fn reads_metadata_and_tensors() {
+        let path = write_tmp("ok.gguf", &sample());
+        let g = GgufFile::open(&path).expect("valid file opens");
+        assert_eq!(g.get_str("general.architecture"), Some("llama"));
+        assert_eq!(g.get_u64("llama.block_count"), Some(2));
+        assert_eq!(g.get_f32("llama.rope.freq_base"), Some(10000.0));
+        assert_eq!(
+            g.get_str_array("tokenizer.ggml.tokens"),
+            Some(vec!["a", "b", "ab"])
+        );
+        let t = g.tensor("w").expect("tensor present");
+        assert_eq!(t.ty, GgmlType::F32);
+        let data = g.tensor_data(t);
+        assert_eq!(data.len(), 64 * 4);
+        assert_eq!(f32::from_le_bytes(data[4..8].try_into().unwrap()), 1.0);
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_not_a_panic() {
+        let bytes = sample();
+        for cut in [0, 3, 4, 8, 20, 40, bytes.len() / 2, bytes.len() - 1] {
+            let path = write_tmp(&format!("cut{cut}.gguf"), &bytes[..cut]);
+            let err = GgufFile::open(&path).expect_err("truncated file must not open");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("truncated") || msg.contains("not a GGUF"),
+                "cut at {cut}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn unsupported_tensor_type_is_named() {
+        let bytes = GgufBuilder::new()
+            .tensor("blk.0.attn_q.weight", &[256, 1], 12, vec![0; 144])
+            .build();
+        let path = write_tmp("q4k.gguf", &bytes);
+        let err = GgufFile::open(&path).expect_err("Q4_K is not supported");
+        let msg = err.to_string();
+        assert!(msg.contains("blk.0.attn_q.weight") && msg.contains("12"), "{msg}");
+    }
+
+    #[test]
+    fn wrong_magic_and_version_are_named() {
+        let path = write_tmp("magic.gguf", b"GGML\x03\0\0\0");
+        assert!(matches!(
+            GgufFile::open(&path),
+            Err(GgufError::BadMagic { .. })
+        ));
+        let mut bytes = sample();
+        bytes[4] = 9;
+        let path = write_tmp("ver.gguf", &bytes);
+        assert!(matches!(
+            GgufFile::open(&path),
+            Err(GgufError::UnsupportedVersion { version: 9, .. })
+        ));
+    }
+}

@@ -1,0 +1,19 @@
+//! kvgate's embedded inference runtime: GGUF model loading, tokenizer, a paged KV block pool,
+//! a continuous-batching scheduler and the engine loop that drives a [`backend::Backend`].
+#![forbid(unsafe_code)]
+
+pub mod backend;
+pub mod batch;
+pub mod bench;
+pub mod block_pool;
+pub mod chat_template;
+pub mod engine;
+pub mod gguf;
+pub mod kv_math;
+pub mod model;
+pub mod plan;
+pub mod provision;
+pub mod sampler;
+pub mod scheduler;
+pub mod sequence;
+pub mod tokenizer;

@@ -1,0 +1,100 @@
+//! A tiny random llama model written as a GGUF file, for tests that must not depend on the
+//! real 97 MB model (config parsing edge cases, backend vs. reference forward).
+
+use crate::gguf::testutil::GgufBuilder;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Shape of the tiny model. Head dim 32 keeps every row a whole number of 32-element blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct TinyShape {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+}
+
+pub const TINY: TinyShape = TinyShape {
+    layers: 2,
+    hidden: 64,
+    heads: 2,
+    kv_heads: 1,
+    ffn: 96,
+    vocab: 40,
+};
+
+/// Deterministic pseudo-random values in [-scale, scale).
+pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// GGUF builder with the metadata of `shape` and all-F32 random weights, leaving out
+/// `skip_tensor` if given. Later builder calls override keys (the reader keeps the last value),
+/// which error-path tests use to corrupt one entry.
+pub fn tiny_llama(shape: TinyShape, skip_tensor: Option<&str>) -> GgufBuilder {
+    let s = shape;
+    let kv_dim = (s.hidden / s.heads * s.kv_heads) as u64;
+    let (d, ff, vocab) = (s.hidden as u64, s.ffn as u64, s.vocab as u64);
+    let tokens: Vec<String> = (0..s.vocab).map(|i| format!("t{i}")).collect();
+    let token_refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
+    let mut b = GgufBuilder::new()
+        .str("general.architecture", "llama")
+        .u32("llama.block_count", s.layers as u32)
+        .u32("llama.context_length", 256)
+        .u32("llama.embedding_length", s.hidden as u32)
+        .u32("llama.feed_forward_length", s.ffn as u32)
+        .u32("llama.attention.head_count", s.heads as u32)
+        .u32("llama.attention.head_count_kv", s.kv_heads as u32)
+        .f32("llama.rope.freq_base", 10000.0)
+        .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        .str_array("tokenizer.ggml.tokens", &token_refs);
+    let mut seed = 1;
+    let mut add = |b: GgufBuilder, name: &str, dims: &[u64], scale: f32, offset: f32| {
+        if skip_tensor == Some(name) {
+            return b;
+        }
+        seed += 1;
+        let n = dims.iter().product::<u64>() as usize;
+        let v: Vec<f32> = values(seed, n, scale).iter().map(|x| x + offset).collect();
+        b.tensor(name, dims, 0, f32_bytes(&v))
+    };
+    b = add(b, "token_embd.weight", &[d, vocab], 1.0, 0.0);
+    for i in 0..s.layers {
+        let n = |t: &str| format!("blk.{i}.{t}.weight");
+        b = add(b, &n("attn_norm"), &[d], 0.2, 1.0);
+        b = add(b, &n("attn_q"), &[d, d], 0.3, 0.0);
+        b = add(b, &n("attn_k"), &[d, kv_dim], 0.3, 0.0);
+        b = add(b, &n("attn_v"), &[d, kv_dim], 0.3, 0.0);
+        b = add(b, &n("attn_output"), &[d, d], 0.2, 0.0);
+        b = add(b, &n("ffn_norm"), &[d], 0.2, 1.0);
+        b = add(b, &n("ffn_gate"), &[d, ff], 0.2, 0.0);
+        b = add(b, &n("ffn_up"), &[d, ff], 0.2, 0.0);
+        b = add(b, &n("ffn_down"), &[ff, d], 0.2, 0.0);
+    }
+    add(b, "output_norm.weight", &[d], 0.2, 1.0)
+}
+
+/// Writes `bytes` to a fresh file under the system temp dir and returns its path. Every call
+/// gets its own file: rewriting a file that another test has memory-mapped would crash it.
+pub fn write_temp(name: &str, bytes: &[u8]) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!("kvgate-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok();
+    let path = dir.join(format!("{}-{name}", NEXT.fetch_add(1, Ordering::Relaxed)));
+    std::fs::write(&path, bytes).ok();
+    path
+}

@@ -1,0 +1,352 @@
+//! Byte-level BPE tokenizer built from a GGUF vocabulary, token for token equal to llama.cpp's.
+//!
+//! Encoding is llama.cpp's pipeline: cut out special tokens ([`special`]), pre-tokenize each
+//! remaining fragment into words ([`pretokenize`]), then merge each word's bytes. Merging runs on
+//! tiktoken-rs's `CoreBPE` (rank-based, O(n log n) on long words). A rank is a token's merge
+//! priority: the position of the merge in `tokenizer.ggml.merges` that creates it, so the result
+//! is the merge-list BPE llama.cpp runs (in SmolLM2 that order is also the token-id order; a test
+//! checks it). Bytes the vocabulary has no token for (SmolLM2 lacks a few ASCII control bytes) are
+//! dropped and stop merges across them, as in llama.cpp.
+//!
+//! Decoding maps the GPT-2 byte spelling ([`byte_level`]) back to raw bytes. Control tokens
+//! decode to nothing, like llama.cpp's detokenizer with `special = false`;
+//! [`Tokenizer::decode_with_special`] renders them.
+
+mod byte_level;
+mod pretokenize;
+mod special;
+mod stream;
+mod vocab;
+#[cfg(test)]
+mod tests;
+
+pub use stream::{StreamDecoder, Utf8Stream};
+pub use vocab::TokenKind;
+
+use crate::chat_template::{ChatMessage, ChatTemplate, FALLBACK_CHATML, TemplateError};
+use crate::gguf::GgufFile;
+use byte_level::ByteDecoder;
+use pretokenize::PreTokenizer;
+use special::{Fragment, SpecialToken};
+use std::collections::{BTreeSet, HashMap};
+use tiktoken_rs::CoreBPE;
+use vocab::Vocab;
+
+/// Why a GGUF vocabulary cannot be turned into a tokenizer.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("GGUF file has no `{0}`")]
+    Missing(&'static str),
+    #[error("tokenizer model `{0}` is not supported: kvgate implements byte-level BPE (`gpt2`) only")]
+    UnsupportedModel(String),
+    #[error("pre-tokenizer `{0}` is not supported (supported: smollm and GPT-2 style pre-tokenizers)")]
+    UnsupportedPreTokenizer(String),
+    #[error("invalid vocabulary: {0}")]
+    Invalid(String),
+    #[error("pre-tokenizer regex does not compile: {0}")]
+    Regex(String),
+}
+
+/// A GGUF byte-level BPE tokenizer. `Send + Sync`; share it behind an `Arc`.
+pub struct Tokenizer {
+    texts: Vec<String>,
+    kinds: Vec<TokenKind>,
+    /// Raw bytes of every token, back to back; token `i` is `bytes[offsets[i]..offsets[i + 1]]`.
+    bytes: Vec<u8>,
+    offsets: Vec<usize>,
+    bpe: CoreBPE,
+    /// CoreBPE speaks ranks (merge priority); this maps them back to token ids.
+    id_of_rank: Vec<u32>,
+    /// Bytes no token spells: dropped from the input, and merges never cross them.
+    unencodable: [bool; 256],
+    pre: PreTokenizer,
+    specials: Vec<SpecialToken>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+    eog: BTreeSet<u32>,
+    chat_template: Result<ChatTemplate, TemplateError>,
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer for a byte-level BPE (`tokenizer.ggml.model = gpt2`) vocabulary.
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {
+        Self::from_vocab(Vocab::from_gguf(gguf)?)
+    }
+
+    fn from_vocab(vocab: Vocab) -> Result<Self, TokenizerError> {
+        let pre = PreTokenizer::for_pre_type(&vocab.pre)?;
+        let byte_decoder = ByteDecoder::new();
+        let mut bytes = Vec::new();
+        let mut offsets = vec![0];
+        let mut is_plain_bpe_token = Vec::with_capacity(vocab.texts.len());
+        for (text, kind) in vocab.texts.iter().zip(&vocab.kinds) {
+            let (token_bytes, all_mapped) = match kind {
+                TokenKind::Normal => byte_decoder.decode(text),
+                TokenKind::Byte => (parse_byte_token(text).map(|b| vec![b]).unwrap_or_default(), false),
+                TokenKind::UserDefined => (text.as_bytes().to_vec(), false),
+                _ => (Vec::new(), false),
+            };
+            is_plain_bpe_token.push(*kind == TokenKind::Normal && all_mapped);
+            bytes.extend_from_slice(&token_bytes);
+            offsets.push(bytes.len());
+        }
+        let span = |id: usize| &bytes[offsets[id]..offsets[id + 1]];
+        let ranked = rank_tokens(&vocab, &is_plain_bpe_token, span)?;
+
+        let mut unencodable = [true; 256];
+        let mut encoder = HashMap::default();
+        let mut id_of_rank = vec![0u32; ranked.len()];
+        for (rank, &id) in ranked.iter().enumerate() {
+            let token = span(id as usize);
+            if let [b] = token {
+                unencodable[*b as usize] = false;
+            }
+            encoder.entry(token.to_vec()).or_insert(rank as u32);
+            id_of_rank[rank] = id;
+        }
+        if let Some(b) = (0..=255u8).find(|&b| unencodable[b as usize] && can_split_at(b)) {
+            return Err(TokenizerError::Invalid(format!(
+                "no token for byte 0x{b:02X}, which occurs inside UTF-8 text"
+            )));
+        }
+        // One pattern matching the whole input: the words are cut by `pre`, CoreBPE only merges.
+        let bpe = CoreBPE::new(encoder, HashMap::default(), r"(?s).+")
+            .map_err(|e| TokenizerError::Invalid(format!("BPE tables: {e}")))?;
+
+        let specials = special::matching_order(
+            vocab
+                .kinds
+                .iter()
+                .enumerate()
+                .filter_map(|(id, kind)| {
+                    let needs_parse_special = match kind {
+                        TokenKind::Control | TokenKind::Unknown => true,
+                        TokenKind::UserDefined => false,
+                        _ => return None,
+                    };
+                    Some(SpecialToken {
+                        id: id as u32,
+                        text: vocab.texts[id].clone(),
+                        needs_parse_special,
+                    })
+                })
+                .collect(),
+        );
+        let text_of = |id: Option<u32>| id.and_then(|i| vocab.texts.get(i as usize)).map_or("", |t| t);
+        let chat_template = ChatTemplate::new(
+            vocab.chat_template.as_deref().unwrap_or(FALLBACK_CHATML),
+            text_of(vocab.bos),
+            text_of(vocab.eos),
+        );
+        Ok(Self {
+            texts: vocab.texts,
+            kinds: vocab.kinds,
+            bytes,
+            offsets,
+            bpe,
+            id_of_rank,
+            unencodable,
+            pre,
+            specials,
+            bos: vocab.bos,
+            eos: vocab.eos,
+            add_bos: vocab.add_bos,
+            eog: vocab.eog_ids,
+            chat_template,
+        })
+    }
+
+    /// Token ids for `text`, as llama.cpp's `llama_tokenize(text, add_special = false,
+    /// parse_special)`. With `parse_special`, control-token text such as `<|im_start|>` becomes
+    /// that token; without, it is tokenized as plain text (user input should be).
+    pub fn encode(&self, text: &str, parse_special: bool) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + 1);
+        let mut words = Vec::new();
+        for fragment in special::partition(text, &self.specials, parse_special) {
+            match fragment {
+                Fragment::Token(id) => ids.push(id),
+                Fragment::Text(text) => {
+                    words.clear();
+                    self.pre.split(text, &mut words);
+                    for word in &words {
+                        self.encode_word(word, &mut ids);
+                    }
+                }
+            }
+        }
+        ids
+    }
+
+    /// [`Self::encode`], preceded by BOS when the vocabulary asks for it (`add_bos_token`).
+    pub fn encode_with_bos(&self, text: &str, parse_special: bool) -> Vec<u32> {
+        let mut ids = Vec::new();
+        if let (true, Some(bos)) = (self.add_bos, self.bos) {
+            ids.push(bos);
+        }
+        ids.extend(self.encode(text, parse_special));
+        ids
+    }
+
+    fn encode_word(&self, word: &str, ids: &mut Vec<u32>) {
+        if !word.bytes().any(|b| self.unencodable[b as usize]) {
+            let ranks = self.bpe.encode_ordinary(word);
+            ids.extend(ranks.into_iter().map(|r| self.id_of_rank[r as usize]));
+            return;
+        }
+        // Unencodable bytes are ASCII (checked at load), so cutting there keeps valid UTF-8.
+        for part in word.split(|c: char| c.is_ascii() && self.unencodable[c as usize]) {
+            if !part.is_empty() {
+                self.encode_word(part, ids);
+            }
+        }
+    }
+
+    /// Text of `ids`, lossily. Control tokens (BOS, `<|im_end|>`, …) contribute nothing, as in
+    /// llama.cpp's detokenizer with `special = false`; user-defined tokens render as their text.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| self.token_bytes(id)).copied().collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Like [`Self::decode`], but control tokens render as their text (`<|im_start|>`), so
+    /// `decode_with_special(encode(x, true)) == x`.
+    pub fn decode_with_special(&self, ids: &[u32]) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            match self.kinds.get(id as usize) {
+                Some(TokenKind::Control | TokenKind::Unknown) => {
+                    bytes.extend_from_slice(self.texts[id as usize].as_bytes());
+                }
+                _ => bytes.extend_from_slice(self.token_bytes(id)),
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Raw bytes of token `id`: empty for control, unknown and unused tokens and for ids out of
+    /// range. May be part of a UTF-8 character; see [`StreamDecoder`].
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        let id = id as usize;
+        match (self.offsets.get(id), self.offsets.get(id + 1)) {
+            (Some(&start), Some(&end)) => &self.bytes[start..end],
+            _ => &[],
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.texts.len()
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// Whether generation stops at `id`: eos, eot/eom and llama.cpp's text-detected set
+    /// (`<|im_end|>`, `<|endoftext|>`, FIM repo/sep/pad, …).
+    pub fn is_eog(&self, id: u32) -> bool {
+        self.eog.contains(&id)
+    }
+
+    /// End-of-generation ids, ascending.
+    pub fn eog_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.eog.iter().copied()
+    }
+
+    /// Control, unknown or user-defined: tokens matched verbatim before BPE.
+    pub fn is_special(&self, id: u32) -> bool {
+        matches!(
+            self.kinds.get(id as usize),
+            Some(TokenKind::Control | TokenKind::Unknown | TokenKind::UserDefined)
+        )
+    }
+
+    pub fn token_kind(&self, id: u32) -> Option<TokenKind> {
+        self.kinds.get(id as usize).copied()
+    }
+
+    /// The token's string as stored in the vocabulary (GPT-2 byte spelling: `Ġthe`).
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.texts.get(id as usize).map(String::as_str)
+    }
+
+    /// Renders `messages` with the GGUF's chat template (ChatML if the file has none).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        match &self.chat_template {
+            Ok(template) => template.render(messages, add_generation_prompt),
+            Err(e) => Err(e.clone()),
+        }
+    }
+
+    /// A decoder for streaming generated tokens as text.
+    pub fn stream_decoder(&self) -> StreamDecoder<'_> {
+        StreamDecoder::new(self)
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.texts.len())
+            .field("specials", &self.specials.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Token ids in rank order (merge priority; see the module doc).
+///
+/// With merges: the single-byte tokens first, then each merge's result in merge order. Tokens no
+/// merge creates are left out, as merge-list BPE can never produce them. Without merges, every
+/// plain token ranks by its id (tiktoken's convention).
+fn rank_tokens<'b>(
+    vocab: &Vocab,
+    is_plain: &[bool],
+    span: impl Fn(usize) -> &'b [u8],
+) -> Result<Vec<u32>, TokenizerError> {
+    let plain_ids = (0..vocab.texts.len()).filter(|&id| is_plain[id]);
+    let Some(merges) = &vocab.merges else {
+        return Ok(plain_ids.map(|id| id as u32).collect());
+    };
+    let mut ranked: Vec<u32> = plain_ids
+        .filter(|&id| span(id).len() == 1)
+        .map(|id| id as u32)
+        .collect();
+    let id_of: HashMap<&str, usize> = (0..vocab.texts.len())
+        .filter(|&id| is_plain[id])
+        .map(|id| (vocab.texts[id].as_str(), id))
+        .collect();
+    let mut seen = vec![false; vocab.texts.len()];
+    for (left, right) in merges {
+        let merged = format!("{left}{right}");
+        // A merge whose result is not a token can never fire in llama.cpp either.
+        if let Some(&id) = id_of.get(merged.as_str())
+            && !seen[id]
+        {
+            seen[id] = true;
+            ranked.push(id as u32);
+        }
+    }
+    Ok(ranked)
+}
+
+/// `<0xAB>` → 0xAB: the spelling of byte tokens in vocabularies with byte fallback.
+fn parse_byte_token(text: &str) -> Option<u8> {
+    let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
+    u8::from_str_radix(hex, 16).ok()
+}
+
+/// Whether dropping byte `b` can cut a `&str` mid-character: only ASCII bytes are whole
+/// characters; 0xC0, 0xC1 and 0xF5..=0xFF never occur in UTF-8 at all.
+fn can_split_at(b: u8) -> bool {
+    !(b.is_ascii() || b == 0xC0 || b == 0xC1 || b >= 0xF5)
+}

