@@ -93,9 +93,14 @@ impl Admission {
             ticket.max_output_tokens,
         );
         let limit_blocks = watermark_limit(occupancy.total_blocks, policy.kv.high_watermark);
-        if needed_blocks > limit_blocks {
+        // In `prompt` mode the reservation is smaller than the whole sequence, but a sequence
+        // longer than the entire pool could still never finish.
+        let sequence_blocks = (ticket.prompt_tokens)
+            .saturating_add(ticket.max_output_tokens)
+            .div_ceil(occupancy.block_size.max(1));
+        if needed_blocks > limit_blocks || sequence_blocks > occupancy.total_blocks {
             let rejection = Rejection::NeverFits {
-                needed_blocks,
+                needed_blocks: needed_blocks.max(sequence_blocks),
                 total_blocks: occupancy.total_blocks,
                 limit_blocks,
             };

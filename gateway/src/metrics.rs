@@ -266,3 +266,6 @@ impl Metrics {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;

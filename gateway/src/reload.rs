@@ -254,6 +254,29 @@ mod tests {
         assert_eq!(concurrency(&store), Some(7));
     }
 
+    #[tokio::test]
+    async fn sighup_triggers_a_reload() {
+        let dir = tempdir();
+        let path = dir.join("policy.toml");
+        std::fs::write(&path, GOOD).unwrap();
+        let store = PolicyStore::load(&path).unwrap();
+        let mut updates = store.subscribe();
+        // Changed before the watcher starts, so only the signal can trigger the reload.
+        std::fs::write(&path, BETTER).unwrap();
+        // Installs the SIGHUP handler before returning, so the signal below cannot kill us.
+        let _watcher = store.watch().unwrap();
+        let status = std::process::Command::new("kill")
+            .args(["-HUP", &std::process::id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        tokio::time::timeout(Duration::from_secs(60), updates.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(concurrency(&store), Some(7));
+    }
+
     fn tempdir() -> PathBuf {
         use std::sync::atomic::AtomicUsize;
         static NEXT: AtomicUsize = AtomicUsize::new(0);

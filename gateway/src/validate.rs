@@ -14,6 +14,7 @@ use crate::openai::{
     StreamOptions,
 };
 use crate::policy::Overflow;
+use truncate::fit_conversation;
 
 /// At most this many stop sequences, as OpenAI allows.
 pub const MAX_STOP_SEQUENCES: usize = 4;
@@ -249,88 +250,6 @@ fn template_turns(messages: &[WireMessage]) -> Result<Vec<TemplateTurn>, Validat
     Ok(turns)
 }
 
-/// A rendered, tokenized conversation and how many messages were dropped to make it fit.
-struct Fitted {
-    prompt_ids: Vec<u32>,
-    dropped_messages: usize,
-}
-
-/// Renders the whole conversation; if it is too long and the tenant allows truncation, drops
-/// the fewest oldest turns that make it fit (binary search: the prompt shrinks as turns go).
-fn fit_conversation(
-    turns: &[TemplateTurn],
-    requested: Option<u32>,
-    limits: &Limits,
-    codec: &dyn PromptCodec,
-) -> Result<Fitted, ValidationError> {
-    let full = tokenize_turns(turns, codec)?;
-    let fits = |ids: &[u32]| prompt_fits(ids.len(), requested, limits);
-    if fits(&full) || limits.overflow == Overflow::Reject {
-        return Ok(Fitted {
-            prompt_ids: full,
-            dropped_messages: 0,
-        });
-    }
-    let starts = turn_starts(turns);
-    // Dropping `k` turns removes the non-system messages before `starts[k]`; the newest turn
-    // (k = starts.len() - 1) always stays. Find the smallest k that fits.
-    let (mut lo, mut hi) = (1, starts.len().saturating_sub(1));
-    let mut best: Option<(Vec<u32>, usize)> = None;
-    while lo <= hi {
-        let k = lo + (hi - lo) / 2;
-        let kept = keep_from(turns, starts[k]);
-        let ids = tokenize_turns(&kept, codec)?;
-        if fits(&ids) {
-            best = Some((ids, turns.len() - kept.len()));
-            hi = k - 1;
-        } else {
-            lo = k + 1;
-        }
-    }
-    let (prompt_ids, dropped_messages) = match best {
-        Some(found) => found,
-        // Not even the newest turn alone fits: report the full prompt's numbers.
-        None => (full, 0),
-    };
-    Ok(Fitted {
-        prompt_ids,
-        dropped_messages,
-    })
-}
-
-/// Indices (into `turns`) where each non-system turn starts: at every user message, and at the
-/// first non-system message if the conversation does not open with a user.
-fn turn_starts(turns: &[TemplateTurn]) -> Vec<usize> {
-    let mut starts = Vec::new();
-    for (i, turn) in turns.iter().enumerate() {
-        if turn.role == "system" {
-            continue;
-        }
-        if starts.is_empty() || turn.role == "user" {
-            starts.push(i);
-        }
-    }
-    starts
-}
-
-/// Every system turn, plus the non-system turns from index `start` on.
-fn keep_from(turns: &[TemplateTurn], start: usize) -> Vec<TemplateTurn> {
-    turns
-        .iter()
-        .enumerate()
-        .filter(|(i, t)| t.role == "system" || *i >= start)
-        .map(|(_, t)| t.clone())
-        .collect()
-}
-
-fn tokenize_turns(
-    turns: &[TemplateTurn],
-    codec: &dyn PromptCodec,
-) -> Result<Vec<u32>, ValidationError> {
-    let text = codec.render_chat(turns).map_err(ValidationError::Template)?;
-    Ok(codec.encode(&text))
-}
-
 // === Completions ===
 
 /// Validates a legacy completions request for `model_name` under `limits`.
@@ -510,3 +429,4 @@ impl PromptCodec for Tokenizer {
 
 #[cfg(test)]
 mod tests;
+mod truncate;

@@ -14,10 +14,12 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 /// Activations quantized for the AVX2 kernels: row `a`, block `b` at `qs[(a*nb + b)*32..]`,
-/// scale `d[a*nb + b]` and (Q8_1) `s[a*nb + b]`, both already rounded through f16.
+/// scale `d[a*nb + b]`, and (Q8_1) the block sum `s[b*s_stride + a]`, stored transposed so that
+/// eight consecutive activation rows load as one vector. Scales are already rounded through f16.
 #[derive(Default)]
 pub(crate) struct PackedActs {
     nb: usize,
+    s_stride: usize,
     qs: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
@@ -57,17 +59,28 @@ pub(crate) fn matmul(
 fn pack_acts(x: &[f32], m: usize, cols: usize, with_sums: bool, p: &mut PackedActs) {
     let nb = cols / QK;
     p.nb = nb;
+    // Padding lets a tile read 8 sums starting at any activation row.
+    p.s_stride = m.next_multiple_of(8) + 8;
     p.qs.resize(m * nb * QK, 0);
     p.d.resize(m * nb, 0.0);
-    p.s.resize(if with_sums { m * nb } else { 0 }, 0.0);
-    // SAFETY: AVX2/F16C detected by the caller's dispatch; slices sized above.
-    unsafe { quantize_rows(x, &mut p.qs, &mut p.d, with_sums.then_some(&mut p.s[..])) };
+    p.s.clear();
+    if with_sums {
+        p.s.resize(nb * p.s_stride, 0.0);
+    }
+    for a in 0..m {
+        let sums = with_sums.then(|| (&mut p.s[..], p.s_stride, a));
+        let (qs, d) = (&mut p.qs[a * nb * QK..(a + 1) * nb * QK], &mut p.d[a * nb..(a + 1) * nb]);
+        // SAFETY: AVX2/F16C detected by the caller's dispatch; slices sized above.
+        unsafe { quantize_row(&x[a * cols..(a + 1) * cols], qs, d, sums) };
+    }
 }
 
-/// ggml's AVX2 `quantize_row_q8_0` / `quantize_row_q8_1`, writing the split layout.
+/// ggml's AVX2 `quantize_row_q8_0` / `quantize_row_q8_1` for one row, writing the split layout;
+/// `sums` is `(s, stride, a)`: block `b`'s sum goes to `s[b * stride + a]`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_rows(x: &[f32], qs: &mut [i8], d: &mut [f32], mut s: Option<&mut [f32]>) {
+unsafe fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: Option<(&mut [f32], usize, usize)>) {
     assert!(qs.len() == x.len() && d.len() * QK == x.len());
+    let mut sums = sums;
     let sign = _mm256_set1_ps(-0.0);
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (b, xb) in x.chunks_exact(QK).enumerate() {
@@ -89,9 +102,9 @@ unsafe fn quantize_rows(x: &[f32], qs: &mut [i8], d: &mut [f32], mut s: Option<&
             let i: [__m256i; 4] = std::array::from_fn(|j| {
                 _mm256_cvtps_epi32(_mm256_round_ps::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(v[j], mul)))
             });
-            if let Some(s) = s.as_deref_mut() {
+            if let Some((s, stride, a)) = sums.as_mut() {
                 let sum = hsum_i32_8(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
-                s[b] = round_f16(scale * sum as f32);
+                s[b * *stride + *a] = round_f16(scale * sum as f32);
             }
             let lo = _mm256_packs_epi32(i[0], i[1]);
             let hi = _mm256_packs_epi32(i[2], i[3]);
@@ -210,94 +223,151 @@ impl WeightBlock for Q8_0 {
     }
 }
 
-/// Weight rows per tile (also the row-chunk alignment between threads).
+/// Weight rows per decode tile (also the row-chunk alignment between threads).
 const WR: usize = 4;
-/// Activation rows per tile.
-const AR: usize = 2;
+/// Weight rows whose bytes are reused from L1 across all activation groups (prefill).
+const ROW_BLOCK: usize = 16;
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_kernel<T: WeightBlock>(w: &QMatrix, acts: &PackedActs, m: usize, rows: Range<usize>, out: OutPtr) {
     let row_bytes = w.row_bytes();
     assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
-    assert!(acts.qs.len() >= m * acts.nb * QK && acts.nb * T::BYTES == row_bytes);
+    assert!(acts.nb * T::BYTES == row_bytes && acts.qs.len() >= m * acts.nb * QK && acts.d.len() >= m * acts.nb);
+    assert!(!T::HAS_MIN || acts.s.len() >= acts.nb * acts.s_stride && acts.s_stride >= m.next_multiple_of(8) + 8);
     let base = w.data.as_ptr();
     let mut r = rows.start;
-    while r < rows.end {
-        let wr = if rows.end - r >= WR { WR } else { 1 };
-        let mut a = 0;
-        while a < m {
-            let ar = (m - a).min(AR);
-            // SAFETY: rows r..r+wr and activation rows a..a+ar are in bounds (asserted above).
+    if m == 1 {
+        // Decode: bandwidth bound; interleave WR rows for instruction-level parallelism.
+        while r < rows.end {
+            // SAFETY: rows r..r+WR (or r) are in bounds (asserted above).
             unsafe {
-                let wp = base.add(r * row_bytes);
-                match (wr, ar) {
-                    (WR, AR) => tile::<T, WR, AR>(wp, row_bytes, acts, a, r, w.rows, out),
-                    (WR, _) => tile::<T, WR, 1>(wp, row_bytes, acts, a, r, w.rows, out),
-                    (_, AR) => tile::<T, 1, AR>(wp, row_bytes, acts, a, r, w.rows, out),
-                    _ => tile::<T, 1, 1>(wp, row_bytes, acts, a, r, w.rows, out),
+                if rows.end - r >= WR {
+                    tile_rows::<T, WR>(base.add(r * row_bytes), row_bytes, acts, r, w.rows, out);
+                    r += WR;
+                } else {
+                    tile_rows::<T, 1>(base.add(r * row_bytes), row_bytes, acts, r, w.rows, out);
+                    r += 1;
                 }
             }
-            a += if ar == AR { AR } else { 1 };
         }
-        r += wr;
+        return;
+    }
+    // Prefill / batched decode: compute bound; one weight row × up to 8 activation rows per
+    // tile, rows blocked so that their bytes stay in L1 while every activation group passes.
+    while r < rows.end {
+        let block_end = (r + ROW_BLOCK).min(rows.end);
+        let mut a = 0;
+        while a < m {
+            let left = m - a;
+            let group = if left >= 8 { 8 } else if left >= 4 { 4 } else if left >= 2 { 2 } else { 1 };
+            for row in r..block_end {
+                // SAFETY: `row` < w.rows and activation rows a..a+group < m (asserted above).
+                unsafe {
+                    let wp = base.add(row * row_bytes);
+                    match group {
+                        8 => tile_acts::<T, 8>(wp, acts, a, row, w.rows, out),
+                        4 => tile_acts::<T, 4>(wp, acts, a, row, w.rows, out),
+                        2 => tile_acts::<T, 2>(wp, acts, a, row, w.rows, out),
+                        _ => tile_acts::<T, 1>(wp, acts, a, row, w.rows, out),
+                    }
+                }
+            }
+            a += group;
+        }
+        r = block_end;
     }
 }
 
-/// `R` weight rows starting at `wp` × `A` activation rows starting at `a0`.
+/// Integer lane sums of one weight block against one activation block, as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<T: WeightBlock, const R: usize, const A: usize>(
+unsafe fn lane_sums<T: WeightBlock>(wv: __m256i, w_abs: __m256i, av: __m256i) -> __m256 {
+    let prod = if T::SIGNED {
+        _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(av, wv))
+    } else {
+        _mm256_maddubs_epi16(wv, av)
+    };
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)))
+}
+
+/// `R` consecutive weight rows starting at `wp` × activation row 0 (decode).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_rows<T: WeightBlock, const R: usize>(
     wp: *const u8,
     row_bytes: usize,
     acts: &PackedActs,
-    a0: usize,
     r0: usize,
     rows: usize,
     out: OutPtr,
 ) {
-    let nb = acts.nb;
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); A]; R];
-    for b in 0..nb {
-        let mut wv = [_mm256_setzero_si256(); R];
-        let mut dw = [0.0f32; R];
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut summs = [0.0f32; R];
+    for b in 0..acts.nb {
+        // SAFETY: block b of activation row 0 exists (nb blocks per row).
+        let av = unsafe { _mm256_loadu_si256(acts.qs.as_ptr().add(b * QK).cast()) };
+        let da = acts.d[b];
         for i in 0..R {
+            // SAFETY: rows r0..r0+R each hold nb blocks of T::BYTES.
             let p = unsafe { wp.add(i * row_bytes + b * T::BYTES) };
-            wv[i] = unsafe { T::values(p) };
-            dw[i] = unsafe { T::scales(p) }.0;
-        }
-        for j in 0..A {
-            let idx = (a0 + j) * nb + b;
-            let av = unsafe { _mm256_loadu_si256(acts.qs.as_ptr().add(idx * QK).cast()) };
-            let da = acts.d[idx];
-            for i in 0..R {
-                let prod = if T::SIGNED {
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(wv[i], wv[i]), _mm256_sign_epi8(av, wv[i]))
-                } else {
-                    _mm256_maddubs_epi16(wv[i], av)
-                };
-                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw[i] * da), sums, acc[i][j]);
-            }
-        }
-    }
-    let mut summs = [[0.0f32; A]; R];
-    if T::HAS_MIN {
-        // ggml adds `m·s` in its own fused chain, separate from the lanes.
-        for b in 0..nb {
-            for (i, si) in summs.iter_mut().enumerate() {
-                let mw = unsafe { T::scales(wp.add(i * row_bytes + b * T::BYTES)) }.1;
-                for (j, sij) in si.iter_mut().enumerate() {
-                    *sij = mw.mul_add(acts.s[(a0 + j) * nb + b], *sij);
-                }
+            let (dw, mw) = unsafe { T::scales(p) };
+            let wv = unsafe { T::values(p) };
+            let sums = unsafe { lane_sums::<T>(wv, _mm256_sign_epi8(wv, wv), av) };
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), sums, acc[i]);
+            if T::HAS_MIN {
+                // ggml adds `m·s` in its own fused chain, separate from the lanes.
+                summs[i] = mw.mul_add(acts.s[b * acts.s_stride], summs[i]);
             }
         }
     }
     for i in 0..R {
-        for j in 0..A {
-            let value = unsafe { hsum8(acc[i][j]) } + summs[i][j];
-            // SAFETY: this thread owns weight rows r0..r0+R.
-            unsafe { out.write((a0 + j) * rows + r0 + i, value) };
+        // SAFETY: this thread owns weight rows r0..r0+R.
+        unsafe { out.write(r0 + i, hsum8(acc[i]) + summs[i]) };
+    }
+}
+
+/// One weight row at `wp` × activation rows `a0..a0+A` (prefill / batched decode).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_acts<T: WeightBlock, const A: usize>(
+    wp: *const u8,
+    acts: &PackedActs,
+    a0: usize,
+    r: usize,
+    rows: usize,
+    out: OutPtr,
+) {
+    let nb = acts.nb;
+    let mut acc = [_mm256_setzero_ps(); A];
+    // Lane j carries activation row a0 + j's `Σ m·s` chain.
+    let mut summs = _mm256_setzero_ps();
+    for b in 0..nb {
+        // SAFETY: block b of this weight row exists.
+        let p = unsafe { wp.add(b * T::BYTES) };
+        let (dw, mw) = unsafe { T::scales(p) };
+        let wv = unsafe { T::values(p) };
+        let w_abs = _mm256_sign_epi8(wv, wv);
+        let dwv = _mm256_set1_ps(dw);
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            let idx = (a0 + j) * nb + b;
+            // SAFETY: activation row a0 + j < m has nb blocks; `d` has m·nb entries.
+            let (av, da) = unsafe {
+                (_mm256_loadu_si256(acts.qs.as_ptr().add(idx * QK).cast()), _mm256_broadcast_ss(&*acts.d.as_ptr().add(idx)))
+            };
+            let sums = unsafe { lane_sums::<T>(wv, w_abs, av) };
+            *acc_j = _mm256_fmadd_ps(_mm256_mul_ps(dwv, da), sums, *acc_j);
         }
+        if T::HAS_MIN {
+            // SAFETY: s_stride >= a0 + 8 for every tile start (padding in pack_acts).
+            let s = unsafe { _mm256_loadu_ps(acts.s.as_ptr().add(b * acts.s_stride + a0)) };
+            summs = _mm256_fmadd_ps(_mm256_set1_ps(mw), s, summs);
+        }
+    }
+    let mut mins = [0.0f32; 8];
+    // SAFETY: `mins` holds 8 floats.
+    unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), summs) };
+    for (j, acc_j) in acc.iter().enumerate() {
+        // SAFETY: this thread owns weight row r.
+        unsafe { out.write((a0 + j) * rows + r, hsum8(*acc_j) + mins[j]) };
     }
 }

@@ -14,7 +14,9 @@ use crate::sequence::{SeqId, Sequence};
 /// A scheduled chunk the sequence's blocks do not cover: a scheduler bug, reported instead of
 /// handing the backend an out-of-range slot.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("scheduled chunk of {seq} ends at token {end} but its {blocks} blocks or {len} tokens do not cover it")]
+#[error(
+    "scheduled chunk of {seq} ends at token {end} but its {blocks} blocks or {len} tokens do not cover it"
+)]
 pub struct UncoveredChunk {
     pub seq: SeqId,
     pub end: usize,
@@ -34,7 +36,9 @@ pub fn build_inputs(
     inputs.slot_mapping.clear();
     let mut used_seqs = 0;
     for entry in &batch.seqs {
-        let Some(seq) = running.get(entry.index) else { continue };
+        let Some(seq) = running.get(entry.index) else {
+            continue;
+        };
         let end = entry.start + entry.num_tokens;
         let table_len = blocks_for_tokens(end, block_size);
         if end > seq.len() || table_len > seq.block_table.len() {
@@ -47,11 +51,15 @@ pub fn build_inputs(
             });
         }
         let token_start = inputs.token_ids.len();
-        inputs.token_ids.extend_from_slice(&seq.token_ids[entry.start..end]);
+        inputs
+            .token_ids
+            .extend_from_slice(&seq.token_ids[entry.start..end]);
         for pos in entry.start..end {
             let block = seq.block_table[pos / block_size] as usize;
             inputs.positions.push(pos as u32);
-            inputs.slot_mapping.push((block * block_size + pos % block_size) as u32);
+            inputs
+                .slot_mapping
+                .push((block * block_size + pos % block_size) as u32);
         }
         if used_seqs == inputs.seqs.len() {
             inputs.seqs.push(SeqInputs::default());
@@ -63,7 +71,8 @@ pub fn build_inputs(
         out.context_len = end;
         out.needs_logits = entry.needs_logits;
         out.block_table.clear();
-        out.block_table.extend_from_slice(&seq.block_table[..table_len]);
+        out.block_table
+            .extend_from_slice(&seq.block_table[..table_len]);
     }
     inputs.seqs.truncate(used_seqs);
     Ok(())
@@ -78,14 +87,22 @@ mod tests {
     use crate::scheduler::ScheduledSeq;
     use crate::sequence::{SamplingParams, StopParams};
 
-    fn running_seq(pool: &std::sync::Arc<BlockPool>, id: u64, tokens: Vec<u32>, blocks: Vec<u32>) -> Sequence {
+    fn running_seq(
+        pool: &std::sync::Arc<BlockPool>,
+        id: u64,
+        tokens: Vec<u32>,
+        blocks: Vec<u32>,
+    ) -> Sequence {
         let (tx, _rx) = mpsc::channel(1);
         let mut seq = Sequence::new(
             SeqId(id),
             "t".into(),
             tokens,
             SamplingParams::default(),
-            StopParams { max_tokens: 4, ..StopParams::default() },
+            StopParams {
+                max_tokens: 4,
+                ..StopParams::default()
+            },
             pool.empty_reservation(),
             tx,
         );
@@ -102,8 +119,18 @@ mod tests {
         let b = running_seq(&pool, 2, vec![1, 2, 3, 4, 5, 6], vec![3, 5]);
         let batch = ScheduledBatch {
             seqs: vec![
-                ScheduledSeq { index: 0, start: 4, num_tokens: 6, needs_logits: true },
-                ScheduledSeq { index: 1, start: 5, num_tokens: 1, needs_logits: true },
+                ScheduledSeq {
+                    index: 0,
+                    start: 4,
+                    num_tokens: 6,
+                    needs_logits: true,
+                },
+                ScheduledSeq {
+                    index: 1,
+                    start: 5,
+                    num_tokens: 1,
+                    needs_logits: true,
+                },
             ],
             num_tokens: 7,
             num_preempted: 0,
@@ -114,13 +141,16 @@ mod tests {
         assert_eq!(inputs.positions, vec![4, 5, 6, 7, 8, 9, 5]);
         // pos 4..8 → block 2 (slots 8..12), pos 8,9 → block 9 (36, 37); pos 5 → block 5, slot 21.
         assert_eq!(inputs.slot_mapping, vec![8, 9, 10, 11, 36, 37, 21]);
-        assert_eq!(inputs.seqs[0], SeqInputs {
-            token_start: 0,
-            num_tokens: 6,
-            context_len: 10,
-            block_table: vec![7, 2, 9],
-            needs_logits: true,
-        });
+        assert_eq!(
+            inputs.seqs[0],
+            SeqInputs {
+                token_start: 0,
+                num_tokens: 6,
+                context_len: 10,
+                block_table: vec![7, 2, 9],
+                needs_logits: true,
+            }
+        );
         assert_eq!(inputs.seqs[1].token_start, 6);
         assert_eq!(inputs.seqs[1].context_len, 6);
         assert_eq!(inputs.seqs[1].block_table, vec![3, 5]);
@@ -131,7 +161,12 @@ mod tests {
         let pool = BlockPool::new(16, 4, 1);
         let a = running_seq(&pool, 1, (0..12).collect(), vec![1, 2, 3]);
         let first = ScheduledBatch {
-            seqs: vec![ScheduledSeq { index: 0, start: 0, num_tokens: 5, needs_logits: false }],
+            seqs: vec![ScheduledSeq {
+                index: 0,
+                start: 0,
+                num_tokens: 5,
+                needs_logits: false,
+            }],
             num_tokens: 5,
             num_preempted: 0,
         };
@@ -141,11 +176,24 @@ mod tests {
         assert!(!inputs.seqs[0].needs_logits);
         // A chunk not covered by blocks is an error, not an out-of-range slot.
         let bad = ScheduledBatch {
-            seqs: vec![ScheduledSeq { index: 0, start: 10, num_tokens: 4, needs_logits: true }],
+            seqs: vec![ScheduledSeq {
+                index: 0,
+                start: 10,
+                num_tokens: 4,
+                needs_logits: true,
+            }],
             num_tokens: 4,
             num_preempted: 0,
         };
         let err = build_inputs(&bad, std::slice::from_ref(&a), 4, &mut inputs);
-        assert_eq!(err, Err(UncoveredChunk { seq: SeqId(1), end: 14, blocks: 3, len: 12 }));
+        assert_eq!(
+            err,
+            Err(UncoveredChunk {
+                seq: SeqId(1),
+                end: 14,
+                blocks: 3,
+                len: 12
+            })
+        );
     }
 }

@@ -67,7 +67,11 @@ impl Occupancy {
 }
 
 fn ratio(part: usize, whole: usize) -> f64 {
-    if whole == 0 { 0.0 } else { part as f64 / whole as f64 }
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
 }
 
 /// The integer state guarded by the pool's lock.
@@ -90,7 +94,12 @@ impl PoolState {
     /// checked `count <= free_list.len()` under the same lock.
     fn take_blocks(&mut self, count: usize, table: &mut Vec<BlockId>) {
         let start = self.free_list.len().saturating_sub(count);
-        let PoolState { ref_counts, free_list, used, .. } = self;
+        let PoolState {
+            ref_counts,
+            free_list,
+            used,
+            ..
+        } = self;
         for id in free_list.drain(start..).rev() {
             ref_counts[id as usize] = 1;
             *used += 1;
@@ -167,12 +176,20 @@ impl BlockPool {
         }
         state.reserved += blocks;
         drop(state);
-        Some(Reservation { pool: Arc::clone(self), reserved: blocks, drawn: 0 })
+        Some(Reservation {
+            pool: Arc::clone(self),
+            reserved: blocks,
+            drawn: 0,
+        })
     }
 
     /// A reservation of zero blocks, for sequences submitted without one.
     pub fn empty_reservation(self: &Arc<Self>) -> Reservation {
-        Reservation { pool: Arc::clone(self), reserved: 0, drawn: 0 }
+        Reservation {
+            pool: Arc::clone(self),
+            reserved: 0,
+            drawn: 0,
+        }
     }
 
     /// Allocates one block for the holder of `credit`: from the credit first, else from the free
@@ -194,7 +211,11 @@ impl BlockPool {
             return true;
         }
         let own_credit = credit.belongs_to(self);
-        let from_credit = if own_credit { count.min(credit.reserved) } else { 0 };
+        let from_credit = if own_credit {
+            count.min(credit.reserved)
+        } else {
+            0
+        };
         let mut state = self.state.lock();
         if count - from_credit > state.available() {
             return false;
@@ -243,7 +264,9 @@ impl BlockPool {
         // Reverse order: the tail of a sequence is the least likely to be shared, so it is the
         // best block to hand out again first.
         for &id in blocks.iter().rev() {
-            let Some(count) = state.ref_counts.get_mut(id as usize) else { continue };
+            let Some(count) = state.ref_counts.get_mut(id as usize) else {
+                continue;
+            };
             if *count == 0 {
                 continue; // double free: ignore rather than corrupt the free list
             }

@@ -13,9 +13,9 @@
 
 mod worker;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
-use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
@@ -100,7 +100,9 @@ impl EngineConfig {
             ("command_queue", self.command_queue),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err(EngineError::InvalidConfig(format!("{name} must be at least 1")));
+            return Err(EngineError::InvalidConfig(format!(
+                "{name} must be at least 1"
+            )));
         }
         let slots = self.num_blocks.checked_mul(self.block_size);
         if slots.is_none_or(|s| s > u32::MAX as usize) {
@@ -238,7 +240,9 @@ pub struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("config", &self.inner.config).finish_non_exhaustive()
+        f.debug_struct("Engine")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -252,7 +256,9 @@ impl Engine {
         config.validate()?;
         let vocab_size = backend.vocab_size();
         if vocab_size == 0 {
-            return Err(EngineError::InvalidConfig("backend reports an empty vocabulary".into()));
+            return Err(EngineError::InvalidConfig(
+                "backend reports an empty vocabulary".into(),
+            ));
         }
         let pool = BlockPool::new(config.num_blocks, config.block_size, config.bytes_per_block);
         let shared = Arc::new(Shared {
@@ -308,7 +314,15 @@ impl Engine {
         // Token events ≤ max_tokens, then one Finished or Error: the engine never waits.
         let (sender, events) = tokio_mpsc::channel(req.stop.max_tokens + 4);
         let label: Arc<str> = req.label.into();
-        let seq = Sequence::new(id, label, req.prompt, req.sampling, req.stop, credit, sender);
+        let seq = Sequence::new(
+            id,
+            label,
+            req.prompt,
+            req.sampling,
+            req.stop,
+            credit,
+            sender,
+        );
         match self.inner.commands.try_send(Command::Submit(Box::new(seq))) {
             Ok(()) => Ok(GenerationHandle { id, events }),
             Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
@@ -334,12 +348,22 @@ impl Engine {
                 config.max_model_len
             ));
         }
-        if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= self.inner.vocab_size) {
-            return invalid(format!("token id {bad} is outside the vocabulary of {}", self.inner.vocab_size));
+        if let Some(bad) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.inner.vocab_size)
+        {
+            return invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.inner.vocab_size
+            ));
         }
         let s = &req.sampling;
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
-            return invalid(format!("temperature must be a finite number ≥ 0, got {}", s.temperature));
+            return invalid(format!(
+                "temperature must be a finite number ≥ 0, got {}",
+                s.temperature
+            ));
         }
         if !(s.top_p > 0.0 && s.top_p <= 1.0) {
             return invalid(format!("top_p must be in (0, 1], got {}", s.top_p));
@@ -351,7 +375,10 @@ impl Engine {
         }
         let needed_blocks = blocks_for_tokens(total_tokens, config.block_size);
         if needed_blocks > config.num_blocks {
-            return Err(SubmitError::TooLong { needed_blocks, total: config.num_blocks });
+            return Err(SubmitError::TooLong {
+                needed_blocks,
+                total: config.num_blocks,
+            });
         }
         Ok(())
     }
@@ -368,7 +395,10 @@ impl Engine {
     /// Stops the engine: live sequences get `TokenEvent::Error`, the thread is joined. Blocks
     /// for at most one step; call it outside async code (or in `spawn_blocking`). Idempotent.
     pub fn shutdown(&self) {
-        self.inner.shared.shutting_down.store(true, Ordering::Release);
+        self.inner
+            .shared
+            .shutting_down
+            .store(true, Ordering::Release);
         // Wakes an idle engine. If the queue is full the engine is busy and sees the flag anyway.
         let _ = self.inner.commands.try_send(Command::Wake);
         let thread = self.inner.thread.lock().take();
@@ -414,8 +444,17 @@ pub fn generate_blocking(
                 tokens.push(id);
                 text.push_str(&delta);
             }
-            TokenEvent::Finished { reason, prompt_tokens, .. } => {
-                return Ok(GenerationOutput { tokens, text, finish_reason: reason, prompt_tokens });
+            TokenEvent::Finished {
+                reason,
+                prompt_tokens,
+                ..
+            } => {
+                return Ok(GenerationOutput {
+                    tokens,
+                    text,
+                    finish_reason: reason,
+                    prompt_tokens,
+                });
             }
             TokenEvent::Error(msg) => return Err(GenerateError::Failed(msg)),
         }

@@ -96,7 +96,9 @@ pub enum SizeParseError {
     Empty,
     #[error("invalid number {0:?} in size: expected digits with an optional fraction, e.g. 1.5GiB")]
     InvalidNumber(String),
-    #[error("unknown size unit {0:?}: use B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)")]
+    #[error(
+        "unknown size unit {0:?}: use B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)"
+    )]
     UnknownUnit(String),
     #[error("size {0:?} is too large")]
     Overflow(String),
@@ -194,7 +196,12 @@ mod tests {
 
     fn smollm2() -> KvShape {
         // SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64.
-        KvShape { layers: 30, kv_heads: 3, head_dim: 64, dtype: KvDtype::F16 }
+        KvShape {
+            layers: 30,
+            kv_heads: 3,
+            head_dim: 64,
+            dtype: KvDtype::F16,
+        }
     }
 
     #[test]
@@ -202,7 +209,12 @@ mod tests {
         assert_eq!(smollm2().bytes_per_token(), 2 * 30 * 3 * 64 * 2);
         assert_eq!(smollm2().bytes_per_block(16), 2 * 30 * 3 * 64 * 2 * 16);
         // Llama-3-8B: 32 layers, 8 KV heads, head_dim 128, f16 = 128 KiB per token.
-        let llama = KvShape { layers: 32, kv_heads: 8, head_dim: 128, dtype: KvDtype::F16 };
+        let llama = KvShape {
+            layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype: KvDtype::F16,
+        };
         assert_eq!(llama.bytes_per_token(), 128 * 1024);
     }
 
@@ -221,8 +233,14 @@ mod tests {
         assert_eq!(blocks_for_tokens(16, 16), 1);
         assert_eq!(blocks_for_tokens(17, 16), 2);
         let per_block = smollm2().bytes_per_block(16);
-        assert_eq!(smollm2().blocks_for_budget(per_block * 10 + per_block - 1, 16), 10);
-        let empty = KvShape { layers: 0, ..smollm2() };
+        assert_eq!(
+            smollm2().blocks_for_budget(per_block * 10 + per_block - 1, 16),
+            10
+        );
+        let empty = KvShape {
+            layers: 0,
+            ..smollm2()
+        };
         assert_eq!(empty.blocks_for_budget(1 << 30, 16), 0);
     }
 
@@ -242,11 +260,26 @@ mod tests {
     #[test]
     fn rejects_bad_sizes_with_specific_errors() {
         assert_eq!(parse_size(""), Err(SizeParseError::Empty));
-        assert_eq!(parse_size("GiB"), Err(SizeParseError::InvalidNumber(String::new())));
-        assert_eq!(parse_size("1.2.3MiB"), Err(SizeParseError::InvalidNumber("1.2.3".into())));
-        assert_eq!(parse_size("12 parsecs"), Err(SizeParseError::UnknownUnit("parsecs".into())));
-        assert_eq!(parse_size("-5MiB"), Err(SizeParseError::UnknownUnit("-5mib".into())));
-        assert!(matches!(parse_size("99999999999TiB"), Err(SizeParseError::Overflow(_))));
+        assert_eq!(
+            parse_size("GiB"),
+            Err(SizeParseError::InvalidNumber(String::new()))
+        );
+        assert_eq!(
+            parse_size("1.2.3MiB"),
+            Err(SizeParseError::InvalidNumber("1.2.3".into()))
+        );
+        assert_eq!(
+            parse_size("12 parsecs"),
+            Err(SizeParseError::UnknownUnit("parsecs".into()))
+        );
+        assert_eq!(
+            parse_size("-5MiB"),
+            Err(SizeParseError::UnknownUnit("-5mib".into()))
+        );
+        assert!(matches!(
+            parse_size("99999999999TiB"),
+            Err(SizeParseError::Overflow(_))
+        ));
         assert!(matches!(
             parse_size("999999999999999999999999999999999999999999"),
             Err(SizeParseError::Overflow(_))
@@ -268,6 +301,9 @@ mod tests {
     fn parses_dtypes() {
         assert_eq!(KvDtype::parse("F16"), Ok(KvDtype::F16));
         assert_eq!(KvDtype::parse("q8_0"), Ok(KvDtype::Q8));
-        assert!(matches!(KvDtype::parse("int4"), Err(SizeParseError::UnknownDtype(_))));
+        assert!(matches!(
+            KvDtype::parse("int4"),
+            Err(SizeParseError::UnknownDtype(_))
+        ));
     }
 }

@@ -10,6 +10,7 @@ pub mod chat_template;
 pub mod engine;
 pub mod gguf;
 pub mod kv_math;
+pub mod loader;
 pub mod model;
 pub mod plan;
 pub mod provision;

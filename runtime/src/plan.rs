@@ -244,8 +244,12 @@ impl fmt::Display for PlanReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "shape            {} layers × {} KV heads × head_dim {} ({})",
-            self.layers, self.kv_heads, self.head_dim, self.dtype
+            "shape            {} layers, KV width {} ({} heads × {}), {}",
+            self.layers,
+            self.kv_heads * self.head_dim,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype
         )?;
         match self.weights_bytes {
             Some(w) => writeln!(f, "weights          {}", HumanSize(w as usize))?,

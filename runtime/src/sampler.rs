@@ -67,18 +67,27 @@ impl Sampler {
             return argmax(logits);
         }
         if params.top_k > 0 && params.top_k < self.candidates.len() {
-            self.candidates.select_nth_unstable_by(params.top_k - 1, best_first);
+            self.candidates
+                .select_nth_unstable_by(params.top_k - 1, best_first);
             self.candidates.truncate(params.top_k);
         }
         let use_top_p = params.top_p > 0.0 && params.top_p < 1.0;
         if use_top_p {
             self.candidates.sort_unstable_by(best_first);
         }
-        let max = self.candidates.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+        let max = self
+            .candidates
+            .iter()
+            .map(|c| c.1)
+            .fold(f32::NEG_INFINITY, f32::max);
         let mut total = 0.0f64;
         for candidate in &mut self.candidates {
             // exp(l - max) is in (0, 1]; an infinite max makes every finite weight 0 and itself 1.
-            let weight = if candidate.1 == max { 1.0 } else { (candidate.1 - max).exp() };
+            let weight = if candidate.1 == max {
+                1.0
+            } else {
+                (candidate.1 - max).exp()
+            };
             candidate.1 = weight;
             total += f64::from(weight);
         }
@@ -116,13 +125,20 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
-        SamplingParams { temperature, top_p, top_k, seed }
+        SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            seed,
+        }
     }
 
     fn draw(logits: &[f32], p: SamplingParams, n: usize) -> Vec<u32> {
         let mut sampler = Sampler::new();
         let mut rng = StdRng::seed_from_u64(p.seed);
-        (0..n).map(|_| sampler.sample(logits, &p, &mut rng)).collect()
+        (0..n)
+            .map(|_| sampler.sample(logits, &p, &mut rng))
+            .collect()
     }
 
     #[test]
@@ -178,7 +194,10 @@ mod tests {
     fn sampling_follows_the_distribution_roughly() {
         // p(1) = e/(1+e) ≈ 0.73; 2000 draws stay well within ±0.06 of it for any sane RNG.
         let logits = [0.0, 1.0];
-        let ones = draw(&logits, params(1.0, 0, 1.0, 11), 2000).iter().filter(|&&t| t == 1).count();
+        let ones = draw(&logits, params(1.0, 0, 1.0, 11), 2000)
+            .iter()
+            .filter(|&&t| t == 1)
+            .count();
         let share = ones as f64 / 2000.0;
         assert!((share - 0.731).abs() < 0.06, "share {share}");
     }

@@ -248,7 +248,9 @@ impl Scheduler {
                 idx += 1;
                 continue;
             }
-            let Some(mut seq) = self.waiting.remove(idx) else { break };
+            let Some(mut seq) = self.waiting.remove(idx) else {
+                break;
+            };
             seq.status = SeqStatus::Running;
             seq.num_scheduled_tokens = n;
             *budget -= n;
@@ -266,18 +268,21 @@ impl Scheduler {
     fn pick_victim(&self) -> Option<(usize, Forfeit)> {
         let block_size = self.config.block_size;
         let by_cost = |(_, seq): &(usize, &Sequence)| {
-            (seq.is_fully_covered(block_size), seq.num_computed_tokens, Reverse(seq.id))
+            (
+                seq.is_fully_covered(block_size),
+                seq.num_computed_tokens,
+                Reverse(seq.id),
+            )
         };
         let candidates = || self.running.iter().enumerate();
-        if let Some((index, _)) =
-            candidates().filter(|(_, seq)| seq.releasable_blocks() > 0).min_by_key(by_cost)
+        if let Some((index, _)) = candidates()
+            .filter(|(_, seq)| seq.releasable_blocks() > 0)
+            .min_by_key(by_cost)
         {
             return Some((index, Forfeit::KeepCredit));
         }
         candidates()
-            .filter(|(_, seq)| {
-                !seq.block_table.is_empty() && !seq.is_fully_covered(block_size)
-            })
+            .filter(|(_, seq)| !seq.block_table.is_empty() && !seq.is_fully_covered(block_size))
             .min_by_key(by_cost)
             .map(|(index, _)| (index, Forfeit::DropCredit))
     }
@@ -319,7 +324,9 @@ impl Scheduler {
     pub fn postprocess(&mut self, batch: &ScheduledBatch, sampled: &[u32]) {
         let mut tokens = sampled.iter();
         for entry in &batch.seqs {
-            let Some(seq) = self.running.get_mut(entry.index) else { continue };
+            let Some(seq) = self.running.get_mut(entry.index) else {
+                continue;
+            };
             seq.num_computed_tokens += entry.num_tokens;
             seq.num_scheduled_tokens = 0;
             if entry.needs_logits
@@ -331,7 +338,7 @@ impl Scheduler {
     }
 
     /// Removes every sequence (waiting or running) that `should_remove` selects, returning its
-    /// blocks to the pool, and appends it to `removed` (its reservation drops with it).
+    /// blocks and the rest of its reservation to the pool now, and appends it to `removed`.
     pub fn remove_where(
         &mut self,
         mut should_remove: impl FnMut(&Sequence) -> bool,
@@ -339,8 +346,9 @@ impl Scheduler {
     ) {
         let pool = &self.pool;
         let mut release = |mut seq: Sequence| {
-            pool.free_into(&seq.block_table, &mut seq.credit);
+            pool.free(&seq.block_table);
             seq.block_table.clear();
+            seq.credit = pool.empty_reservation();
             seq.status = SeqStatus::Finished;
             removed.push(seq);
         };
@@ -371,7 +379,10 @@ impl Scheduler {
 
     /// Allocated KV slots not holding a token, over running sequences.
     pub fn kv_waste_slots(&self) -> usize {
-        self.running.iter().map(|s| s.wasted_slots(self.config.block_size)).sum()
+        self.running
+            .iter()
+            .map(|s| s.wasted_slots(self.config.block_size))
+            .sum()
     }
 }
 

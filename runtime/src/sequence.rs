@@ -46,7 +46,12 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        }
     }
 }
 
@@ -85,8 +90,15 @@ impl FinishReason {
 pub enum TokenEvent {
     /// One generated token and the UTF-8 text it completes (possibly empty: part of a character,
     /// a special token, or text held back because it may begin a stop string).
-    Token { id: u32, text: String },
-    Finished { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Token {
+        id: u32,
+        text: String,
+    },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
     Error(String),
 }
 
@@ -189,7 +201,9 @@ impl Sequence {
     /// The most tokens this sequence can ever hold in KV: prompt + max_tokens − 1 (the last
     /// generated token is never fed back).
     pub fn max_kv_tokens(&self) -> usize {
-        (self.prompt_len + self.stop.max_tokens).saturating_sub(1).max(self.prompt_len)
+        (self.prompt_len + self.stop.max_tokens)
+            .saturating_sub(1)
+            .max(self.prompt_len)
     }
 
     /// Blocks still to allocate before this sequence can finish, at most.
@@ -222,9 +236,20 @@ mod tests {
 
     fn seq(prompt: usize, max_tokens: usize, credit: Reservation) -> Sequence {
         let (tx, _rx) = mpsc::channel(1);
-        let stop = StopParams { max_tokens, ..StopParams::default() };
+        let stop = StopParams {
+            max_tokens,
+            ..StopParams::default()
+        };
         let prompt = (0..prompt as u32).collect();
-        Sequence::new(SeqId(1), "t".into(), prompt, SamplingParams::default(), stop, credit, tx)
+        Sequence::new(
+            SeqId(1),
+            "t".into(),
+            prompt,
+            SamplingParams::default(),
+            stop,
+            credit,
+            tx,
+        )
     }
 
     #[test]

@@ -4,15 +4,17 @@
 //! remaining fragment into words ([`pretokenize`]), then merge each word's bytes. Merging runs on
 //! tiktoken-rs's `CoreBPE` (rank-based, O(n log n) on long words). A rank is a token's merge
 //! priority: the position of the merge in `tokenizer.ggml.merges` that creates it, so the result
-//! is the merge-list BPE llama.cpp runs (in SmolLM2 that order is also the token-id order; a test
-//! checks it). Bytes the vocabulary has no token for (SmolLM2 lacks a few ASCII control bytes) are
-//! dropped and stop merges across them, as in llama.cpp.
+//! is the merge-list BPE llama.cpp runs (in SmolLM2 that order is also the token-id order; tests
+//! check both claims on the real vocabulary). Words containing a byte the vocabulary has no token
+//! for (SmolLM2 lacks six ASCII control bytes and 0xF1/0xF2) go through [`merge_bpe`], which
+//! drops that byte and merges around it exactly as llama.cpp does.
 //!
 //! Decoding maps the GPT-2 byte spelling ([`byte_level`]) back to raw bytes. Control tokens
 //! decode to nothing, like llama.cpp's detokenizer with `special = false`;
 //! [`Tokenizer::decode_with_special`] renders them.
 
 mod byte_level;
+mod merge_bpe;
 mod pretokenize;
 mod special;
 mod stream;
@@ -26,6 +28,7 @@ pub use vocab::TokenKind;
 use crate::chat_template::{ChatMessage, ChatTemplate, FALLBACK_CHATML, TemplateError};
 use crate::gguf::GgufFile;
 use byte_level::ByteDecoder;
+use merge_bpe::MergeBpe;
 use pretokenize::PreTokenizer;
 use special::{Fragment, SpecialToken};
 use std::collections::{BTreeSet, HashMap};
@@ -57,8 +60,9 @@ pub struct Tokenizer {
     bpe: CoreBPE,
     /// CoreBPE speaks ranks (merge priority); this maps them back to token ids.
     id_of_rank: Vec<u32>,
-    /// Bytes no token spells: dropped from the input, and merges never cross them.
+    /// Bytes no token spells; words containing one take the `merge_bpe` path.
     unencodable: [bool; 256],
+    merge_bpe: MergeBpe,
     pre: PreTokenizer,
     specials: Vec<SpecialToken>,
     bos: Option<u32>,
@@ -92,24 +96,25 @@ impl Tokenizer {
             offsets.push(bytes.len());
         }
         let span = |id: usize| &bytes[offsets[id]..offsets[id + 1]];
-        let ranked = rank_tokens(&vocab, &is_plain_bpe_token, span)?;
+        let merges = vocab
+            .merges
+            .as_deref()
+            .ok_or(TokenizerError::Missing("tokenizer.ggml.merges"))?;
+        let ranked = RankedMerges::new(&vocab.texts, merges, &is_plain_bpe_token, span);
 
-        let mut unencodable = [true; 256];
+        let mut byte_token = [None; 256];
         let mut encoder = HashMap::default();
-        let mut id_of_rank = vec![0u32; ranked.len()];
-        for (rank, &id) in ranked.iter().enumerate() {
+        let mut id_of_rank = vec![0u32; ranked.ids.len()];
+        for (rank, &id) in ranked.ids.iter().enumerate() {
             let token = span(id as usize);
             if let [b] = token {
-                unencodable[*b as usize] = false;
+                byte_token[*b as usize].get_or_insert(id);
             }
             encoder.entry(token.to_vec()).or_insert(rank as u32);
             id_of_rank[rank] = id;
         }
-        if let Some(b) = (0..=255u8).find(|&b| unencodable[b as usize] && can_split_at(b)) {
-            return Err(TokenizerError::Invalid(format!(
-                "no token for byte 0x{b:02X}, which occurs inside UTF-8 text"
-            )));
-        }
+        let unencodable = byte_token.map(|t| t.is_none());
+        let merge_bpe = MergeBpe::new(byte_token, &ranked.merges);
         // One pattern matching the whole input: the words are cut by `pre`, CoreBPE only merges.
         let bpe = CoreBPE::new(encoder, HashMap::default(), r"(?s).+")
             .map_err(|e| TokenizerError::Invalid(format!("BPE tables: {e}")))?;
@@ -147,6 +152,7 @@ impl Tokenizer {
             bpe,
             id_of_rank,
             unencodable,
+            merge_bpe,
             pre,
             specials,
             bos: vocab.bos,
@@ -189,17 +195,13 @@ impl Tokenizer {
     }
 
     fn encode_word(&self, word: &str, ids: &mut Vec<u32>) {
-        if !word.bytes().any(|b| self.unencodable[b as usize]) {
-            let ranks = self.bpe.encode_ordinary(word);
-            ids.extend(ranks.into_iter().map(|r| self.id_of_rank[r as usize]));
+        if word.bytes().any(|b| self.unencodable[b as usize]) {
+            // Rare (control bytes, unassigned planes); CoreBPE would panic on the missing byte.
+            self.merge_bpe.encode(word.as_bytes(), ids);
             return;
         }
-        // Unencodable bytes are ASCII (checked at load), so cutting there keeps valid UTF-8.
-        for part in word.split(|c: char| c.is_ascii() && self.unencodable[c as usize]) {
-            if !part.is_empty() {
-                self.encode_word(part, ids);
-            }
-        }
+        let ranks = self.bpe.encode_ordinary(word);
+        ids.extend(ranks.into_iter().map(|r| self.id_of_rank[r as usize]));
     }
 
     /// Text of `ids`, lossily. Control tokens (BOS, `<|im_end|>`, …) contribute nothing, as in
@@ -303,50 +305,48 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
-/// Token ids in rank order (merge priority; see the module doc).
-///
-/// With merges: the single-byte tokens first, then each merge's result in merge order. Tokens no
-/// merge creates are left out, as merge-list BPE can never produce them. Without merges, every
-/// plain token ranks by its id (tiktoken's convention).
-fn rank_tokens<'b>(
-    vocab: &Vocab,
-    is_plain: &[bool],
-    span: impl Fn(usize) -> &'b [u8],
-) -> Result<Vec<u32>, TokenizerError> {
-    let plain_ids = (0..vocab.texts.len()).filter(|&id| is_plain[id]);
-    let Some(merges) = &vocab.merges else {
-        return Ok(plain_ids.map(|id| id as u32).collect());
-    };
-    let mut ranked: Vec<u32> = plain_ids
-        .filter(|&id| span(id).len() == 1)
-        .map(|id| id as u32)
-        .collect();
-    let id_of: HashMap<&str, usize> = (0..vocab.texts.len())
-        .filter(|&id| is_plain[id])
-        .map(|id| (vocab.texts[id].as_str(), id))
-        .collect();
-    let mut seen = vec![false; vocab.texts.len()];
-    for (left, right) in merges {
-        let merged = format!("{left}{right}");
-        // A merge whose result is not a token can never fire in llama.cpp either.
-        if let Some(&id) = id_of.get(merged.as_str())
-            && !seen[id]
-        {
-            seen[id] = true;
-            ranked.push(id as u32);
+/// The merge list resolved to token ids, and the tokens in rank order (merge priority).
+struct RankedMerges {
+    /// Single-byte tokens first, then each merge's result in merge order. Tokens no merge
+    /// creates are left out: merge-list BPE can never produce them.
+    ids: Vec<u32>,
+    /// (left id, right id, merged id) in priority order.
+    merges: Vec<(u32, u32, u32)>,
+}
+
+impl RankedMerges {
+    fn new<'b>(
+        texts: &[String],
+        merges: &[(String, String)],
+        is_plain: &[bool],
+        span: impl Fn(usize) -> &'b [u8],
+    ) -> Self {
+        let plain_ids = || (0..texts.len()).filter(|&id| is_plain[id]);
+        let mut ids: Vec<u32> = plain_ids()
+            .filter(|&id| span(id).len() == 1)
+            .map(|id| id as u32)
+            .collect();
+        let id_of: HashMap<&str, u32> = plain_ids()
+            .map(|id| (texts[id].as_str(), id as u32))
+            .collect();
+        let mut seen = vec![false; texts.len()];
+        let mut resolved = Vec::with_capacity(merges.len());
+        for (left, right) in merges {
+            let merged = id_of.get(format!("{left}{right}").as_str());
+            // A merge whose parts or result are not tokens can never fire in llama.cpp either.
+            if let (Some(&l), Some(&r), Some(&m)) = (id_of.get(left.as_str()), id_of.get(right.as_str()), merged) {
+                resolved.push((l, r, m));
+                if !std::mem::replace(&mut seen[m as usize], true) {
+                    ids.push(m);
+                }
+            }
         }
+        Self { ids, merges: resolved }
     }
-    Ok(ranked)
 }
 
 /// `<0xAB>` → 0xAB: the spelling of byte tokens in vocabularies with byte fallback.
 fn parse_byte_token(text: &str) -> Option<u8> {
     let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
     u8::from_str_radix(hex, 16).ok()
-}
-
-/// Whether dropping byte `b` can cut a `&str` mid-character: only ASCII bytes are whole
-/// characters; 0xC0, 0xC1 and 0xF5..=0xFF never occur in UTF-8 at all.
-fn can_split_at(b: u8) -> bool {
-    !(b.is_ascii() || b == 0xC0 || b == 0xC1 || b >= 0xF5)
 }

@@ -9,7 +9,7 @@ use crate::policy::parse_policy;
 
 const BLOCK_SIZE: usize = 16;
 
-/// Admission over a pool of `blocks` blocks, with `tenants` appended to the policy text.
+/// Admission over a pool of `blocks` blocks of 16 tokens, under the policy text `policy`.
 fn setup(blocks: usize, policy: &str) -> (Admission, Arc<BlockPool>, PolicyStore) {
     let store = PolicyStore::from_policy(parse_policy("test.toml", policy).unwrap());
     let pool = BlockPool::new(blocks, BLOCK_SIZE, 1024);
@@ -112,6 +112,32 @@ async fn requests_that_can_never_fit_are_refused_at_once() {
         (400, "context_length_exceeded")
     );
     assert_eq!(pool.snapshot().reserved_blocks, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn prompt_mode_reserves_prompt_plus_headroom_but_refuses_sequences_longer_than_the_pool() {
+    let policy = "[tenants.a]\n[kv]\nreservation = \"prompt\"\nprompt_headroom_blocks = 2\n";
+    let (admission, pool, store) = setup(10, policy);
+    let admitted = admission.admit(ticket(&store, "a", 40, 100)).await.unwrap();
+    assert_eq!(admitted.reserved_blocks(), 5, "ceil(40 / 16) + 2");
+    assert_eq!(pool.snapshot().reserved_blocks, 5);
+    drop(admitted);
+    // 16 + 160 tokens = 11 blocks: more than the whole pool, whatever is reserved up front.
+    let rejection = admission
+        .admit(ticket(&store, "a", 16, 160))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            rejection,
+            Rejection::NeverFits {
+                needed_blocks: 11,
+                total_blocks: 10,
+                ..
+            }
+        ),
+        "{rejection:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -308,4 +334,68 @@ async fn a_backlog_that_cannot_drain_in_time_is_refused_at_once() {
     let patient = spawn_admit(&admission, ticket(&store, "a", 80, 80));
     until(|| queued(&admission) == 1).await;
     patient.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_guard_dropped_before_the_engine_took_its_reservation_refunds_everything() {
+    let (admission, pool, store) = setup(
+        100,
+        "[tenants.a]\nrequests_per_minute = 5\ntokens_per_minute = 1000\n",
+    );
+    let tenant = store.current().tenant("a").unwrap();
+    drop(
+        admission
+            .admit(ticket(&store, "a", 100, 100))
+            .await
+            .unwrap(),
+    );
+    let headers = admission.rate_headers(&tenant);
+    assert_eq!(headers.requests.map(|s| s.remaining), Some(5));
+    assert_eq!(headers.tokens.map(|s| s.remaining), Some(1000));
+    assert_eq!(pool.snapshot().reserved_blocks, 0);
+
+    // Once the engine has the reservation the request ran: without a recorded completion the
+    // full charge stays.
+    let mut ran = admission
+        .admit(ticket(&store, "a", 100, 100))
+        .await
+        .unwrap();
+    let reservation = ran.take_reservation();
+    drop(ran);
+    drop(reservation);
+    assert_eq!(
+        admission.rate_headers(&tenant).tokens.map(|s| s.remaining),
+        Some(800)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_flooding_tenant_does_not_hold_back_a_newcomer() {
+    // Room for exactly one request at a time (4 blocks of 16 tokens each).
+    let (admission, _pool, store) = setup(
+        4,
+        "[tenants.flood]\n[tenants.newcomer]\n[kv]\nhigh_watermark = 1.0\n",
+    );
+    let running = admission
+        .admit(ticket(&store, "flood", 32, 32))
+        .await
+        .unwrap();
+    let floods: Vec<_> = (0..3)
+        .map(|_| spawn_admit(&admission, ticket(&store, "flood", 32, 32)))
+        .collect();
+    until(|| queued(&admission) == 3).await;
+    let newcomer = spawn_admit(&admission, ticket(&store, "newcomer", 32, 32));
+    until(|| queued(&admission) == 4).await;
+
+    drop(running);
+    let admitted_newcomer = admitted(newcomer).await;
+    assert_eq!(admitted_newcomer.tenant().name, "newcomer");
+    assert!(
+        floods.iter().all(|flood| !flood.is_finished()),
+        "the newcomer went first"
+    );
+    drop(admitted_newcomer);
+    for flood in floods {
+        drop(admitted(flood).await);
+    }
 }

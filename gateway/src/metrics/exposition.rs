@@ -154,6 +154,9 @@ fn parse_sample(line: &str) -> Result<Sample, String> {
     if let Some(after_brace) = rest.strip_prefix('{') {
         rest = parse_labels(after_brace, &mut labels)?;
     }
+    if rest.trim().is_empty() {
+        return Err(format!("missing value for {name}"));
+    }
     if !rest.starts_with([' ', '\t']) {
         return Err(format!("expected a space before the value of {name}"));
     }
@@ -246,7 +249,7 @@ weird{msg="say \"hi\"\\n\nbye",} NaN
     #[test]
     fn parses_counters_histograms_colons_timestamps_and_escapes() {
         let scrape = parse(REAL);
-        assert_eq!(scrape.samples.len(), 9);
+        assert_eq!(scrape.samples.len(), 8);
         assert_eq!(scrape.types["kvgate_requests_total"], "counter");
         assert_eq!(scrape.value("kvgate_requests_total", &[("tenant", "b")]), Some(2.0));
         assert_eq!(scrape.sum("kvgate_requests_total", &[("route", "chat")]), 5.0);

@@ -39,14 +39,14 @@ pub const ENGINE_STEPS_TOTAL: &str = "kvgate_engine_steps_total";
 pub const BUILD_INFO: &str = "kvgate_build_info";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub enum Kind {
     Counter,
     Gauge,
     Histogram,
 }
 
 impl Kind {
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Kind::Counter => "counter",
             Kind::Gauge => "gauge",
@@ -57,7 +57,7 @@ impl Kind {
 
 /// One metric family: name, type, labels (documentation and tests), help text.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Family {
+pub struct Family {
     pub name: &'static str,
     pub kind: Kind,
     pub labels: &'static [&'static str],
@@ -71,7 +71,7 @@ const fn family(name: &'static str, kind: Kind, labels: &'static [&'static str],
 use Kind::{Counter, Gauge, Histogram};
 
 /// Families recorded through the `metrics` facade on the request path.
-pub(crate) const RECORDED: &[Family] = &[
+pub const RECORDED: &[Family] = &[
     family(REQUESTS_TOTAL, Counter, &["tenant", "route", "outcome"], "Requests that reached a handler, by final admission outcome (admitted or rejected)."),
     family(REQUESTS_REJECTED_TOTAL, Counter, &["tenant", "reason"], "Refused requests by reason: auth, length, rate, quota, queue_full, queue_timeout, kv_saturation, bad_request, unavailable."),
     family(QUEUE_ABANDONED_TOTAL, Counter, &["tenant"], "Queued requests dropped because their client went away."),
@@ -88,7 +88,7 @@ pub(crate) const RECORDED: &[Family] = &[
 ];
 
 /// Families written from engine and admission state at scrape time.
-pub(crate) const STATE: &[Family] = &[
+pub const STATE: &[Family] = &[
     family(KV_BLOCKS, Gauge, &["state"], "KV blocks by state: total, used (holding tokens), reserved (promised to admitted requests), free."),
     family(KV_USAGE_RATIO, Gauge, &[], "Fraction of KV blocks holding tokens (used / total)."),
     family(KV_COMMITTED_RATIO, Gauge, &[], "Fraction of KV blocks used or reserved: what admission compares with its watermark."),
@@ -111,7 +111,7 @@ pub(crate) const STATE: &[Family] = &[
 ];
 
 /// Histogram buckets per metric (upper bounds; +Inf is implicit).
-pub(crate) const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
+pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     (QUEUE_WAIT_SECONDS, &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]),
     (TIME_TO_FIRST_TOKEN_SECONDS, &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]),
     (INTER_TOKEN_LATENCY_SECONDS, &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]),

@@ -185,7 +185,7 @@ fn truncate_oldest_still_rejects_when_the_newest_turn_alone_is_too_long() {
 
 #[test]
 fn reject_overflow_never_drops_messages() {
-    let filler = "y".repeat(60);
+    let filler = "y".repeat(90); // 119 tokens in all, over the 100-token input limit
     let messages = json!([user(&filler), user("newest")]);
     let err = chat(json!({"model": "m", "messages": messages})).unwrap_err();
     assert!(err.is_context_length());

@@ -78,12 +78,13 @@ impl CpuBackend {
             head_dim: config.head_dim,
         };
         let model = CpuModel::load(gguf, config)?;
-        let kv = PagedKvCache::new(model.config.num_layers, options.num_blocks, layout).ok_or_else(|| {
-            BackendError::OutOfMemory(format!(
-                "cannot allocate a KV cache of {} blocks × {} tokens",
-                options.num_blocks, options.block_size
-            ))
-        })?;
+        let kv = PagedKvCache::new(model.config.num_layers, options.num_blocks, layout)
+            .ok_or_else(|| {
+                BackendError::OutOfMemory(format!(
+                    "cannot allocate a KV cache of {} blocks × {} tokens",
+                    options.num_blocks, options.block_size
+                ))
+            })?;
         let ws = Workspace::new(
             &model.config,
             options.max_batched_tokens,

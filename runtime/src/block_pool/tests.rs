@@ -9,7 +9,10 @@ use super::*;
 
 fn assert_consistent(pool: &BlockPool) {
     let occ = pool.snapshot();
-    assert_eq!(occ.used_blocks + occ.reserved_blocks + occ.free_blocks, occ.total_blocks);
+    assert_eq!(
+        occ.used_blocks + occ.reserved_blocks + occ.free_blocks,
+        occ.total_blocks
+    );
 }
 
 #[test]
@@ -22,14 +25,17 @@ fn reservations_are_atomic_and_return_on_drop() {
     drop(a);
     assert_eq!(pool.snapshot().reserved_blocks, 4);
     drop(b);
-    assert_eq!(pool.snapshot(), Occupancy {
-        total_blocks: 10,
-        used_blocks: 0,
-        reserved_blocks: 0,
-        free_blocks: 10,
-        block_size: 16,
-        bytes_per_block: 1024,
-    });
+    assert_eq!(
+        pool.snapshot(),
+        Occupancy {
+            total_blocks: 10,
+            used_blocks: 0,
+            reserved_blocks: 0,
+            free_blocks: 10,
+            block_size: 16,
+            bytes_per_block: 1024,
+        }
+    );
 }
 
 #[test]
@@ -41,7 +47,10 @@ fn reserve_within_respects_the_limit_including_used_blocks() {
     assert!(pool.try_reserve_within(6, 8).is_none(), "3 used + 6 > 8");
     let held = pool.try_reserve_within(5, 8).expect("3 used + 5 = 8");
     assert_eq!(held.blocks(), 5);
-    assert!(pool.try_reserve_within(0, 8).is_some(), "zero always fits at the limit");
+    assert!(
+        pool.try_reserve_within(0, 8).is_some(),
+        "zero always fits at the limit"
+    );
     assert!(pool.try_reserve_within(1, 8).is_none());
 }
 
@@ -54,7 +63,10 @@ fn allocation_draws_credit_first_then_free_blocks() {
     assert_eq!(table, vec![0, 1, 2]);
     assert_eq!((credit.blocks(), credit.drawn()), (0, 2));
     let occ = pool.snapshot();
-    assert_eq!((occ.used_blocks, occ.reserved_blocks, occ.free_blocks), (3, 0, 1));
+    assert_eq!(
+        (occ.used_blocks, occ.reserved_blocks, occ.free_blocks),
+        (3, 0, 1)
+    );
     // All-or-nothing: 2 more do not fit, nothing changes.
     assert!(!pool.allocate_n(2, &mut credit, &mut table));
     assert_eq!(table.len(), 3);
@@ -68,7 +80,10 @@ fn reserved_blocks_are_not_available_to_others() {
     let _held = pool.try_reserve(2).expect("free");
     let mut other = pool.empty_reservation();
     assert!(pool.allocate(&mut other).is_some());
-    assert!(pool.allocate(&mut other).is_none(), "the remaining 2 are promised");
+    assert!(
+        pool.allocate(&mut other).is_none(),
+        "the remaining 2 are promised"
+    );
 }
 
 #[test]
@@ -81,7 +96,10 @@ fn preempted_sequence_keeps_its_promised_capacity() {
     table.clear();
     assert_eq!((credit.blocks(), credit.drawn()), (2, 0));
     let occ = pool.snapshot();
-    assert_eq!((occ.used_blocks, occ.reserved_blocks, occ.free_blocks), (0, 2, 2));
+    assert_eq!(
+        (occ.used_blocks, occ.reserved_blocks, occ.free_blocks),
+        (0, 2, 2)
+    );
     drop(credit);
     assert_eq!(pool.snapshot().free_blocks, 4);
 }
@@ -167,7 +185,10 @@ struct Seq {
 
 fn check_model(pool: &BlockPool, pending: &[Reservation], seqs: &[Seq]) {
     let occ = pool.snapshot();
-    assert_eq!(occ.used_blocks + occ.reserved_blocks + occ.free_blocks, occ.total_blocks);
+    assert_eq!(
+        occ.used_blocks + occ.reserved_blocks + occ.free_blocks,
+        occ.total_blocks
+    );
     let mut refs: HashMap<BlockId, u32> = HashMap::new();
     for seq in seqs {
         for &id in &seq.table {
@@ -178,12 +199,18 @@ fn check_model(pool: &BlockPool, pending: &[Reservation], seqs: &[Seq]) {
     assert_eq!(refs.len(), occ.used_blocks, "used = distinct blocks held");
     let state = pool.state.lock();
     for (id, count) in refs {
-        assert_eq!(state.ref_counts[id as usize], count, "refcount of block {id}");
+        assert_eq!(
+            state.ref_counts[id as usize], count,
+            "refcount of block {id}"
+        );
     }
     drop(state);
-    let promised: usize =
-        pending.iter().map(Reservation::blocks).sum::<usize>() + seqs.iter().map(|s| s.credit.blocks()).sum::<usize>();
-    assert_eq!(promised, occ.reserved_blocks, "reserved = sum of live credits");
+    let promised: usize = pending.iter().map(Reservation::blocks).sum::<usize>()
+        + seqs.iter().map(|s| s.credit.blocks()).sum::<usize>();
+    assert_eq!(
+        promised, occ.reserved_blocks,
+        "reserved = sum of live credits"
+    );
 }
 
 proptest! {

@@ -130,7 +130,8 @@ impl Worker {
     /// A closed event channel means the caller went away: free the sequence now.
     fn drop_cancelled(&mut self) {
         let first = self.removed.len();
-        self.scheduler.remove_where(|seq| seq.events.is_closed(), &mut self.removed);
+        self.scheduler
+            .remove_where(|seq| seq.events.is_closed(), &mut self.removed);
         for seq in &self.removed[first..] {
             tracing::debug!(seq = %seq.id, "cancelled by the client");
             self.stats.cancellations_total += 1;
@@ -144,9 +145,16 @@ impl Worker {
         if self.batch.is_empty() {
             return false;
         }
+        // Show this step's allocations while the (long) forward runs.
+        self.publish();
         let started = Instant::now();
         let block_size = self.scheduler.config().block_size;
-        let lowered = build_inputs(&self.batch, self.scheduler.running(), block_size, &mut self.inputs);
+        let lowered = build_inputs(
+            &self.batch,
+            self.scheduler.running(),
+            block_size,
+            &mut self.inputs,
+        );
         let result = match lowered {
             Ok(()) => self.forward(),
             Err(e) => Err(e.to_string()),
@@ -168,7 +176,9 @@ impl Worker {
 
     /// Runs the backend and samples one token per sequence that needs logits.
     fn forward(&mut self) -> Result<(), String> {
-        self.backend.forward(&self.inputs, &mut self.logits).map_err(|e| e.to_string())?;
+        self.backend
+            .forward(&self.inputs, &mut self.logits)
+            .map_err(|e| e.to_string())?;
         let memory = self.backend.memory();
         self.stats.memory = memory;
         self.stats.peak_memory_bytes = self.stats.peak_memory_bytes.max(memory.total_bytes());
@@ -187,7 +197,8 @@ impl Worker {
             let (Some(row), Some(seq)) = (rows_iter.next(), running.get_mut(entry.index)) else {
                 return Err("logits rows do not match the batch".into());
             };
-            self.sampled.push(self.sampler.sample(row, &seq.sampling, &mut seq.rng));
+            self.sampled
+                .push(self.sampler.sample(row, &seq.sampling, &mut seq.rng));
         }
         Ok(())
     }
@@ -196,11 +207,19 @@ impl Worker {
     fn emit_tokens(&mut self) {
         let running = self.scheduler.running_mut();
         for entry in self.batch.seqs.iter().filter(|e| e.needs_logits) {
-            let Some(seq) = running.get_mut(entry.index) else { continue };
-            let Some(&id) = seq.token_ids.last() else { continue };
+            let Some(seq) = running.get_mut(entry.index) else {
+                continue;
+            };
+            let Some(&id) = seq.token_ids.last() else {
+                continue;
+            };
             self.stats.generation_tokens_total += 1;
             seq.first_token_at.get_or_insert_with(Instant::now);
-            let bytes = if self.decoder.is_special(id) { &[][..] } else { self.decoder.token_bytes(id) };
+            let bytes = if self.decoder.is_special(id) {
+                &[][..]
+            } else {
+                self.decoder.token_bytes(id)
+            };
             let delta = seq.output.push(bytes);
             let reason = if delta.stopped || (!seq.stop.ignore_eos && self.decoder.is_eog(id)) {
                 Some(FinishReason::Stop)
@@ -231,7 +250,11 @@ impl Worker {
 
     /// The step failed: every sequence in it gets an error and is removed.
     fn fail_batch(&mut self, message: &str) {
-        tracing::error!(error = message, seqs = self.batch.seqs.len(), "engine step failed");
+        tracing::error!(
+            error = message,
+            seqs = self.batch.seqs.len(),
+            "engine step failed"
+        );
         let running = self.scheduler.running_mut();
         for entry in &self.batch.seqs {
             if let Some(seq) = running.get_mut(entry.index) {
@@ -267,7 +290,11 @@ impl Worker {
         self.stats.waiting = self.scheduler.num_waiting();
         self.stats.kv_waste_slots = self.scheduler.kv_waste_slots();
         self.snapshots.clear();
-        let live = self.scheduler.running().iter().chain(self.scheduler.waiting());
+        let live = self
+            .scheduler
+            .running()
+            .iter()
+            .chain(self.scheduler.waiting());
         self.snapshots.extend(live.map(snapshot));
         self.shared.stats.lock().clone_from(&self.stats);
         self.shared.snapshots.lock().clone_from(&self.snapshots);

@@ -44,6 +44,7 @@ fn the_documented_13b_example_needs_3_125_gib_per_request() {
     assert!(report.warnings.is_empty(), "{:?}", report.warnings);
 
     let text = report.to_string();
+    assert!(text.contains("shape            40 layers, KV width 5120"), "{text}");
     assert!(text.contains("KV per request   3.12GiB (4096 tokens = 256 blocks)"), "{text}");
     assert!(text.contains("KV per token     800KiB"), "{text}");
     assert!(text.contains("max concurrency  12"), "{text}");

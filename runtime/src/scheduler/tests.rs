@@ -10,7 +10,12 @@ use super::*;
 use crate::block_pool::Reservation;
 use crate::sequence::{SamplingParams, SeqId, StopParams, TokenEvent};
 
-fn config(block_size: usize, max_num_seqs: usize, budget: usize, threshold: usize) -> SchedulerConfig {
+fn config(
+    block_size: usize,
+    max_num_seqs: usize,
+    budget: usize,
+    threshold: usize,
+) -> SchedulerConfig {
     SchedulerConfig {
         block_size,
         max_num_seqs,
@@ -19,11 +24,27 @@ fn config(block_size: usize, max_num_seqs: usize, budget: usize, threshold: usiz
     }
 }
 
-fn seq(id: u64, prompt: usize, max_tokens: usize, credit: Reservation) -> (Sequence, mpsc::Receiver<TokenEvent>) {
+fn seq(
+    id: u64,
+    prompt: usize,
+    max_tokens: usize,
+    credit: Reservation,
+) -> (Sequence, mpsc::Receiver<TokenEvent>) {
     let (tx, rx) = mpsc::channel(max_tokens + 4);
-    let stop = StopParams { max_tokens, ..StopParams::default() };
+    let stop = StopParams {
+        max_tokens,
+        ..StopParams::default()
+    };
     let prompt = (0..prompt as u32).collect();
-    let seq = Sequence::new(SeqId(id), "t".into(), prompt, SamplingParams::default(), stop, credit, tx);
+    let seq = Sequence::new(
+        SeqId(id),
+        "t".into(),
+        prompt,
+        SamplingParams::default(),
+        stop,
+        credit,
+        tx,
+    );
     (seq, rx)
 }
 
@@ -57,11 +78,20 @@ fn long_prompt_is_chunked_and_decodes_ride_along() {
     let second = step(&mut s);
     // Running decode first (1 token), then the long prompt capped by the threshold (6).
     assert_eq!(second.seqs.len(), 2);
-    assert_eq!((second.seqs[0].num_tokens, second.seqs[0].needs_logits), (1, true));
+    assert_eq!(
+        (second.seqs[0].num_tokens, second.seqs[0].needs_logits),
+        (1, true)
+    );
     assert_eq!((second.seqs[1].start, second.seqs[1].num_tokens), (0, 6));
-    assert!(!second.seqs[1].needs_logits, "mid-prompt chunk samples nothing");
+    assert!(
+        !second.seqs[1].needs_logits,
+        "mid-prompt chunk samples nothing"
+    );
     let third = step(&mut s);
-    assert_eq!(third.seqs[1].start, 6, "next chunk continues where the last ended");
+    assert_eq!(
+        third.seqs[1].start, 6,
+        "next chunk continues where the last ended"
+    );
     assert!(third.num_tokens <= 10);
 }
 
@@ -102,7 +132,10 @@ fn preemption_picks_the_least_computed_and_requeues_it_first() {
     let waiting: Vec<SeqId> = s.waiting().map(|q| q.id).collect();
     assert_eq!(waiting, vec![SeqId(3)]);
     let c = s.waiting().next().expect("c waits");
-    assert_eq!((c.num_computed_tokens, c.status, c.block_table.len()), (0, SeqStatus::Preempted, 0));
+    assert_eq!(
+        (c.num_computed_tokens, c.status, c.block_table.len()),
+        (0, SeqStatus::Preempted, 0)
+    );
     assert_eq!(c.len(), 3, "its generated token is kept for recompute");
     assert_eq!(s.preemptions_total(), 1);
 }
@@ -123,7 +156,10 @@ fn fully_reserved_sequences_are_not_victims_while_others_exist() {
     let mut steps = 0;
     while s.has_work() {
         step(&mut s);
-        assert!(s.waiting().all(|q| q.id != SeqId(1)), "the reserved sequence was preempted");
+        assert!(
+            s.waiting().all(|q| q.id != SeqId(1)),
+            "the reserved sequence was preempted"
+        );
         steps += 1;
         assert!(steps < 100, "no progress");
     }
@@ -146,7 +182,10 @@ fn partial_credits_cannot_deadlock() {
         assert!(steps < 100, "no progress");
     }
     let occ = pool.snapshot();
-    assert_eq!((occ.used_blocks, occ.reserved_blocks, occ.free_blocks), (0, 0, 4));
+    assert_eq!(
+        (occ.used_blocks, occ.reserved_blocks, occ.free_blocks),
+        (0, 0, 4)
+    );
 }
 
 #[test]
@@ -165,7 +204,10 @@ fn waiting_head_blocks_free_blocks_but_not_self_reserved_requests() {
     let mut batch = ScheduledBatch::default();
     s.schedule(&mut batch);
     let ids: Vec<SeqId> = batch.seqs.iter().map(|e| s.running()[e.index].id).collect();
-    assert!(ids.contains(&SeqId(3)), "credit-backed request passes the blocked head");
+    assert!(
+        ids.contains(&SeqId(3)),
+        "credit-backed request passes the blocked head"
+    );
     assert!(!ids.contains(&SeqId(2)));
 }
 

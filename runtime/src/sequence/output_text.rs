@@ -30,7 +30,11 @@ impl OutputText {
     pub fn new(stop_strings: &[String]) -> OutputText {
         OutputText {
             utf8: Utf8Stream::new(),
-            stop_strings: stop_strings.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            stop_strings: stop_strings
+                .iter()
+                .filter(|s| !s.is_empty())
+                .cloned()
+                .collect(),
             held: String::new(),
         }
     }
@@ -41,11 +45,17 @@ impl OutputText {
         self.held.push_str(&completed);
         if let Some(stop_at) = self.earliest_stop_match() {
             self.held.truncate(stop_at);
-            return TextDelta { text: std::mem::take(&mut self.held), stopped: true };
+            return TextDelta {
+                text: std::mem::take(&mut self.held),
+                stopped: true,
+            };
         }
         let keep_from = self.earliest_partial_stop();
         let rest = self.held.split_off(keep_from);
-        TextDelta { text: std::mem::replace(&mut self.held, rest), stopped: false }
+        TextDelta {
+            text: std::mem::replace(&mut self.held, rest),
+            stopped: false,
+        }
     }
 
     /// Releases everything still held at the end of generation (no stop string matched, so the
@@ -58,7 +68,10 @@ impl OutputText {
 
     /// Byte offset in `held` of the earliest complete stop string.
     fn earliest_stop_match(&self) -> Option<usize> {
-        self.stop_strings.iter().filter_map(|stop| self.held.find(stop.as_str())).min()
+        self.stop_strings
+            .iter()
+            .filter_map(|stop| self.held.find(stop.as_str()))
+            .min()
     }
 
     /// Earliest char boundary from which the rest of `held` is a proper prefix of some stop
@@ -70,7 +83,11 @@ impl OutputText {
         held.char_indices()
             .map(|(i, _)| i)
             .filter(|&i| i >= window_start)
-            .find(|&i| self.stop_strings.iter().any(|stop| stop.starts_with(&held[i..])))
+            .find(|&i| {
+                self.stop_strings
+                    .iter()
+                    .any(|stop| stop.starts_with(&held[i..]))
+            })
             .unwrap_or(held.len())
     }
 }
@@ -111,7 +128,13 @@ mod tests {
         assert_eq!(out.push(b"abc S").text, "abc ", "'S' may start STOP");
         assert_eq!(out.push(b"T").text, "");
         let delta = out.push(b"OP and more");
-        assert_eq!(delta, TextDelta { text: String::new(), stopped: true });
+        assert_eq!(
+            delta,
+            TextDelta {
+                text: String::new(),
+                stopped: true
+            }
+        );
     }
 
     #[test]
@@ -119,13 +142,20 @@ mod tests {
         let mut out = stops(&["STOP"]);
         assert_eq!(out.push(b"ST").text, "");
         assert_eq!(out.push(b"ART").text, "START");
-        assert_eq!(run(&mut out, &[b"x S"]), ("x S".to_string(), false), "held tail flushed");
+        assert_eq!(
+            run(&mut out, &[b"x S"]),
+            ("x S".to_string(), false),
+            "held tail flushed"
+        );
     }
 
     #[test]
     fn earliest_of_several_stop_strings_wins() {
         let mut out = stops(&["world", "lo w"]);
-        assert_eq!(run(&mut out, &[b"hel", b"lo world"]), ("hel".to_string(), true));
+        assert_eq!(
+            run(&mut out, &[b"hel", b"lo world"]),
+            ("hel".to_string(), true)
+        );
     }
 
     #[test]
@@ -144,7 +174,10 @@ mod tests {
         assert_eq!(out.push(&crab[..2]).text, "");
         assert_eq!(out.push(&crab[2..]).text, "🦀");
         let mut out = stops(&[]);
-        assert_eq!(run(&mut out, &[b"a", &crab[..1]]), ("a\u{FFFD}".to_string(), false));
+        assert_eq!(
+            run(&mut out, &[b"a", &crab[..1]]),
+            ("a\u{FFFD}".to_string(), false)
+        );
     }
 
     #[test]

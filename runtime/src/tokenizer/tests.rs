@@ -1,5 +1,6 @@
 //! Tokenizer behaviour on small synthetic vocabularies; `real_model` checks SmolLM2 itself.
 
+mod llama_cpp_parity;
 mod real_model;
 
 use super::vocab::Vocab;
@@ -109,11 +110,23 @@ fn bytes_without_a_token_are_dropped_and_block_merges() {
 }
 
 #[test]
-fn missing_multibyte_byte_is_rejected_at_load() {
-    let Err(err) = Tokenizer::from_vocab(tiny_vocab(&[], &[0x80])) else {
-        panic!("a vocabulary without byte 0x80 cannot encode UTF-8 text");
+fn a_missing_lead_byte_drops_out_and_its_continuation_bytes_still_merge() {
+    // U+40000 is F1 80 80 80; SmolLM2 has no token for 0xF1 either.
+    let c80 = byte_level::byte_to_char(0x80).to_string();
+    let vocab = tiny_vocab(&[(c80.as_str(), c80.as_str())], &[0xF1]);
+    let t = Tokenizer::from_vocab(vocab).expect("loads");
+    let pair = format!("{c80}{c80}");
+    assert_eq!(texts(&t, &t.encode("a\u{40000}", false)), ["a", pair.as_str(), c80.as_str()]);
+}
+
+#[test]
+fn a_vocabulary_without_merges_is_rejected() {
+    let mut vocab = tiny_vocab(&[], &[]);
+    vocab.merges = None;
+    let Err(err) = Tokenizer::from_vocab(vocab) else {
+        panic!("llama.cpp refuses gpt2 vocabularies without merges too");
     };
-    assert!(err.to_string().contains("0x80"), "{err}");
+    assert!(err.to_string().contains("tokenizer.ggml.merges"), "{err}");
 }
 
 #[test]

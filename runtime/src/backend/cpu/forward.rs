@@ -7,7 +7,9 @@
 //! rows that need logits; the other rows only contribute their K and V.
 
 use kvgate_kernels::quant::dequantize_row;
-use kvgate_kernels::{KvLayout, ReductionOrder, RopeMode, matmul, paged_attention, rms_norm, rope, swiglu, write_kv};
+use kvgate_kernels::{
+    KvLayout, ReductionOrder, RopeMode, matmul, paged_attention, rms_norm, rope, swiglu, write_kv,
+};
 use rayon::prelude::*;
 
 use super::kv_cache::LayerKv;
@@ -28,7 +30,11 @@ pub struct Step<'a> {
 impl Step<'_> {
     /// Token index of query row `row`: all tokens, or in the last layer only the logit rows.
     fn query_token(&self, row: usize, outputs_only: bool) -> usize {
-        if outputs_only { self.plan.logit_rows[row] } else { row }
+        if outputs_only {
+            self.plan.logit_rows[row]
+        } else {
+            row
+        }
     }
 }
 
@@ -54,7 +60,12 @@ pub fn run(
 
     let r = rows;
     for j in 0..r {
-        rms_norm(&ws.x[j * d..(j + 1) * d], &model.output_norm, cfg.rms_eps, &mut ws.xn[j * d..(j + 1) * d]);
+        rms_norm(
+            &ws.x[j * d..(j + 1) * d],
+            &model.output_norm,
+            cfg.rms_eps,
+            &mut ws.xn[j * d..(j + 1) * d],
+        );
     }
     logits.clear();
     logits.resize(r * cfg.vocab_size, 0.0);
@@ -77,7 +88,13 @@ fn embed(step: &Step, x: &mut [f32]) -> Result<(), BackendError> {
 
 /// Pre-norm attention with residual. Returns how many rows continue (all tokens, or the logit
 /// rows compacted to the front in the last layer).
-fn attention_block(step: &Step, layer: &LayerMats, kv: &mut LayerKv, ws: &mut Workspace, last: bool) -> usize {
+fn attention_block(
+    step: &Step,
+    layer: &LayerMats,
+    kv: &mut LayerKv,
+    ws: &mut Workspace,
+    last: bool,
+) -> usize {
     let cfg = &step.model.config;
     let gguf = &*step.model.gguf;
     let (d, kvd, hd) = (cfg.hidden_size, cfg.kv_dim(), cfg.head_dim);
@@ -85,16 +102,49 @@ fn attention_block(step: &Step, layer: &LayerMats, kv: &mut LayerKv, ws: &mut Wo
     let positions = &step.inputs.positions;
 
     for t in 0..n {
-        rms_norm(&ws.x[t * d..(t + 1) * d], &layer.attn_norm, cfg.rms_eps, &mut ws.xn[t * d..(t + 1) * d]);
+        rms_norm(
+            &ws.x[t * d..(t + 1) * d],
+            &layer.attn_norm,
+            cfg.rms_eps,
+            &mut ws.xn[t * d..(t + 1) * d],
+        );
     }
     // Every token's K and V go into the cache, including rows that need no output.
-    matmul(&layer.wk.view(gguf), &ws.xn[..n * d], n, &mut ws.k[..n * kvd], &mut ws.matmul, step.pool);
-    matmul(&layer.wv.view(gguf), &ws.xn[..n * d], n, &mut ws.v[..n * kvd], &mut ws.matmul, step.pool);
+    matmul(
+        &layer.wk.view(gguf),
+        &ws.xn[..n * d],
+        n,
+        &mut ws.k[..n * kvd],
+        &mut ws.matmul,
+        step.pool,
+    );
+    matmul(
+        &layer.wv.view(gguf),
+        &ws.xn[..n * d],
+        n,
+        &mut ws.v[..n * kvd],
+        &mut ws.matmul,
+        step.pool,
+    );
     for t in 0..n {
         let k_row = &mut ws.k[t * kvd..(t + 1) * kvd];
-        rope(k_row, cfg.num_kv_heads, hd, positions[t], cfg.rope_freq_base, RopeMode::Norm);
+        rope(
+            k_row,
+            cfg.num_kv_heads,
+            hd,
+            positions[t],
+            cfg.rope_freq_base,
+            RopeMode::Norm,
+        );
         let slot = step.inputs.slot_mapping[t] as usize;
-        write_kv(&step.layout, &mut kv.k, &mut kv.v, slot, k_row, &ws.v[t * kvd..(t + 1) * kvd]);
+        write_kv(
+            &step.layout,
+            &mut kv.k,
+            &mut kv.v,
+            slot,
+            k_row,
+            &ws.v[t * kvd..(t + 1) * kvd],
+        );
     }
 
     let outputs_only = last && step.plan.logit_rows.len() < n;
@@ -107,20 +157,55 @@ fn attention_block(step: &Step, layer: &LayerMats, kv: &mut LayerKv, ws: &mut Wo
     } else {
         n
     };
-    matmul(&layer.wq.view(gguf), &ws.xn[..m * d], m, &mut ws.q[..m * d], &mut ws.matmul, step.pool);
+    matmul(
+        &layer.wq.view(gguf),
+        &ws.xn[..m * d],
+        m,
+        &mut ws.q[..m * d],
+        &mut ws.matmul,
+        step.pool,
+    );
     for j in 0..m {
         let pos = positions[step.query_token(j, outputs_only)];
-        rope(&mut ws.q[j * d..(j + 1) * d], cfg.num_heads, hd, pos, cfg.rope_freq_base, RopeMode::Norm);
+        rope(
+            &mut ws.q[j * d..(j + 1) * d],
+            cfg.num_heads,
+            hd,
+            pos,
+            cfg.rope_freq_base,
+            RopeMode::Norm,
+        );
     }
-    attend(step, kv, &ws.q[..m * d], &mut ws.att[..m * d], &mut ws.attn_scratch, outputs_only);
-    matmul(&layer.wo.view(gguf), &ws.att[..m * d], m, &mut ws.proj[..m * d], &mut ws.matmul, step.pool);
+    attend(
+        step,
+        kv,
+        &ws.q[..m * d],
+        &mut ws.att[..m * d],
+        &mut ws.attn_scratch,
+        outputs_only,
+    );
+    matmul(
+        &layer.wo.view(gguf),
+        &ws.att[..m * d],
+        m,
+        &mut ws.proj[..m * d],
+        &mut ws.matmul,
+        step.pool,
+    );
     add_in_place(&mut ws.x[..m * d], &ws.proj[..m * d]);
     m
 }
 
 /// Attention of every query row, split into contiguous runs of rows over the pool (one scratch
 /// buffer per run). Each token sees positions `0..=pos` of its own sequence.
-fn attend(step: &Step, kv: &LayerKv, q: &[f32], att: &mut [f32], scratch: &mut [Vec<f32>], outputs_only: bool) {
+fn attend(
+    step: &Step,
+    kv: &LayerKv,
+    q: &[f32],
+    att: &mut [f32],
+    scratch: &mut [Vec<f32>],
+    outputs_only: bool,
+) {
     let cfg = &step.model.config;
     let d = cfg.hidden_size;
     let m = q.len() / d.max(1);
@@ -165,15 +250,41 @@ fn ffn_block(step: &Step, layer: &LayerMats, ws: &mut Workspace, m: usize) {
     let gguf = &*step.model.gguf;
     let (d, ff) = (cfg.hidden_size, cfg.ffn_size);
     for j in 0..m {
-        rms_norm(&ws.x[j * d..(j + 1) * d], &layer.ffn_norm, cfg.rms_eps, &mut ws.xn[j * d..(j + 1) * d]);
+        rms_norm(
+            &ws.x[j * d..(j + 1) * d],
+            &layer.ffn_norm,
+            cfg.rms_eps,
+            &mut ws.xn[j * d..(j + 1) * d],
+        );
     }
-    matmul(&layer.gate.view(gguf), &ws.xn[..m * d], m, &mut ws.gate[..m * ff], &mut ws.matmul, step.pool);
-    matmul(&layer.up.view(gguf), &ws.xn[..m * d], m, &mut ws.up[..m * ff], &mut ws.matmul, step.pool);
+    matmul(
+        &layer.gate.view(gguf),
+        &ws.xn[..m * d],
+        m,
+        &mut ws.gate[..m * ff],
+        &mut ws.matmul,
+        step.pool,
+    );
+    matmul(
+        &layer.up.view(gguf),
+        &ws.xn[..m * d],
+        m,
+        &mut ws.up[..m * ff],
+        &mut ws.matmul,
+        step.pool,
+    );
     for j in 0..m {
         let r = j * ff..(j + 1) * ff;
         swiglu(&ws.gate[r.clone()], &ws.up[r.clone()], &mut ws.act[r]);
     }
-    matmul(&layer.down.view(gguf), &ws.act[..m * ff], m, &mut ws.proj[..m * d], &mut ws.matmul, step.pool);
+    matmul(
+        &layer.down.view(gguf),
+        &ws.act[..m * ff],
+        m,
+        &mut ws.proj[..m * d],
+        &mut ws.matmul,
+        step.pool,
+    );
     add_in_place(&mut ws.x[..m * d], &ws.proj[..m * d]);
 }
 

@@ -48,7 +48,11 @@ impl StepPlan {
                 limits.max_tokens
             )));
         }
-        if let Some(bad) = inputs.token_ids.iter().find(|&&t| t as usize >= limits.vocab_size) {
+        if let Some(bad) = inputs
+            .token_ids
+            .iter()
+            .find(|&&t| t as usize >= limits.vocab_size)
+        {
             return Err(invalid(format!(
                 "token id {bad} is outside the vocabulary of {}",
                 limits.vocab_size
@@ -63,7 +67,9 @@ impl StepPlan {
             }
             let end = seq.token_start + seq.num_tokens;
             if end > n {
-                return Err(invalid(format!("seq {index}: tokens end at {end}, step has {n}")));
+                return Err(invalid(format!(
+                    "seq {index}: tokens end at {end}, step has {n}"
+                )));
             }
             check_seq(inputs, index, limits)?;
             self.token_seq.resize(end, index);
@@ -199,7 +205,10 @@ mod tests {
             assert!(plan.build(&b, LIMITS).is_err(), "{name} accepted");
         }
         let mut plan = StepPlan::default();
-        let tight = StepLimits { max_tokens: 5, ..LIMITS };
+        let tight = StepLimits {
+            max_tokens: 5,
+            ..LIMITS
+        };
         assert!(plan.build(&batch(), tight).is_err(), "over budget accepted");
     }
 }

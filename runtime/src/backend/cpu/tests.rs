@@ -46,7 +46,8 @@ fn batch(parts: &[Part]) -> BatchInputs {
             let pos = p.start + i;
             b.token_ids.push(t);
             b.positions.push(pos as u32);
-            b.slot_mapping.push(p.blocks[pos / BLOCK] * BLOCK as u32 + (pos % BLOCK) as u32);
+            b.slot_mapping
+                .push(p.blocks[pos / BLOCK] * BLOCK as u32 + (pos % BLOCK) as u32);
         }
         b.seqs.push(SeqInputs {
             token_start,
@@ -61,7 +62,9 @@ fn batch(parts: &[Part]) -> BatchInputs {
 
 fn run(backend: &mut CpuBackend, parts: &[Part]) -> Vec<Vec<f32>> {
     let mut logits = Vec::new();
-    backend.forward(&batch(parts), &mut logits).expect("forward succeeds");
+    backend
+        .forward(&batch(parts), &mut logits)
+        .expect("forward succeeds");
     logits.chunks(TINY.vocab).map(<[f32]>::to_vec).collect()
 }
 
@@ -77,7 +80,9 @@ fn reference(tokens: &[u32]) -> Vec<Vec<f32>> {
     };
     let (d, hd) = (cfg.hidden_size, cfg.head_dim);
     let matvec = |m: &[f64], x: &[f64]| -> Vec<f64> {
-        m.chunks(x.len()).map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+        m.chunks(x.len())
+            .map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum())
+            .collect()
     };
     let norm = |x: &[f64], w: &[f64]| -> Vec<f64> {
         let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
@@ -87,7 +92,8 @@ fn reference(tokens: &[u32]) -> Vec<Vec<f32>> {
     let rope = |x: &mut [f64], pos: usize| {
         for head in x.chunks_mut(hd) {
             for i in 0..hd / 2 {
-                let theta = pos as f64 * f64::from(cfg.rope_freq_base).powf(-2.0 * i as f64 / hd as f64);
+                let theta =
+                    pos as f64 * f64::from(cfg.rope_freq_base).powf(-2.0 * i as f64 / hd as f64);
                 let (a, b) = (head[2 * i], head[2 * i + 1]);
                 head[2 * i] = a * theta.cos() - b * theta.sin();
                 head[2 * i + 1] = a * theta.sin() + b * theta.cos();
@@ -116,7 +122,14 @@ fn reference(tokens: &[u32]) -> Vec<Vec<f32>> {
                 let qh: Vec<f64> = q[h * hd..(h + 1) * hd].iter().map(|&v| h16(v)).collect();
                 let scores: Vec<f64> = ks[l]
                     .iter()
-                    .map(|k| k[kvh * hd..(kvh + 1) * hd].iter().zip(&qh).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .map(|k| {
+                        k[kvh * hd..(kvh + 1) * hd]
+                            .iter()
+                            .zip(&qh)
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
@@ -132,7 +145,11 @@ fn reference(tokens: &[u32]) -> Vec<Vec<f32>> {
             let xn = norm(&x, &vals(&lw.ffn_norm));
             let g = matvec(&vals(&lw.ffn_gate), &xn);
             let u = matvec(&vals(&lw.ffn_up), &xn);
-            let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let act: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
             let o = matvec(&vals(&lw.ffn_down), &act);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
@@ -144,7 +161,10 @@ fn reference(tokens: &[u32]) -> Vec<Vec<f32>> {
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -153,7 +173,14 @@ fn token_by_token_matches_the_reference_forward() {
     let mut be = backend(2);
     let blocks = [5, 2, 9];
     for (pos, want) in want.iter().enumerate() {
-        let got = run(&mut be, &[Part { tokens: &PROMPT[pos..=pos], start: pos, blocks: &blocks }]);
+        let got = run(
+            &mut be,
+            &[Part {
+                tokens: &PROMPT[pos..=pos],
+                start: pos,
+                blocks: &blocks,
+            }],
+        );
         let diff = max_abs_diff(&got[0], want);
         assert!(diff < 2e-3, "position {pos}: max |diff| {diff}");
         assert!(got[0].iter().all(|v| v.is_finite()));
@@ -164,12 +191,26 @@ fn token_by_token_matches_the_reference_forward() {
 fn one_chunk_several_chunks_and_single_tokens_agree() {
     let blocks = [1, 7, 3];
     let mut one = backend(2);
-    let whole = run(&mut one, &[Part { tokens: &PROMPT, start: 0, blocks: &blocks }]);
+    let whole = run(
+        &mut one,
+        &[Part {
+            tokens: &PROMPT,
+            start: 0,
+            blocks: &blocks,
+        }],
+    );
 
     let mut chunked = backend(1);
     let mut last = Vec::new();
     for (start, end) in [(0, 4), (4, 5), (5, 9)] {
-        last = run(&mut chunked, &[Part { tokens: &PROMPT[start..end], start, blocks: &blocks }]);
+        last = run(
+            &mut chunked,
+            &[Part {
+                tokens: &PROMPT[start..end],
+                start,
+                blocks: &blocks,
+            }],
+        );
     }
     assert!(max_abs_diff(&whole[0], &last[0]) < 1e-4);
 
@@ -183,44 +224,101 @@ fn a_sequence_gives_identical_logits_alone_and_in_a_batch() {
     let b_blocks = [10, 11, 12];
     let c_blocks = [20, 21];
     let mut alone = backend(2);
-    run(&mut alone, &[Part { tokens: &PROMPT[..8], start: 0, blocks: &a_blocks }]);
-    let a_alone = run(&mut alone, &[Part { tokens: &PROMPT[8..], start: 8, blocks: &a_blocks }]);
+    run(
+        &mut alone,
+        &[Part {
+            tokens: &PROMPT[..8],
+            start: 0,
+            blocks: &a_blocks,
+        }],
+    );
+    let a_alone = run(
+        &mut alone,
+        &[Part {
+            tokens: &PROMPT[8..],
+            start: 8,
+            blocks: &a_blocks,
+        }],
+    );
 
     let mut batched = backend(2);
     // A's prefill shares a step with C's prefill, then A decodes next to B's prefill and C.
     let first = run(
         &mut batched,
         &[
-            Part { tokens: &PROMPT[2..7], start: 0, blocks: &c_blocks },
-            Part { tokens: &PROMPT[..8], start: 0, blocks: &a_blocks },
+            Part {
+                tokens: &PROMPT[2..7],
+                start: 0,
+                blocks: &c_blocks,
+            },
+            Part {
+                tokens: &PROMPT[..8],
+                start: 0,
+                blocks: &a_blocks,
+            },
         ],
     );
     let second = run(
         &mut batched,
         &[
-            Part { tokens: &PROMPT[..9], start: 0, blocks: &b_blocks },
-            Part { tokens: &PROMPT[8..], start: 8, blocks: &a_blocks },
-            Part { tokens: &[4], start: 5, blocks: &c_blocks },
+            Part {
+                tokens: &PROMPT[..9],
+                start: 0,
+                blocks: &b_blocks,
+            },
+            Part {
+                tokens: &PROMPT[8..],
+                start: 8,
+                blocks: &a_blocks,
+            },
+            Part {
+                tokens: &[4],
+                start: 5,
+                blocks: &c_blocks,
+            },
         ],
     );
     assert_eq!(first.len(), 2);
-    assert_eq!(a_alone[0], second[1], "batching changed sequence A's logits");
+    assert_eq!(
+        a_alone[0], second[1],
+        "batching changed sequence A's logits"
+    );
 
     // And a sequence's prefill logits do not depend on its batch-mates either.
     let mut c_alone = backend(1);
-    let c = run(&mut c_alone, &[Part { tokens: &PROMPT[2..7], start: 0, blocks: &c_blocks }]);
+    let c = run(
+        &mut c_alone,
+        &[Part {
+            tokens: &PROMPT[2..7],
+            start: 0,
+            blocks: &c_blocks,
+        }],
+    );
     assert_eq!(c[0], first[0]);
 }
 
 #[test]
 fn invalid_inputs_are_rejected_and_the_backend_keeps_working() {
     let mut be = backend(2);
-    let mut bad = batch(&[Part { tokens: &PROMPT[..3], start: 0, blocks: &[31] }]);
+    let mut bad = batch(&[Part {
+        tokens: &PROMPT[..3],
+        start: 0,
+        blocks: &[31],
+    }]);
     bad.seqs[0].block_table[0] = 32;
     let mut logits = Vec::new();
-    let err = be.forward(&bad, &mut logits).expect_err("block 32 is outside the cache");
+    let err = be
+        .forward(&bad, &mut logits)
+        .expect_err("block 32 is outside the cache");
     assert!(matches!(err, BackendError::InvalidInputs(_)), "{err}");
-    let ok = run(&mut be, &[Part { tokens: &PROMPT[..3], start: 0, blocks: &[31] }]);
+    let ok = run(
+        &mut be,
+        &[Part {
+            tokens: &PROMPT[..3],
+            start: 0,
+            blocks: &[31],
+        }],
+    );
     assert_eq!(ok.len(), 1);
 }
 
@@ -228,8 +326,16 @@ fn invalid_inputs_are_rejected_and_the_backend_keeps_working() {
 fn only_sequences_that_ask_get_logits_and_memory_is_reported() {
     let mut be = backend(2);
     let mut inputs = batch(&[
-        Part { tokens: &PROMPT[..4], start: 0, blocks: &[0] },
-        Part { tokens: &PROMPT[..2], start: 0, blocks: &[1] },
+        Part {
+            tokens: &PROMPT[..4],
+            start: 0,
+            blocks: &[0],
+        },
+        Part {
+            tokens: &PROMPT[..2],
+            start: 0,
+            blocks: &[1],
+        },
     ]);
     inputs.seqs[0].needs_logits = false;
     let mut logits = Vec::new();

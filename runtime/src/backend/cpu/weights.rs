@@ -19,9 +19,8 @@ pub struct Mat {
 impl Mat {
     fn new(gguf: &GgufFile, tensor: &BoundTensor) -> Result<Mat, BackendError> {
         let ty = weight_type(tensor)?;
-        QMatrix::new(ty, tensor.data(gguf), tensor.rows, tensor.cols).map_err(|e| {
-            BackendError::Other(format!("tensor `{}`: {e}", tensor.info.name))
-        })?;
+        QMatrix::new(ty, tensor.data(gguf), tensor.rows, tensor.cols)
+            .map_err(|e| BackendError::Other(format!("tensor `{}`: {e}", tensor.info.name)))?;
         Ok(Mat {
             ty,
             tensor: tensor.clone(),

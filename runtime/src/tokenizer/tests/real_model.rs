@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::sync::OnceLock;
 
 /// The SmolLM2 tokenizer, loaded once for all tests; `None` when the model is not provisioned.
-fn smollm() -> Option<&'static Tokenizer> {
+pub(super) fn smollm() -> Option<&'static Tokenizer> {
     static TOKENIZER: OnceLock<Option<Tokenizer>> = OnceLock::new();
     TOKENIZER
         .get_or_init(|| {
@@ -139,7 +139,20 @@ fn rank_bpe_equals_merge_list_bpe() {
         let mut ids = Vec::new();
         t.encode_word(word, &mut ids);
         assert_eq!(ids, reference(word), "word {word:?}");
+        let mut by_merge_bpe = Vec::new();
+        t.merge_bpe.encode(word.as_bytes(), &mut by_merge_bpe);
+        assert_eq!(by_merge_bpe, ids, "merge_bpe on {word:?}");
     }
+}
+
+#[test]
+fn bytes_without_tokens_are_dropped_like_llama_cpp() {
+    let Some(t) = smollm() else { return };
+    assert_eq!(t.decode(&t.encode("a\u{4}b\u{1d}", false)), "ab");
+    // U+40000 is F1 80 80 80 and SmolLM2 has no 0xF1 token: three lone continuation bytes stay.
+    let ids = t.encode("x\u{40000}y", false);
+    let bytes: Vec<u8> = ids.iter().flat_map(|&id| t.token_bytes(id).to_vec()).collect();
+    assert_eq!(bytes, b"x\x80\x80\x80y");
 }
 
 #[test]

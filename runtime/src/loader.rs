@@ -1,0 +1,185 @@
+//! One call from a model path to a running runtime: open the GGUF file, read the model config,
+//! build the tokenizer, size the KV pool from a memory budget, start the CPU backend and the
+//! engine. The CLI, the gateway and the tests all start kvgate through [`Runtime::start`], so
+//! they cannot disagree about how the pool is sized.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::backend::cpu::{CpuBackend, CpuBackendOptions, default_threads};
+use crate::backend::{Backend, BackendError, MemoryUsage};
+use crate::engine::{Engine, EngineConfig, EngineError};
+use crate::gguf::{GgufError, GgufFile};
+use crate::kv_math::HumanSize;
+use crate::model::{ModelConfig, ModelError};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// How to size and run the runtime. `Default` gives 256 MiB of KV, blocks of 16 tokens, all
+/// cores, 64 sequences and 512 tokens per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RuntimeOptions {
+    /// Bytes of KV cache (the pool gets as many whole blocks as fit).
+    pub kv_memory_bytes: u64,
+    pub block_size: usize,
+    /// CPU worker threads; `None` = all available cores.
+    pub threads: Option<usize>,
+    pub max_num_seqs: usize,
+    /// Token budget of one engine step (also sizes the backend's activation buffers).
+    pub max_batched_tokens: usize,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        RuntimeOptions {
+            kv_memory_bytes: 256 << 20,
+            block_size: 16,
+            threads: None,
+            max_num_seqs: 64,
+            max_batched_tokens: 512,
+        }
+    }
+}
+
+/// Why the runtime did not start. Each variant names the stage that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("model file: {0}")]
+    Gguf(#[from] GgufError),
+    #[error("model config: {0}")]
+    Model(#[from] ModelError),
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizerError),
+    #[error("CPU backend: {0}")]
+    Backend(#[from] BackendError),
+    #[error("engine: {0}")]
+    Engine(#[from] EngineError),
+    #[error(
+        "KV memory budget {budget} is smaller than one block ({block_bytes} bytes for {block_size} tokens); raise --kv-memory"
+    )]
+    KvBudgetTooSmall {
+        budget: HumanSize,
+        block_bytes: usize,
+        block_size: usize,
+    },
+}
+
+/// A loaded model serving through an engine.
+pub struct Runtime {
+    pub engine: Engine,
+    pub tokenizer: Arc<Tokenizer>,
+    pub config: ModelConfig,
+    /// The model file's name without `.gguf`, used as the OpenAI `model` id.
+    pub model_name: String,
+    pub gguf: Arc<GgufFile>,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub threads: usize,
+    /// Backend memory right after start (weights, KV, workspace).
+    pub memory: MemoryUsage,
+}
+
+impl Runtime {
+    /// Opens `model_path` and starts the engine on a CPU backend sized by `opts`.
+    pub fn start(model_path: &Path, opts: RuntimeOptions) -> Result<Runtime, LoadError> {
+        let gguf = Arc::new(GgufFile::open(model_path)?);
+        let config = ModelConfig::from_gguf(&gguf)?;
+        let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf)?);
+
+        let kv_shape = config.kv_shape();
+        let block_size = opts.block_size.max(1);
+        let budget = usize::try_from(opts.kv_memory_bytes).unwrap_or(usize::MAX);
+        let num_blocks = kv_shape.blocks_for_budget(budget, block_size);
+        if num_blocks == 0 {
+            return Err(LoadError::KvBudgetTooSmall {
+                budget: HumanSize(budget),
+                block_bytes: kv_shape.bytes_per_block(block_size),
+                block_size,
+            });
+        }
+        let threads = opts.threads.unwrap_or_else(default_threads).max(1);
+        let backend = CpuBackend::new(
+            Arc::clone(&gguf),
+            config.clone(),
+            CpuBackendOptions {
+                num_blocks,
+                block_size,
+                max_batched_tokens: opts.max_batched_tokens,
+                threads: Some(threads),
+            },
+        )?;
+        let memory = backend.memory();
+        let tokens = num_blocks * block_size;
+        tracing::info!(
+            "KV cache: {num_blocks} blocks = {tokens} tokens ({}), max concurrency at context {} = {:.2}x",
+            HumanSize(memory.kv_bytes as usize),
+            config.context_length,
+            tokens as f64 / config.context_length as f64
+        );
+        tracing::info!(
+            "model {}: {} layers, d={}, {} heads / {} KV heads, vocab {}, weights {}, {} threads",
+            config.architecture,
+            config.num_layers,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.vocab_size,
+            HumanSize(memory.weights_bytes as usize),
+            threads
+        );
+
+        let engine_config = EngineConfig {
+            block_size,
+            num_blocks,
+            bytes_per_block: kv_shape.bytes_per_block(block_size),
+            max_num_seqs: opts.max_num_seqs,
+            max_batched_tokens: opts.max_batched_tokens,
+            long_prefill_threshold: EngineConfig::default()
+                .long_prefill_threshold
+                .min(opts.max_batched_tokens),
+            max_model_len: config.context_length,
+            ..EngineConfig::default()
+        };
+        let decoder = Arc::clone(&tokenizer);
+        let engine = Engine::spawn(Box::new(backend), decoder, engine_config)?;
+        Ok(Runtime {
+            engine,
+            tokenizer,
+            config,
+            model_name: model_name(model_path),
+            gguf,
+            num_blocks,
+            block_size,
+            threads,
+            memory,
+        })
+    }
+}
+
+/// `…/SmolLM2-135M-Instruct.Q4_1.gguf` → `SmolLM2-135M-Instruct.Q4_1`.
+fn model_name(path: &Path) -> String {
+    let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    file.strip_suffix(".gguf").map(str::to_string).unwrap_or(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_name_drops_the_extension_only() {
+        assert_eq!(
+            model_name(Path::new("/m/SmolLM2-135M-Instruct.Q4_1.gguf")),
+            "SmolLM2-135M-Instruct.Q4_1"
+        );
+        assert_eq!(model_name(Path::new("model.bin")), "model.bin");
+    }
+
+    #[test]
+    fn missing_file_is_a_model_file_error() {
+        let err = Runtime::start(Path::new("/nonexistent/x.gguf"), RuntimeOptions::default())
+            .err()
+            .expect("missing file fails");
+        assert!(matches!(err, LoadError::Gguf(_)), "{err}");
+        assert!(err.to_string().contains("/nonexistent/x.gguf"), "{err}");
+    }
+}

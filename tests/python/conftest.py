@@ -1,0 +1,91 @@
+"""Starts a real `kvgate serve` (the default model, a test policy) for the openai-client tests.
+
+The binary comes from $KVGATE_BIN (default: target/debug/kvgate under the repository root).
+The server is stopped with SIGTERM at the end and must exit 0: a graceful drain.
+"""
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = {"main": "sk-py-main", "solo": "sk-py-solo"}
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+POLICY = f"""
+[defaults]
+max_input_tokens = 1024
+max_output_tokens = 256
+max_total_tokens = 1536
+max_concurrency = 8
+queue_depth = 16
+max_queue_wait = "60s"
+
+[tenants.main]
+key_sha256 = ["{_digest(KEYS['main'])}"]
+
+# One request at a time and no queue: a second concurrent request gets 429 + Retry-After.
+[tenants.solo]
+key_sha256 = ["{_digest(KEYS['solo'])}"]
+max_concurrency = 1
+queue_depth = 0
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(base: str, process: subprocess.Popen, limit_s: float = 300.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvgate exited early with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("kvgate did not become ready")
+
+
+@pytest.fixture(scope="session")
+def server():
+    binary = os.environ.get("KVGATE_BIN", os.path.join(ROOT, "target", "debug", "kvgate"))
+    policy = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+    policy.write(POLICY)
+    policy.close()
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [binary, "serve", "--policy", policy.name, "--listen", f"127.0.0.1:{port}", "--kv-memory", "64MiB"],
+        cwd=ROOT,
+    )
+    try:
+        _wait_ready(base, process)
+        yield {"base_url": f"{base}/v1", "keys": KEYS, "model": MODEL}
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        os.unlink(policy.name)
+        assert code == 0, f"kvgate must exit 0 after SIGTERM, got {code}"
