@@ -18,15 +18,35 @@ const WAIT: Duration = Duration::from_secs(60);
 
 /// Retry-After in whole seconds and retry-after-ms agree and stay within 1 ms..120 s.
 fn assert_retry_after(reply: &Reply) {
-    let seconds: u64 = reply.header("retry-after").expect("retry-after").parse().unwrap();
-    let millis: u64 = reply.header("retry-after-ms").expect("retry-after-ms").parse().unwrap();
+    let seconds: u64 = reply
+        .header("retry-after")
+        .expect("retry-after")
+        .parse()
+        .unwrap();
+    let millis: u64 = reply
+        .header("retry-after-ms")
+        .expect("retry-after-ms")
+        .parse()
+        .unwrap();
     assert!((1..=120).contains(&seconds), "retry-after {seconds}");
-    assert_eq!(seconds, millis.div_ceil(1000), "retry-after rounds retry-after-ms up");
+    assert_eq!(
+        seconds,
+        millis.div_ceil(1000),
+        "retry-after rounds retry-after-ms up"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_wrong_or_malformed_keys_get_401() {
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra: "" }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra: "",
+        }],
+        "",
+    ))
+    .await;
     let client = server.client();
     for key in [None, Some("sk-wrong"), Some("")] {
         let reply = client.post(CHAT, key, &chat("hi", 1)).await;
@@ -34,32 +54,59 @@ async fn missing_wrong_or_malformed_keys_get_401() {
         assert_eq!(reply.error_code(), "invalid_api_key");
         assert!(reply.header("x-request-id").is_some());
     }
-    assert_eq!(client.get("/v1/models", Some("sk-wrong")).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        client.get("/v1/models", Some("sk-wrong")).await.status,
+        StatusCode::UNAUTHORIZED
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn length_limits_give_400_context_length_exceeded_with_both_numbers() {
     let extra = "max_input_tokens = 40\nmax_total_tokens = 60\nmax_output_tokens = 50";
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra,
+        }],
+        "",
+    ))
+    .await;
     let client = server.client();
     let long = "word ".repeat(60);
     let reply = client.post(CHAT, Some("sk-a"), &chat(&long, 5)).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert_eq!(reply.error_code(), "context_length_exceeded");
-    let message = reply.json()["error"]["message"].as_str().unwrap().to_owned();
+    let message = reply.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     assert!(message.contains("40"), "names the limit: {message}");
     // Rate-limit headers ride along even on validation errors (none configured here: none sent).
     let short = chat("hi", 50); // the template adds ~30 tokens: 30 + 50 > 60
     let reply = client.post(CHAT, Some("sk-a"), &short).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert_eq!(reply.error_code(), "context_length_exceeded");
-    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("60"));
+    assert!(
+        reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("60")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_rate_limit_gives_429_with_retry_after_and_ratelimit_headers() {
     let extra = "requests_per_minute = 2";
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra,
+        }],
+        "",
+    ))
+    .await;
     let client = server.client();
     for _ in 0..2 {
         let ok = client.post(CHAT, Some("sk-a"), &chat("hi", 1)).await;
@@ -80,7 +127,15 @@ async fn request_rate_limit_gives_429_with_retry_after_and_ratelimit_headers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_rate_limit_and_never_fitting_quota() {
     let extra = "tokens_per_minute = 200";
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra,
+        }],
+        "",
+    ))
+    .await;
     let client = server.client();
     // Bigger than the whole bucket: can never pass, and says so.
     let never = client.post(CHAT, Some("sk-a"), &chat("hi", 250)).await;
@@ -89,7 +144,13 @@ async fn token_rate_limit_and_never_fitting_quota() {
     assert_eq!(never.header("x-should-retry"), Some("false"));
     assert!(never.header("retry-after").is_none());
     // ~30 prompt + 120 budget fits once, not twice.
-    assert_eq!(client.post(CHAT, Some("sk-a"), &chat("hi", 120)).await.status, StatusCode::OK);
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-a"), &chat("hi", 120))
+            .await
+            .status,
+        StatusCode::OK
+    );
     let limited = client.post(CHAT, Some("sk-a"), &chat("hi", 120)).await;
     assert_eq!(limited.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(limited.error_code(), "rate_limit_exceeded");
@@ -101,14 +162,25 @@ async fn token_rate_limit_and_never_fitting_quota() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_concurrency_and_queue_give_429_queue_full() {
     let extra = "max_concurrency = 1\nqueue_depth = 1";
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra,
+        }],
+        "",
+    ))
+    .await;
     let client = server.client();
     let running = hold_slot(&client, "sk-a", 300).await;
     let queued_request = tokio::spawn({
         let client = client.clone();
         async move { client.post(CHAT, Some("sk-a"), &chat("hi", 1)).await }
     });
-    wait_until("the second request queues", WAIT, || queued(&server, "a") == 1).await;
+    wait_until("the second request queues", WAIT, || {
+        queued(&server, "a") == 1
+    })
+    .await;
     let full = client.post(CHAT, Some("sk-a"), &chat("hi", 1)).await;
     assert_eq!(full.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(full.error_code(), "queue_full");
@@ -122,7 +194,15 @@ async fn full_concurrency_and_queue_give_429_queue_full() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_past_max_queue_wait_gives_503_with_retry_after() {
     let extra = "max_concurrency = 1\nqueue_depth = 4\nmax_queue_wait = \"300ms\"";
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra,
+        }],
+        "",
+    ))
+    .await;
     let client = server.client();
     let running = hold_slot(&client, "sk-a", 300).await;
     let timed_out = client.post(CHAT, Some("sk-a"), &chat("hi", 1)).await;
@@ -137,9 +217,23 @@ async fn waiting_past_max_queue_wait_gives_503_with_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_saturation_gives_429_and_oversized_requests_400() {
     // 48 blocks of 16 tokens; admission may fill 90% = 43 blocks.
-    let options = Options { num_blocks: 48, ..Options::default() };
+    let options = Options {
+        num_blocks: 48,
+        ..Options::default()
+    };
     let extra = "max_output_tokens = 600\nmax_total_tokens = 1000\nmax_queue_wait = \"100ms\"";
-    let server = TestServer::start_with(&policy(&[TenantSpec { name: "a", key: "sk-a", extra }], ""), options).await;
+    let server = TestServer::start_with(
+        &policy(
+            &[TenantSpec {
+                name: "a",
+                key: "sk-a",
+                extra,
+            }],
+            "",
+        ),
+        options,
+    )
+    .await;
     let client = server.client();
 
     // Never fits: ~30 prompt + 700 > 43 blocks.
@@ -150,7 +244,10 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
     // Teach admission how fast KV drains: small requests over more than one second.
     for round in 0..2 {
         for _ in 0..3 {
-            assert_eq!(client.post(CHAT, Some("sk-a"), &chat("hi", 2)).await.status, StatusCode::OK);
+            assert_eq!(
+                client.post(CHAT, Some("sk-a"), &chat("hi", 2)).await.status,
+                StatusCode::OK
+            );
         }
         if round == 0 {
             tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -159,11 +256,19 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
     // One request holds ~34 blocks; a second one cannot get its 34 within 100 ms.
     let running = hold_slot(&client, "sk-a", 500).await;
     let saturated = client.post(CHAT, Some("sk-a"), &chat("hi", 500)).await;
-    assert_eq!(saturated.status, StatusCode::TOO_MANY_REQUESTS, "{:?}", saturated.json());
+    assert_eq!(
+        saturated.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{:?}",
+        saturated.json()
+    );
     assert_eq!(saturated.error_code(), "kv_cache_saturated");
     assert_retry_after(&saturated);
     let kv = server.kv();
-    assert!(kv.used_blocks + kv.reserved_blocks <= 43, "admission never passes the watermark: {kv:?}");
+    assert!(
+        kv.used_blocks + kv.reserved_blocks <= 43,
+        "admission never passes the watermark: {kv:?}"
+    );
     drop(running);
     server.wait_for_idle_kv(WAIT).await;
 }
@@ -171,10 +276,21 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_tenant_does_not_starve_a_quiet_one() {
     // KV is the shared bottleneck: 32 blocks (28 admissible), ~5 blocks per request.
-    let options = Options { num_blocks: 32, ..Options::default() };
+    let options = Options {
+        num_blocks: 32,
+        ..Options::default()
+    };
     let tenants = [
-        TenantSpec { name: "bulk", key: "sk-bulk", extra: "max_concurrency = 16" },
-        TenantSpec { name: "quiet", key: "sk-quiet", extra: "" },
+        TenantSpec {
+            name: "bulk",
+            key: "sk-bulk",
+            extra: "max_concurrency = 16",
+        },
+        TenantSpec {
+            name: "quiet",
+            key: "sk-quiet",
+            extra: "",
+        },
     ];
     let server = TestServer::start_with(&policy(&tenants, ""), options).await;
     let client = server.client();
@@ -185,17 +301,31 @@ async fn a_flooding_tenant_does_not_starve_a_quiet_one() {
         let client = client.clone();
         let done = Arc::clone(&bulk_done);
         flood.push(tokio::spawn(async move {
-            let reply = client.post(CHAT, Some("sk-bulk"), &chat(&format!("Write a poem about the number {i}."), 40)).await;
+            let reply = client
+                .post(
+                    CHAT,
+                    Some("sk-bulk"),
+                    &chat(&format!("Write a poem about the number {i}."), 40),
+                )
+                .await;
             done.fetch_add(1, Ordering::SeqCst);
             reply.status
         }));
     }
-    wait_until("bulk's flood is queued", WAIT, || queued(&server, "bulk") >= FLOOD / 2).await;
-    let quiet = client.post(CHAT, Some("sk-quiet"), &chat("Say hi.", 40)).await;
+    wait_until("bulk's flood is queued", WAIT, || {
+        queued(&server, "bulk") >= FLOOD / 2
+    })
+    .await;
+    let quiet = client
+        .post(CHAT, Some("sk-quiet"), &chat("Say hi.", 40))
+        .await;
     let bulk_finished_first = bulk_done.load(Ordering::SeqCst);
     assert_eq!(quiet.status, StatusCode::OK);
     // The quiet tenant is served next by fair share, not after bulk's whole backlog.
-    assert!(bulk_finished_first < FLOOD / 2, "quiet waited for {bulk_finished_first} of bulk's {FLOOD} requests");
+    assert!(
+        bulk_finished_first < FLOOD / 2,
+        "quiet waited for {bulk_finished_first} of bulk's {FLOOD} requests"
+    );
     for request in flood {
         assert_eq!(request.await.unwrap(), StatusCode::OK);
     }

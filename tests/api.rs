@@ -14,24 +14,43 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const KEY: &str = "sk-api-test";
 
 fn one_tenant() -> String {
-    policy(&[TenantSpec { name: "alpha", key: KEY, extra: "" }], "")
+    policy(
+        &[TenantSpec {
+            name: "alpha",
+            key: KEY,
+            extra: "",
+        }],
+        "",
+    )
 }
 
 fn assert_openai_error(reply: &common::Reply, status: u16, code: &str) {
-    assert_eq!(reply.status.as_u16(), status, "{:?}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status.as_u16(),
+        status,
+        "{:?}",
+        String::from_utf8_lossy(&reply.body)
+    );
     assert_eq!(reply.header("content-type"), Some("application/json"));
     let error = &reply.json()["error"];
     for field in ["message", "type", "param", "code"] {
         assert!(error.get(field).is_some(), "`{field}` missing: {error}");
     }
     assert_eq!(error["code"], code, "{error}");
-    assert!(reply.header("x-request-id").is_some_and(|id| !id.is_empty()));
+    assert!(
+        reply
+            .header("x-request-id")
+            .is_some_and(|id| !id.is_empty())
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_completion_answers_like_openai() {
     let server = TestServer::start(&one_tenant()).await;
-    let reply = server.client().post("/v1/chat/completions", Some(KEY), &chat("Say hello.", 8)).await;
+    let reply = server
+        .client()
+        .post("/v1/chat/completions", Some(KEY), &chat("Say hello.", 8))
+        .await;
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
     let body = reply.json();
     assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
@@ -45,7 +64,10 @@ async fn chat_completion_answers_like_openai() {
     assert_eq!(choice["logprobs"], Value::Null);
     assert!(["stop", "length"].contains(&choice["finish_reason"].as_str().unwrap()));
     let usage = &body["usage"];
-    let (prompt, completion) = (usage["prompt_tokens"].as_u64().unwrap(), usage["completion_tokens"].as_u64().unwrap());
+    let (prompt, completion) = (
+        usage["prompt_tokens"].as_u64().unwrap(),
+        usage["completion_tokens"].as_u64().unwrap(),
+    );
     assert!(prompt > 5 && (1..=8).contains(&completion), "{usage}");
     assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt + completion);
     assert!(reply.header("x-request-id").unwrap().starts_with("req_"));
@@ -58,12 +80,18 @@ async fn chat_stream_sends_role_deltas_usage_and_done() {
     let mut body = chat("Say hello.", 6);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
-    let reply = server.client().stream("/v1/chat/completions", Some(KEY), &body).await;
+    let reply = server
+        .client()
+        .stream("/v1/chat/completions", Some(KEY), &body)
+        .await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.headers["content-type"], "text/event-stream");
     let data = reply.collect_data().await;
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
-    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let id = chunks[0]["id"].as_str().unwrap();
     assert!(id.starts_with("chatcmpl-"));
@@ -77,10 +105,17 @@ async fn chat_stream_sends_role_deltas_usage_and_done() {
     assert!((1..=6).contains(&completion));
     let finish = &chunks[chunks.len() - 2];
     assert!(finish["choices"][0]["finish_reason"].is_string());
-    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
     assert!(!text.is_empty());
     // Every chunk but the last carries `"usage": null` when usage was asked for.
-    assert!(chunks[..chunks.len() - 1].iter().all(|c| c.get("usage") == Some(&Value::Null)));
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c.get("usage") == Some(&Value::Null))
+    );
     server.wait_for_idle_kv(Duration::from_secs(30)).await;
 }
 
@@ -103,7 +138,11 @@ async fn completions_plain_and_streamed() {
 
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let data = client.stream("/v1/completions", Some(KEY), &streamed).await.collect_data().await;
+    let data = client
+        .stream("/v1/completions", Some(KEY), &streamed)
+        .await
+        .collect_data()
+        .await;
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
     let text: String = data[..data.len() - 1]
         .iter()
@@ -135,18 +174,50 @@ async fn client_mistakes_are_json_4xx() {
     let chat_path = "/v1/chat/completions";
 
     assert_openai_error(&client.get("/v1/nope", Some(KEY)).await, 404, "unknown_url");
-    assert_openai_error(&client.send_method(Method::GET, chat_path, Some(KEY)).await, 405, "method_not_allowed");
-    assert_openai_error(&client.post_bytes(chat_path, Some(KEY), "{not json").await, 400, "invalid_json");
-    assert_openai_error(&client.post_bytes(chat_path, Some(KEY), &b"{\"model\":\"\xff\xfe\"}"[..]).await, 400, "invalid_json");
-    let wrong_type = client.post(chat_path, Some(KEY), &json!({"model": MODEL, "messages": "hi"})).await;
+    assert_openai_error(
+        &client.send_method(Method::GET, chat_path, Some(KEY)).await,
+        405,
+        "method_not_allowed",
+    );
+    assert_openai_error(
+        &client.post_bytes(chat_path, Some(KEY), "{not json").await,
+        400,
+        "invalid_json",
+    );
+    assert_openai_error(
+        &client
+            .post_bytes(chat_path, Some(KEY), &b"{\"model\":\"\xff\xfe\"}"[..])
+            .await,
+        400,
+        "invalid_json",
+    );
+    let wrong_type = client
+        .post(
+            chat_path,
+            Some(KEY),
+            &json!({"model": MODEL, "messages": "hi"}),
+        )
+        .await;
     assert_openai_error(&wrong_type, 400, "invalid_json");
     assert_eq!(wrong_type.json()["error"]["param"], "messages");
-    let big = vec![b' '; 5 * 1024 * 1024];
-    assert_openai_error(&client.post_bytes(chat_path, Some(KEY), big).await, 413, "request_too_large");
+    // An announced 5 MiB body is refused before a byte of it is read.
+    let head = format!(
+        "POST {chat_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        5 * 1024 * 1024
+    );
+    let mut oversized = raw_connect(server.addr, head.as_bytes()).await;
+    let answer = read_to_close(&mut oversized).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("request_too_large") && answer.contains("x-request-id"), "{answer}");
 
     let mut unknown_model = chat("hi", 4);
     unknown_model["model"] = json!("gpt-4o");
-    assert_openai_error(&client.post(chat_path, Some(KEY), &unknown_model).await, 404, "model_not_found");
+    assert_openai_error(
+        &client.post(chat_path, Some(KEY), &unknown_model).await,
+        404,
+        "model_not_found",
+    );
     let cases = [
         (json!({"n": 2}), "n"),
         (json!({"temperature": 3}), "temperature"),
@@ -179,7 +250,11 @@ async fn slow_clients_are_cut_off() {
     let server = TestServer::start_with(&one_tenant(), options).await;
 
     // Headers that never finish: the connection is closed.
-    let mut slow_headers = raw_connect(server.addr, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n").await;
+    let mut slow_headers = raw_connect(
+        server.addr,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
+    )
+    .await;
     let _ = read_to_close(&mut slow_headers).await;
 
     // An idle keep-alive connection is closed too.

@@ -21,24 +21,47 @@ const MAX_INPUT: usize = 128;
 fn prompt_of(tokens: usize) -> String {
     let tokenizer = common::tokenizer();
     let length = |words: usize| {
-        let turn = TemplateTurn { role: "user", content: "apple ".repeat(words) };
+        let turn = TemplateTurn {
+            role: "user",
+            content: "apple ".repeat(words),
+        };
         let text = tokenizer.render_chat(&[turn]).expect("template renders");
         PromptCodec::encode(tokenizer.as_ref(), &text).len()
     };
-    let words = (1..400).find(|&w| length(w) >= tokens).expect("some length reaches the target");
+    let words = (1..400)
+        .find(|&w| length(w) >= tokens)
+        .expect("some length reaches the target");
     "apple ".repeat(words)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hundred_concurrent_requests_are_all_answered_within_kv_capacity() {
     let tenants = [
-        TenantSpec { name: "a", key: "sk-a", extra: "weight = 3\nmax_concurrency = 8\nqueue_depth = 40" },
-        TenantSpec { name: "b", key: "sk-b", extra: "weight = 2\nmax_concurrency = 6\nqueue_depth = 30" },
-        TenantSpec { name: "c", key: "sk-c", extra: "max_concurrency = 4\nqueue_depth = 20\nrequests_per_minute = 60" },
+        TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra: "weight = 3\nmax_concurrency = 8\nqueue_depth = 40",
+        },
+        TenantSpec {
+            name: "b",
+            key: "sk-b",
+            extra: "weight = 2\nmax_concurrency = 6\nqueue_depth = 30",
+        },
+        TenantSpec {
+            name: "c",
+            key: "sk-c",
+            extra: "max_concurrency = 4\nqueue_depth = 20\nrequests_per_minute = 60",
+        },
     ];
-    let text = policy(&tenants, "")
-        .replacen("max_input_tokens = 1024", &format!("max_input_tokens = {MAX_INPUT}"), 1);
-    let options = Options { num_blocks: 64, ..Options::default() };
+    let text = policy(&tenants, "").replacen(
+        "max_input_tokens = 1024",
+        &format!("max_input_tokens = {MAX_INPUT}"),
+        1,
+    );
+    let options = Options {
+        num_blocks: 64,
+        ..Options::default()
+    };
     let server = TestServer::start_with(&text, options).await;
     let total_blocks = server.kv().total_blocks;
 
@@ -81,7 +104,9 @@ async fn three_hundred_concurrent_requests_are_all_answered_within_kv_capacity()
         let client = client.clone();
         requests.push(tokio::spawn(async move {
             if stream {
-                let reply = client.stream("/v1/chat/completions", Some(key), &body).await;
+                let reply = client
+                    .stream("/v1/chat/completions", Some(key), &body)
+                    .await;
                 let status = reply.status;
                 let retry_after = reply.headers.get("retry-after").is_some();
                 let data = reply.collect_data().await;
@@ -94,7 +119,10 @@ async fn three_hundred_concurrent_requests_are_all_answered_within_kv_capacity()
                 if reply.status.is_success() {
                     assert!(reply.json()["choices"][0]["message"]["content"].is_string());
                 } else {
-                    assert!(reply.json()["error"]["code"].is_string(), "errors are OpenAI JSON");
+                    assert!(
+                        reply.json()["error"]["code"].is_string(),
+                        "errors are OpenAI JSON"
+                    );
                 }
                 (reply.status.as_u16(), reply.header("retry-after").is_some())
             }
@@ -113,9 +141,18 @@ async fn three_hundred_concurrent_requests_are_all_answered_within_kv_capacity()
     }
     done.store(true, Ordering::Release);
     sampler.await.expect("KV never exceeded capacity");
-    eprintln!("burst: {by_status:?}, peak committed blocks {} of {total_blocks}", peak.load(Ordering::Relaxed));
+    eprintln!(
+        "burst: {by_status:?}, peak committed blocks {} of {total_blocks}",
+        peak.load(Ordering::Relaxed)
+    );
     assert_eq!(by_status.values().sum::<usize>(), REQUESTS);
-    assert!(by_status.get(&200).copied().unwrap_or(0) > 0, "some requests succeed");
-    assert!(by_status.get(&400).copied().unwrap_or(0) >= REQUESTS / 6, "the over-limit sixth is refused");
+    assert!(
+        by_status.get(&200).copied().unwrap_or(0) > 0,
+        "some requests succeed"
+    );
+    assert!(
+        by_status.get(&400).copied().unwrap_or(0) >= REQUESTS / 6,
+        "the over-limit sixth is refused"
+    );
     server.wait_for_idle_kv(Duration::from_secs(60)).await;
 }

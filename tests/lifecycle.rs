@@ -14,11 +14,22 @@ const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnecting_a_stream_returns_kv_to_baseline() {
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra: "" }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra: "",
+        }],
+        "",
+    ))
+    .await;
     let baseline = server.kv();
     assert_eq!(baseline.used_blocks + baseline.reserved_blocks, 0);
     let stream = hold_slot(&server.client(), "sk-a", 250).await;
-    assert!(server.kv().used_blocks > 0, "the running stream holds blocks");
+    assert!(
+        server.kv().used_blocks > 0,
+        "the running stream holds blocks"
+    );
     drop(stream);
     server.wait_for_idle_kv(WAIT).await;
     assert!(server.engine.stats().cancellations_total >= 1);
@@ -26,23 +37,45 @@ async fn disconnecting_a_stream_returns_kv_to_baseline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnecting_a_non_streamed_request_cancels_it() {
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra: "" }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra: "",
+        }],
+        "",
+    ))
+    .await;
     let body = chat(LONG_ANSWER, 250).to_string();
     let connection = raw_connect(server.addr, &raw_post(CHAT, "sk-a", &body)).await;
     wait_until("the request runs", WAIT, || server.kv().used_blocks > 0).await;
     drop(connection);
     server.wait_for_idle_kv(WAIT).await;
-    wait_until("the engine counts the cancellation", WAIT, || server.engine.stats().cancellations_total >= 1).await;
+    wait_until("the engine counts the cancellation", WAIT, || {
+        server.engine.stats().cancellations_total >= 1
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnecting_while_queued_leaves_the_queue() {
     let extra = "max_concurrency = 1";
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra,
+        }],
+        "",
+    ))
+    .await;
     let running = hold_slot(&server.client(), "sk-a", 300).await;
     let body = chat("hi", 1).to_string();
     let waiting = raw_connect(server.addr, &raw_post(CHAT, "sk-a", &body)).await;
-    wait_until("the second request queues", WAIT, || queued(&server, "a") == 1).await;
+    wait_until("the second request queues", WAIT, || {
+        queued(&server, "a") == 1
+    })
+    .await;
     drop(waiting);
     wait_until("the queue forgets it", WAIT, || queued(&server, "a") == 0).await;
     drop(running);
@@ -51,40 +84,95 @@ async fn disconnecting_while_queued_leaves_the_queue() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_reload_applies_good_files_and_keeps_the_old_on_bad_ones() {
-    let server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra: "" }], "")).await;
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra: "",
+        }],
+        "",
+    ))
+    .await;
     let client = server.client();
-    assert_eq!(client.post(CHAT, Some("sk-new"), &chat("hi", 1)).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-new"), &chat("hi", 1))
+            .await
+            .status,
+        StatusCode::UNAUTHORIZED
+    );
 
     let grown = policy(
-        &[TenantSpec { name: "a", key: "sk-a", extra: "" }, TenantSpec { name: "b", key: "sk-new", extra: "" }],
+        &[
+            TenantSpec {
+                name: "a",
+                key: "sk-a",
+                extra: "",
+            },
+            TenantSpec {
+                name: "b",
+                key: "sk-new",
+                extra: "",
+            },
+        ],
         "",
     );
     std::fs::write(&server.policy_path, grown).unwrap();
     server.store.reload().expect("a good policy reloads");
-    assert_eq!(client.post(CHAT, Some("sk-new"), &chat("hi", 1)).await.status, StatusCode::OK);
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-new"), &chat("hi", 1))
+            .await
+            .status,
+        StatusCode::OK
+    );
 
     std::fs::write(&server.policy_path, "[defaults]\nmax_concurrency = -3\n").unwrap();
     let error = server.store.reload().expect_err("a bad policy is refused");
     assert!(error.to_string().contains("max_concurrency"), "{error}");
     // The previous policy is still in force.
-    assert_eq!(client.post(CHAT, Some("sk-new"), &chat("hi", 1)).await.status, StatusCode::OK);
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-new"), &chat("hi", 1))
+            .await
+            .status,
+        StatusCode::OK
+    );
     assert_eq!(server.store.reload_counts().failure, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_finishes_in_flight_requests() {
-    let mut server = TestServer::start(&policy(&[TenantSpec { name: "a", key: "sk-a", extra: "" }], "")).await;
+    let mut server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra: "",
+        }],
+        "",
+    ))
+    .await;
     let client = server.client();
     let mut stream = hold_slot(&client, "sk-a", 40).await;
     let plain = tokio::spawn({
         let client = client.clone();
-        async move { client.post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, 40)).await }
+        async move {
+            client
+                .post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, 40))
+                .await
+        }
     });
-    wait_until("both requests run", WAIT, || server.engine.stats().running >= 2).await;
+    wait_until("both requests run", WAIT, || {
+        server.engine.stats().running >= 2
+    })
+    .await;
 
     let stopped = server.begin_shutdown();
     // The listener closes as soon as the drain begins: no new connections.
-    wait_until("the listener closes", WAIT, || std::net::TcpStream::connect(server.addr).is_err()).await;
+    wait_until("the listener closes", WAIT, || {
+        std::net::TcpStream::connect(server.addr).is_err()
+    })
+    .await;
 
     // Both in-flight requests complete normally.
     let mut last = String::new();
@@ -96,5 +184,8 @@ async fn graceful_shutdown_finishes_in_flight_requests() {
     assert_eq!(reply.status, StatusCode::OK);
     assert!(reply.json()["choices"][0]["message"]["content"].is_string());
     stopped.await.expect("the server stops after draining");
-    assert!(tokio::net::TcpStream::connect(server.addr).await.is_err(), "no longer accepting");
+    assert!(
+        tokio::net::TcpStream::connect(server.addr).await.is_err(),
+        "no longer accepting"
+    );
 }

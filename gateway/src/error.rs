@@ -33,7 +33,10 @@ pub enum GatewayError {
     Rejected(Rejection),
     /// The body is not JSON, not UTF-8, or has a field of the wrong type.
     #[error("{message}")]
-    BadBody { message: String, param: Option<String> },
+    BadBody {
+        message: String,
+        param: Option<String>,
+    },
     #[error("The request body is larger than the {limit_bytes}-byte limit.")]
     PayloadTooLarge { limit_bytes: usize },
     #[error("The client sent no request body data for {}s.", .idle.as_secs_f64())]
@@ -248,9 +251,15 @@ mod tests {
     #[tokio::test]
     async fn every_error_is_openai_json_with_all_four_fields() {
         let errors = [
-            GatewayError::BadBody { message: "bad".into(), param: Some("messages".into()) },
+            GatewayError::BadBody {
+                message: "bad".into(),
+                param: Some("messages".into()),
+            },
             GatewayError::PayloadTooLarge { limit_bytes: 10 },
-            GatewayError::NotFound { method: "GET".into(), path: "/x".into() },
+            GatewayError::NotFound {
+                method: "GET".into(),
+                path: "/x".into(),
+            },
             GatewayError::Internal("boom".into()),
             GatewayError::Auth(AuthError::MissingKey),
         ];
@@ -267,12 +276,26 @@ mod tests {
     #[tokio::test]
     async fn statuses_follow_the_conventions() {
         let cases = [
-            (GatewayError::Invalid(ValidationError::ModelNotFound("x".into())), 404),
+            (
+                GatewayError::Invalid(ValidationError::ModelNotFound("x".into())),
+                404,
+            ),
             (GatewayError::Invalid(ValidationError::EmptyMessages), 400),
             (GatewayError::Auth(AuthError::InvalidKey), 401),
             (GatewayError::PayloadTooLarge { limit_bytes: 1 }, 413),
-            (GatewayError::BodyTimeout { idle: Duration::from_secs(1) }, 408),
-            (GatewayError::MethodNotAllowed { method: "GET".into(), path: "/".into() }, 405),
+            (
+                GatewayError::BodyTimeout {
+                    idle: Duration::from_secs(1),
+                },
+                408,
+            ),
+            (
+                GatewayError::MethodNotAllowed {
+                    method: "GET".into(),
+                    path: "/".into(),
+                },
+                405,
+            ),
             (GatewayError::Overloaded, 503),
             (GatewayError::Generation("x".into()), 500),
         ];

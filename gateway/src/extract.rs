@@ -18,6 +18,7 @@ use serde::de::DeserializeOwned;
 use crate::auth::authenticate;
 use crate::error::GatewayError;
 use crate::handlers::AppState;
+use crate::metrics::{RejectReason, record_rejection};
 use crate::policy::TenantPolicy;
 
 /// A JSON body parsed into `T`, or a 400/408/413 OpenAI error.
@@ -40,7 +41,9 @@ async fn read_body(
     max_bytes: usize,
     idle: std::time::Duration,
 ) -> Result<BytesMut, GatewayError> {
-    let too_large = GatewayError::PayloadTooLarge { limit_bytes: max_bytes };
+    let too_large = GatewayError::PayloadTooLarge {
+        limit_bytes: max_bytes,
+    };
     // Refuse an announced oversize body before reading a byte of it.
     let announced = req
         .headers()
@@ -120,9 +123,18 @@ pub struct Tenant(pub Arc<TenantPolicy>);
 impl FromRequestParts<AppState> for Tenant {
     type Rejection = GatewayError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
         let policy = state.policy_store().current();
-        authenticate(&policy, &parts.headers).map(Tenant).map_err(GatewayError::from)
+        authenticate(&policy, &parts.headers)
+            .map(Tenant)
+            .map_err(|error| {
+                // No tenant is known for a refused key; the label says so.
+                record_rejection("unauthenticated", RejectReason::Auth);
+                GatewayError::from(error)
+            })
     }
 }
 
@@ -157,7 +169,8 @@ mod tests {
 
     #[test]
     fn wrong_types_name_the_field() {
-        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#;
+        let body =
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#;
         let (_, param) = bad_body(body);
         assert_eq!(param.as_deref(), Some("temperature"));
         let body = br#"{"model":"m","messages":[{"role":"robot","content":"hi"}]}"#;
@@ -168,9 +181,17 @@ mod tests {
 
     #[test]
     fn syntax_errors_trailing_garbage_and_bad_utf8_are_plain_400s() {
-        for body in [&b"{"[..], b"", b"{\"model\":\"m\",\"messages\":[]} x", b"{\"model\":\"\xff\"}"] {
+        for body in [
+            &b"{"[..],
+            b"",
+            b"{\"model\":\"m\",\"messages\":[]} x",
+            b"{\"model\":\"\xff\"}",
+        ] {
             let (message, _) = bad_body(body);
-            assert!(message.starts_with("We could not parse") || message.starts_with("Invalid"), "{message}");
+            assert!(
+                message.starts_with("We could not parse") || message.starts_with("Invalid"),
+                "{message}"
+            );
         }
     }
 

@@ -82,11 +82,18 @@ impl KvReport {
     }
 
     /// Joins the three views; pure, so it is tested without an engine.
-    pub fn build(occupancy: Occupancy, sequences: Vec<SeqSnapshot>, queues: &[TenantQueueSnapshot]) -> KvReport {
+    pub fn build(
+        occupancy: Occupancy,
+        sequences: Vec<SeqSnapshot>,
+        queues: &[TenantQueueSnapshot],
+    ) -> KvReport {
         let bytes_per_block = occupancy.bytes_per_block;
         let mut tenants: BTreeMap<String, TenantKv> = BTreeMap::new();
         let row = |tenants: &mut BTreeMap<String, TenantKv>, name: &str| -> TenantKv {
-            tenants.remove(name).unwrap_or_else(|| TenantKv { tenant: name.to_string(), ..TenantKv::default() })
+            tenants.remove(name).unwrap_or_else(|| TenantKv {
+                tenant: name.to_string(),
+                ..TenantKv::default()
+            })
         };
         for seq in &sequences {
             let mut tenant = row(&mut tenants, &seq.label);
@@ -108,9 +115,19 @@ impl KvReport {
 
         let held: usize = sequences.iter().map(|s| s.blocks).sum();
         let promised: usize = sequences.iter().map(|s| s.reserved_blocks).sum();
-        let mut sequences: Vec<SeqKv> =
-            sequences.into_iter().map(|seq| SeqKv { bytes: seq.blocks * bytes_per_block, seq }).collect();
-        sequences.sort_by(|a, b| b.seq.blocks.cmp(&a.seq.blocks).then(a.seq.id.cmp(&b.seq.id)));
+        let mut sequences: Vec<SeqKv> = sequences
+            .into_iter()
+            .map(|seq| SeqKv {
+                bytes: seq.blocks * bytes_per_block,
+                seq,
+            })
+            .collect();
+        sequences.sort_by(|a, b| {
+            b.seq
+                .blocks
+                .cmp(&a.seq.blocks)
+                .then(a.seq.id.cmp(&b.seq.id))
+        });
         KvReport {
             pool: PoolReport {
                 occupancy,

@@ -96,9 +96,14 @@ fn build_recorder() -> Result<PrometheusHandle, MetricsError> {
     for (name, buckets) in names::HISTOGRAM_BUCKETS {
         builder = builder
             .set_buckets_for_metric(Matcher::Full((*name).to_string()), buckets)
-            .map_err(|e| MetricsError::Buckets { name, reason: e.to_string() })?;
+            .map_err(|e| MetricsError::Buckets {
+                name,
+                reason: e.to_string(),
+            })?;
     }
-    builder.install_recorder().map_err(|_| MetricsError::ForeignRecorder)
+    builder
+        .install_recorder()
+        .map_err(|_| MetricsError::ForeignRecorder)
 }
 
 /// Why a request was refused; the `reason` label of [`REQUESTS_REJECTED_TOTAL`].
@@ -182,7 +187,8 @@ pub fn record_request(tenant: &str, route: &'static str, admitted: bool) {
 
 /// Time a request spent in admission (queue + reservation) before it started.
 pub fn record_queue_wait(tenant: &str, wait: Duration) {
-    metrics::histogram!(QUEUE_WAIT_SECONDS, "tenant" => tenant.to_string()).record(wait.as_secs_f64());
+    metrics::histogram!(QUEUE_WAIT_SECONDS, "tenant" => tenant.to_string())
+        .record(wait.as_secs_f64());
 }
 
 /// From the request's arrival to its first generated token leaving the server.
@@ -196,11 +202,17 @@ pub fn record_inter_token_latency(gap: Duration) {
 }
 
 /// A request that ran in the engine has ended (finished, stopped, cancelled or failed).
-pub fn record_request_finished(tenant: &str, duration: Duration, prompt_tokens: usize, generation_tokens: usize) {
+pub fn record_request_finished(
+    tenant: &str,
+    duration: Duration,
+    prompt_tokens: usize,
+    generation_tokens: usize,
+) {
     metrics::histogram!(REQUEST_DURATION_SECONDS).record(duration.as_secs_f64());
     metrics::histogram!(PROMPT_TOKENS).record(prompt_tokens as f64);
     metrics::histogram!(GENERATION_TOKENS).record(generation_tokens as f64);
-    metrics::counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string()).increment(prompt_tokens as u64);
+    metrics::counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string())
+        .increment(prompt_tokens as u64);
     metrics::counter!(GENERATION_TOKENS_TOTAL, "tenant" => tenant.to_string())
         .increment(generation_tokens as u64);
 }
@@ -228,10 +240,20 @@ struct Inner {
 
 impl Metrics {
     /// Installs the recorder if needed and binds it to this server's engine and admission.
-    pub fn new(config: MetricsConfig, engine: Engine, admission: Option<Admission>) -> Result<Metrics, MetricsError> {
+    pub fn new(
+        config: MetricsConfig,
+        engine: Engine,
+        admission: Option<Admission>,
+    ) -> Result<Metrics, MetricsError> {
         let handle = install_recorder()?;
         Ok(Metrics {
-            inner: Arc::new(Inner { handle, config, engine, admission, state: state::StateTracker::default() }),
+            inner: Arc::new(Inner {
+                handle,
+                config,
+                engine,
+                admission,
+                state: state::StateTracker::default(),
+            }),
         })
     }
 

@@ -10,13 +10,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::routing::{any, get, post};
+use axum::routing::{get, post};
 use kvgate_runtime::engine::Engine;
 use kvgate_runtime::tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 
 use crate::admission::Admission;
+use crate::generate;
 use crate::handlers::{self, AppState, BodyLimits, StateParts};
+use crate::metrics::{Metrics, MetricsConfig, MetricsError};
 use crate::reload::PolicyStore;
 use crate::shutdown::{self, ConnectionLimits};
 use crate::stack::{self, GatewayService, StackConfig};
@@ -42,6 +44,8 @@ pub struct ServeConfig {
     pub max_connections: usize,
     /// Blocking threads that render templates and tokenize at once.
     pub validation_workers: usize,
+    /// What `/metrics` reports about this server (`model` defaults to `model_name`).
+    pub metrics: MetricsConfig,
 }
 
 impl Default for ServeConfig {
@@ -57,9 +61,22 @@ impl Default for ServeConfig {
             max_in_flight: 1024,
             max_connections: 4096,
             validation_workers: 2,
+            metrics: MetricsConfig::default(),
         }
     }
 }
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: io::Error },
+    #[error("cannot set up metrics: {0}")]
+    Metrics(#[from] MetricsError),
+}
+
+/// How often `/metrics` state (batch sizes, memory peak) is sampled from the engine.
+const METRICS_SAMPLE_INTERVAL: Duration = Duration::from_millis(500);
 
 /// A bound, not yet running server.
 pub struct Server {
@@ -76,13 +93,24 @@ pub async fn bind(
     codec: Arc<dyn PromptCodec>,
     store: PolicyStore,
     admission: Admission,
-) -> io::Result<Server> {
-    let listener = TcpListener::bind(config.listen).await?;
+) -> Result<Server, ServeError> {
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let mut metrics_config = config.metrics.clone();
+    if metrics_config.model.is_empty() {
+        metrics_config.model = config.model_name.clone();
+    }
+    let metrics = Metrics::new(metrics_config, engine.clone(), Some(admission.clone()))?;
     let state = AppState::new(StateParts {
         engine,
         codec,
         store,
         admission,
+        metrics,
         model_name: config.model_name.clone(),
         body: BodyLimits {
             max_bytes: config.body_limit_bytes,
@@ -122,11 +150,19 @@ impl Server {
     /// period and returns.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let state = self.state;
+        let sampler = state.metrics().spawn_sampler(METRICS_SAMPLE_INTERVAL);
         tracing::info!(addr = ?self.listener.local_addr().ok(), "serving");
-        shutdown::serve_until(self.listener, self.service, self.limits, shutdown, move || {
-            state.start_draining();
-        })
+        shutdown::serve_until(
+            self.listener,
+            self.service,
+            self.limits,
+            shutdown,
+            move || {
+                state.start_draining();
+            },
+        )
         .await;
+        sampler.abort();
         tracing::info!("drained; server stopped");
     }
 }
@@ -139,23 +175,23 @@ pub async fn serve(
     store: PolicyStore,
     admission: Admission,
     shutdown: impl Future<Output = ()>,
-) -> io::Result<()> {
+) -> Result<(), ServeError> {
     let codec: Arc<dyn PromptCodec> = tokenizer;
     let server = bind(&config, engine, codec, store, admission).await?;
     server.run(shutdown).await;
     Ok(())
 }
 
-/// The route table. `/metrics` and `/admin/kv` answer 404 JSON until their modules land.
+/// The route table.
 fn routes(state: AppState) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(handlers::chat_completions))
-        .route("/v1/completions", post(handlers::completions))
+        .route("/v1/chat/completions", post(generate::chat_completions))
+        .route("/v1/completions", post(generate::completions))
         .route("/v1/models", get(handlers::list_models))
         .route("/healthz", get(handlers::healthz))
         .route("/readyz", get(handlers::readyz))
-        .route("/metrics", any(handlers::not_found))
-        .route("/admin/kv", any(handlers::not_found))
+        .route("/metrics", get(handlers::metrics))
+        .route("/admin/kv", get(handlers::admin_kv))
         .fallback(handlers::not_found)
         .method_not_allowed_fallback(handlers::method_not_allowed)
         .with_state(state)

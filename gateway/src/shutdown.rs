@@ -112,7 +112,10 @@ pub async fn serve_until(
     })
     .await;
     if drained.is_err() {
-        tracing::warn!(left = connections.len(), "grace period over; aborting connections");
+        tracing::warn!(
+            left = connections.len(),
+            "grace period over; aborting connections"
+        );
         connections.shutdown().await;
     }
 }
@@ -199,7 +202,12 @@ impl StallClock {
         match poll {
             Poll::Pending => {
                 let now = self.now_ms() + 1;
-                let _ = self.blocked_since.compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+                let _ = self.blocked_since.compare_exchange(
+                    0,
+                    now,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
             }
             Poll::Ready(_) => self.blocked_since.store(0, Ordering::Release),
         }
@@ -233,7 +241,11 @@ impl<IO: AsyncRead + Unpin> AsyncRead for StallGuard<IO> {
 }
 
 impl<IO: AsyncWrite + Unpin> AsyncWrite for StallGuard<IO> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         let poll = Pin::new(&mut self.io).poll_write(cx, buf);
         self.clock.record(&poll);
         poll
@@ -281,7 +293,11 @@ mod tests {
             guard
         });
         tokio::time::sleep(Duration::from_secs(5)).await;
-        assert!(clock.blocked_for() >= Duration::from_secs(5), "{:?}", clock.blocked_for());
+        assert!(
+            clock.blocked_for() >= Duration::from_secs(5),
+            "{:?}",
+            clock.blocked_for()
+        );
         // The client reads everything: the write completes and the clock resets.
         let mut client = client;
         let mut sink = vec![0u8; 64];

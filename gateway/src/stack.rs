@@ -83,7 +83,10 @@ pub fn build(router: Router, config: StackConfig) -> GatewayService {
         //    validation, queueing and non-streamed generation; dropping the handler cancels.
         .layer(TimeoutLayer::new(timeout))
         // 9. Body limit, innermost: by Content-Length at once, and as a cap on chunked bodies.
-        .layer(axum::middleware::from_fn_with_state(config.body_limit_bytes, limit_body))
+        .layer(axum::middleware::from_fn_with_state(
+            config.body_limit_bytes,
+            limit_body,
+        ))
         .service(router);
     BoxCloneSyncService::new(service)
 }
@@ -137,8 +140,13 @@ struct RandomRequestId;
 
 impl MakeRequestId for RandomRequestId {
     fn make_request_id<B>(&mut self, _request: &http::Request<B>) -> Option<RequestId> {
-        let suffix: String =
-            rand::rng().sample_iter(&Alphanumeric).take(24).map(char::from).collect();
-        HeaderValue::try_from(format!("req_{suffix}")).ok().map(RequestId::new)
+        let suffix: String = rand::rng()
+            .sample_iter(&Alphanumeric)
+            .take(24)
+            .map(char::from)
+            .collect();
+        HeaderValue::try_from(format!("req_{suffix}"))
+            .ok()
+            .map(RequestId::new)
     }
 }

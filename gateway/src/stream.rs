@@ -23,6 +23,7 @@ use crate::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChunkChoice, Delta,
     FinishReason, TextChoice, TextCompletion, Usage,
 };
+use crate::telemetry::GenerationTelemetry;
 use crate::validate::Endpoint;
 
 /// Something that must live as long as the response body and learns how it ended.
@@ -54,8 +55,11 @@ impl ResponseMeta {
             Endpoint::Chat => "chatcmpl-",
             Endpoint::Completion => "cmpl-",
         };
-        let suffix: String =
-            rand::rng().sample_iter(&Alphanumeric).take(24).map(char::from).collect();
+        let suffix: String = rand::rng()
+            .sample_iter(&Alphanumeric)
+            .take(24)
+            .map(char::from)
+            .collect();
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_secs());
@@ -82,13 +86,26 @@ pub struct Collected {
 pub async fn collect(
     mut handle: GenerationHandle,
     guard: &mut impl BodyGuard,
+    mut telemetry: Option<GenerationTelemetry>,
 ) -> Result<Collected, GatewayError> {
     let mut text = String::new();
     while let Some(event) = handle.events.recv().await {
         match event {
-            TokenEvent::Token { text: delta, .. } => text.push_str(&delta),
-            TokenEvent::Finished { reason, prompt_tokens, completion_tokens } => {
+            TokenEvent::Token { text: delta, .. } => {
+                if let Some(telemetry) = telemetry.as_mut() {
+                    telemetry.on_token();
+                }
+                text.push_str(&delta);
+            }
+            TokenEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+            } => {
                 guard.record_completion(completion_tokens);
+                if let Some(telemetry) = telemetry.as_mut() {
+                    telemetry.on_finished(completion_tokens);
+                }
                 return Ok(Collected {
                     text,
                     finish_reason: finish_reason(reason),
@@ -143,8 +160,13 @@ pub fn full_response(meta: &ResponseMeta, collected: Collected) -> Response {
 /// The SSE response: a role chunk (chat), one chunk per text delta, a finish chunk, the usage
 /// chunk when asked for, then `data: [DONE]`. A failure after the headers went out is sent as
 /// an OpenAI error event and ends the stream (no `[DONE]`).
-pub fn sse_body<G: BodyGuard>(meta: ResponseMeta, handle: GenerationHandle, guard: G) -> Response {
-    Sse::new(event_stream(meta, handle, guard))
+pub fn sse_body<G: BodyGuard>(
+    meta: ResponseMeta,
+    handle: GenerationHandle,
+    guard: G,
+    telemetry: Option<GenerationTelemetry>,
+) -> Response {
+    Sse::new(event_stream(meta, handle, guard, telemetry))
         .keep_alive(KeepAlive::default())
         .into_response()
 }
@@ -163,6 +185,7 @@ struct StreamState<G> {
     /// `None` once generation ended: dropping it early frees the sequence promptly.
     handle: Option<GenerationHandle>,
     guard: Option<G>,
+    telemetry: Option<GenerationTelemetry>,
     phase: Phase,
 }
 
@@ -170,11 +193,13 @@ fn event_stream<G: BodyGuard>(
     meta: ResponseMeta,
     handle: GenerationHandle,
     guard: G,
+    telemetry: Option<GenerationTelemetry>,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
     let state = StreamState {
         meta,
         handle: Some(handle),
         guard: Some(guard),
+        telemetry,
         phase: Phase::Start,
     };
     futures::stream::unfold(state, |mut state| async move {
@@ -203,13 +228,22 @@ impl<G: BodyGuard> StreamState<G> {
                         None => None,
                     };
                     self.phase = Phase::Streaming;
+                    if let (Some(TokenEvent::Token { .. }), Some(telemetry)) =
+                        (&event, self.telemetry.as_mut())
+                    {
+                        telemetry.on_token();
+                    }
                     match event {
                         // Held-back bytes and special tokens produce no text: nothing to send.
                         Some(TokenEvent::Token { text, .. }) if text.is_empty() => continue,
                         Some(TokenEvent::Token { text, .. }) => {
                             return Some(self.chunk(text_delta(text), None));
                         }
-                        Some(TokenEvent::Finished { reason, prompt_tokens, completion_tokens }) => {
+                        Some(TokenEvent::Finished {
+                            reason,
+                            prompt_tokens,
+                            completion_tokens,
+                        }) => {
                             self.release(Some(completion_tokens));
                             let usage = usage(prompt_tokens, completion_tokens);
                             self.phase = if self.meta.include_usage {
@@ -239,10 +273,16 @@ impl<G: BodyGuard> StreamState<G> {
     /// Gives back the sequence and the admission guard; records the completion if known.
     fn release(&mut self, completion_tokens: Option<usize>) {
         drop(self.handle.take());
-        if let (Some(guard), Some(n)) = (self.guard.as_mut(), completion_tokens) {
-            guard.record_completion(n);
+        if let Some(n) = completion_tokens {
+            if let Some(guard) = self.guard.as_mut() {
+                guard.record_completion(n);
+            }
+            if let Some(telemetry) = self.telemetry.as_mut() {
+                telemetry.on_finished(n);
+            }
         }
         drop(self.guard.take());
+        drop(self.telemetry.take());
     }
 
     fn fail(&mut self, error: GatewayError) -> Event {
@@ -323,7 +363,9 @@ fn text_delta(text: String) -> Delta {
 fn json_event(value: &impl serde::Serialize) -> Event {
     match serde_json::to_string(value) {
         Ok(json) => Event::default().data(json),
-        Err(error) => GatewayError::Internal(format!("cannot serialize a chunk: {error}")).sse_event(),
+        Err(error) => {
+            GatewayError::Internal(format!("cannot serialize a chunk: {error}")).sse_event()
+        }
     }
 }
 

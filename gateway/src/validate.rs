@@ -93,7 +93,11 @@ pub enum ValidationError {
     #[error("too many messages: {given} given, this API key allows at most {limit}")]
     TooManyMessages { given: usize, limit: u32 },
     #[error("content part type `{kind}` is not supported; only `text` parts are")]
-    UnsupportedContentPart { message: usize, part: usize, kind: String },
+    UnsupportedContentPart {
+        message: usize,
+        part: usize,
+        kind: String,
+    },
     #[error("a `text` content part must have a string `text` field")]
     MissingPartText { message: usize, part: usize },
     #[error("`prompt` must be one string (got {0} prompts); batched prompts are not supported")]
@@ -105,7 +109,11 @@ pub enum ValidationError {
     #[error(
         "`{param}` is too large: {given}. This API key allows at most {limit} completion tokens."
     )]
-    MaxTokensTooLarge { param: &'static str, given: i64, limit: u32 },
+    MaxTokensTooLarge {
+        param: &'static str,
+        given: i64,
+        limit: u32,
+    },
     #[error("`temperature` must be between 0 and 2 (got {0})")]
     Temperature(f64),
     #[error("`top_p` must be greater than 0 and at most 1 (got {0})")]
@@ -120,7 +128,11 @@ pub enum ValidationError {
         "This API key's maximum input length is {limit} tokens. However, your prompt is \
          {prompt_tokens} tokens. Please reduce the length of the {what}."
     )]
-    InputTooLong { prompt_tokens: u32, limit: u32, what: &'static str },
+    InputTooLong {
+        prompt_tokens: u32,
+        limit: u32,
+        what: &'static str,
+    },
     #[error(
         "This {limit_name} is {limit} tokens. However, you requested {} tokens ({prompt_tokens} \
          in the {what}, {max_tokens} in the completion). Please reduce the length of the {what} \
@@ -233,10 +245,13 @@ fn template_turns(messages: &[WireMessage]) -> Result<Vec<TemplateTurn>, Validat
                             kind: part.kind.clone(),
                         });
                     }
-                    let text = part.text.as_deref().ok_or(ValidationError::MissingPartText {
-                        message: message_index,
-                        part: part_index,
-                    })?;
+                    let text = part
+                        .text
+                        .as_deref()
+                        .ok_or(ValidationError::MissingPartText {
+                            message: message_index,
+                            part: part_index,
+                        })?;
                     joined.push_str(text);
                 }
                 joined
@@ -323,7 +338,11 @@ fn check_max_tokens(
     let limit = limits.max_output_tokens.min(limits.model_context);
     match u32::try_from(given) {
         Ok(n) if n <= limit => Ok(Some(n)),
-        _ => Err(ValidationError::MaxTokensTooLarge { param, given, limit }),
+        _ => Err(ValidationError::MaxTokensTooLarge {
+            param,
+            given,
+            limit,
+        }),
     }
 }
 
@@ -348,7 +367,10 @@ fn check_stop(stop: Option<&[String]>) -> Result<Vec<String>, ValidationError> {
     if stop.len() > MAX_STOP_SEQUENCES {
         return Err(ValidationError::TooManyStops(stop.len()));
     }
-    if stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+    if stop
+        .iter()
+        .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
         return Err(ValidationError::BadStop);
     }
     Ok(stop.to_vec())
@@ -418,7 +440,8 @@ impl PromptCodec for Tokenizer {
             .iter()
             .map(|turn| ChatMessage::new(turn.role, turn.content.as_str()))
             .collect();
-        self.apply_chat_template(&messages, true).map_err(|error| error.to_string())
+        self.apply_chat_template(&messages, true)
+            .map_err(|error| error.to_string())
     }
 
     fn encode(&self, text: &str) -> Vec<u32> {

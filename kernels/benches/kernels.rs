@@ -31,7 +31,10 @@ fn weights(ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 fn bench_matmul(c: &mut Criterion) {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("thread pool");
     let shapes = [
         ("q4_1_576x576", WeightType::Q4_1, 576, 576),
         ("q4_1_1536x576", WeightType::Q4_1, 1536, 576),
@@ -46,13 +49,21 @@ fn bench_matmul(c: &mut Criterion) {
             if rows == 49152 && m == 64 {
                 continue;
             }
-            let x: Vec<f32> = (0..m * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                .collect();
             let mut out = vec![0.0; m * rows];
             let mut scratch = MatmulScratch::new();
             // Decode is judged by weight bandwidth, prefill by rows processed.
-            group.throughput(if m == 1 { Throughput::Bytes(data.len() as u64) } else { Throughput::Elements(m as u64) });
+            group.throughput(if m == 1 {
+                Throughput::Bytes(data.len() as u64)
+            } else {
+                Throughput::Elements(m as u64)
+            });
             group.bench_with_input(BenchmarkId::new(name, m), &m, |b, &m| {
-                pool.install(|| b.iter(|| matmul(&w, black_box(&x), m, &mut out, &mut scratch, &pool)));
+                pool.install(|| {
+                    b.iter(|| matmul(&w, black_box(&x), m, &mut out, &mut scratch, &pool))
+                });
             });
         }
     }
@@ -60,21 +71,36 @@ fn bench_matmul(c: &mut Criterion) {
 }
 
 fn bench_attention(c: &mut Criterion) {
-    let layout = KvLayout { block_size: 16, num_kv_heads: 3, head_dim: 64 };
+    let layout = KvLayout {
+        block_size: 16,
+        num_kv_heads: 3,
+        head_dim: 64,
+    };
     let n_heads = 9;
     let mut group = c.benchmark_group("paged_attention");
     for context in [64usize, 512] {
         let blocks = context.div_ceil(layout.block_size);
-        let cache: Vec<f16> = (0..blocks * layout.block_elems()).map(|i| f16::from_f32((i % 13) as f32 * 0.01)).collect();
+        let cache: Vec<f16> = (0..blocks * layout.block_elems())
+            .map(|i| f16::from_f32((i % 13) as f32 * 0.01))
+            .collect();
         let table: Vec<u32> = (0..blocks as u32).rev().collect();
         let q: Vec<f32> = (0..n_heads * 64).map(|i| (i % 7) as f32 * 0.1).collect();
         let mut out = vec![0.0; n_heads * 64];
-        let mut scratch = Vec::new();
+        let mut scratch = kvgate_kernels::attention::AttentionScratch::new();
         group.bench_function(BenchmarkId::new("decode", context), |b| {
             b.iter(|| {
                 paged_attention(
-                    &layout, black_box(&q), n_heads, &cache, &cache, &table, context, 0.125,
-                    ReductionOrder::VecDot, &mut out, &mut scratch,
+                    &layout,
+                    black_box(&q),
+                    n_heads,
+                    &cache,
+                    &cache,
+                    &table,
+                    context,
+                    0.125,
+                    ReductionOrder::VecDot,
+                    &mut out,
+                    &mut scratch,
                 )
             })
         });

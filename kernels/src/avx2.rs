@@ -9,16 +9,20 @@
 //! so that the inner loop never converts f16 scales of the activations.
 
 use crate::matmul::{MatmulScratch, OutPtr, QMatrix, for_each_row_chunk};
-use crate::quant::{ActivationType, Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType};
+use crate::quant::{
+    ActivationType, Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType,
+};
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-/// Activations quantized for the AVX2 kernels: row `a`, block `b` at `qs[(a*nb + b)*32..]`,
-/// scale `d[a*nb + b]`, and (Q8_1) the block sum `s[b*s_stride + a]`, stored transposed so that
-/// eight consecutive activation rows load as one vector. Scales are already rounded through f16.
+/// Activations quantized for the AVX2 kernels, block-major so that the activation rows a tile
+/// reads for one weight block are adjacent: block `b` of row `a` is `qs[(b*m + a)*32..]`, its
+/// scale `d[(b*m + a)*8..]` (8 copies, ready to multiply as a vector), and (Q8_1) its sum
+/// `s[b*s_stride + a]`. Scales and sums are already rounded through f16.
 #[derive(Default)]
 pub(crate) struct PackedActs {
     nb: usize,
+    m: usize,
     s_stride: usize,
     qs: Vec<i8>,
     d: Vec<f32>,
@@ -59,57 +63,73 @@ pub(crate) fn matmul(
 fn pack_acts(x: &[f32], m: usize, cols: usize, with_sums: bool, p: &mut PackedActs) {
     let nb = cols / QK;
     p.nb = nb;
+    p.m = m;
     // Padding lets a tile read 8 sums starting at any activation row.
     p.s_stride = m.next_multiple_of(8) + 8;
     p.qs.resize(m * nb * QK, 0);
-    p.d.resize(m * nb, 0.0);
+    p.d.resize(m * nb * 8, 0.0);
     p.s.clear();
     if with_sums {
         p.s.resize(nb * p.s_stride, 0.0);
     }
     for a in 0..m {
-        let sums = with_sums.then(|| (&mut p.s[..], p.s_stride, a));
-        let (qs, d) = (&mut p.qs[a * nb * QK..(a + 1) * nb * QK], &mut p.d[a * nb..(a + 1) * nb]);
-        // SAFETY: AVX2/F16C detected by the caller's dispatch; slices sized above.
-        unsafe { quantize_row(&x[a * cols..(a + 1) * cols], qs, d, sums) };
+        // SAFETY: AVX2/F16C detected by the caller's dispatch; buffers sized above.
+        unsafe { quantize_row(&x[a * cols..(a + 1) * cols], a, p, with_sums) };
     }
 }
 
-/// ggml's AVX2 `quantize_row_q8_0` / `quantize_row_q8_1` for one row, writing the split layout;
-/// `sums` is `(s, stride, a)`: block `b`'s sum goes to `s[b * stride + a]`.
+/// ggml's AVX2 `quantize_row_q8_0` / `quantize_row_q8_1` for activation row `a`, written into
+/// the block-major layout of `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], sums: Option<(&mut [f32], usize, usize)>) {
-    assert!(qs.len() == x.len() && d.len() * QK == x.len());
-    let mut sums = sums;
+unsafe fn quantize_row(x: &[f32], a: usize, p: &mut PackedActs, with_sums: bool) {
+    let m = p.m;
+    assert!(
+        x.len() == p.nb * QK && a < m && p.qs.len() == m * x.len() && p.d.len() == m * p.nb * 8
+    );
+    assert!(!with_sums || p.s.len() == p.nb * p.s_stride);
     let sign = _mm256_set1_ps(-0.0);
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (b, xb) in x.chunks_exact(QK).enumerate() {
-        let p = xb.as_ptr();
-        // SAFETY: `xb` has 32 elements; `qs` has 32 bytes at `b * 32` (asserted above).
+        let px = xb.as_ptr();
+        let slot = b * m + a;
+        // SAFETY: `xb` has 32 elements; `qs` has 32 bytes at `slot * 32` (asserted above).
         unsafe {
-            let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+            let v = [
+                _mm256_loadu_ps(px),
+                _mm256_loadu_ps(px.add(8)),
+                _mm256_loadu_ps(px.add(16)),
+                _mm256_loadu_ps(px.add(24)),
+            ];
             let mut max_abs = _mm256_andnot_ps(sign, v[0]);
             for vi in &v[1..] {
                 max_abs = _mm256_max_ps(max_abs, _mm256_andnot_ps(sign, *vi));
             }
-            let mut max4 = _mm_max_ps(_mm256_extractf128_ps(max_abs, 1), _mm256_castps256_ps128(max_abs));
+            let mut max4 = _mm_max_ps(
+                _mm256_extractf128_ps(max_abs, 1),
+                _mm256_castps256_ps128(max_abs),
+            );
             max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
             max4 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
             let amax = _mm_cvtss_f32(max4);
             let scale = amax / 127.0;
-            d[b] = round_f16(scale);
+            p.d[slot * 8..slot * 8 + 8].fill(round_f16(scale));
             let mul = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
             let i: [__m256i; 4] = std::array::from_fn(|j| {
-                _mm256_cvtps_epi32(_mm256_round_ps::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(v[j], mul)))
+                _mm256_cvtps_epi32(_mm256_round_ps::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(
+                    v[j], mul,
+                )))
             });
-            if let Some((s, stride, a)) = sums.as_mut() {
-                let sum = hsum_i32_8(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
-                s[b * *stride + *a] = round_f16(scale * sum as f32);
+            if with_sums {
+                let sum = hsum_i32_8(_mm256_add_epi32(
+                    _mm256_add_epi32(i[0], i[1]),
+                    _mm256_add_epi32(i[2], i[3]),
+                ));
+                p.s[b * p.s_stride + a] = round_f16(scale * sum as f32);
             }
             let lo = _mm256_packs_epi32(i[0], i[1]);
             let hi = _mm256_packs_epi32(i[2], i[3]);
             let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), perm);
-            _mm256_storeu_si256(qs.as_mut_ptr().add(b * QK).cast(), bytes);
+            _mm256_storeu_si256(p.qs.as_mut_ptr().add(slot * QK).cast(), bytes);
         }
     }
 }
@@ -166,7 +186,9 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
     // SAFETY: the caller guarantees 4 readable bytes at `p`.
-    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { p.cast::<i32>().read_unaligned() }));
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
+        p.cast::<i32>().read_unaligned()
+    }));
     (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
 }
 
@@ -202,7 +224,9 @@ impl WeightBlock for Q4_0 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn scales(p: *const u8) -> (f32, f32) {
-        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(unsafe { p.cast::<u16>().read_unaligned() })));
+        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(unsafe {
+            p.cast::<u16>().read_unaligned()
+        })));
         (_mm_cvtss_f32(d), 0.0)
     }
 }
@@ -229,11 +253,22 @@ const WR: usize = 4;
 const ROW_BLOCK: usize = 16;
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_kernel<T: WeightBlock>(w: &QMatrix, acts: &PackedActs, m: usize, rows: Range<usize>, out: OutPtr) {
+unsafe fn rows_kernel<T: WeightBlock>(
+    w: &QMatrix,
+    acts: &PackedActs,
+    m: usize,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
     let row_bytes = w.row_bytes();
     assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
-    assert!(acts.nb * T::BYTES == row_bytes && acts.qs.len() >= m * acts.nb * QK && acts.d.len() >= m * acts.nb);
-    assert!(!T::HAS_MIN || acts.s.len() >= acts.nb * acts.s_stride && acts.s_stride >= m.next_multiple_of(8) + 8);
+    assert!(acts.m == m && acts.nb * T::BYTES == row_bytes);
+    assert!(acts.qs.len() == m * acts.nb * QK && acts.d.len() == m * acts.nb * 8);
+    assert!(
+        !T::HAS_MIN
+            || acts.s.len() >= acts.nb * acts.s_stride
+                && acts.s_stride >= m.next_multiple_of(8) + 8
+    );
     let base = w.data.as_ptr();
     let mut r = rows.start;
     if m == 1 {
@@ -242,10 +277,10 @@ unsafe fn rows_kernel<T: WeightBlock>(w: &QMatrix, acts: &PackedActs, m: usize, 
             // SAFETY: rows r..r+WR (or r) are in bounds (asserted above).
             unsafe {
                 if rows.end - r >= WR {
-                    tile_rows::<T, WR>(base.add(r * row_bytes), row_bytes, acts, r, w.rows, out);
+                    tile_rows::<T, WR>(base.add(r * row_bytes), row_bytes, acts, r, out);
                     r += WR;
                 } else {
-                    tile_rows::<T, 1>(base.add(r * row_bytes), row_bytes, acts, r, w.rows, out);
+                    tile_rows::<T, 1>(base.add(r * row_bytes), row_bytes, acts, r, out);
                     r += 1;
                 }
             }
@@ -259,7 +294,15 @@ unsafe fn rows_kernel<T: WeightBlock>(w: &QMatrix, acts: &PackedActs, m: usize, 
         let mut a = 0;
         while a < m {
             let left = m - a;
-            let group = if left >= 8 { 8 } else if left >= 4 { 4 } else if left >= 2 { 2 } else { 1 };
+            let group = if left >= 8 {
+                8
+            } else if left >= 4 {
+                4
+            } else if left >= 2 {
+                2
+            } else {
+                1
+            };
             for row in r..block_end {
                 // SAFETY: `row` < w.rows and activation rows a..a+group < m (asserted above).
                 unsafe {
@@ -298,7 +341,6 @@ unsafe fn tile_rows<T: WeightBlock, const R: usize>(
     row_bytes: usize,
     acts: &PackedActs,
     r0: usize,
-    rows: usize,
     out: OutPtr,
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
@@ -306,10 +348,14 @@ unsafe fn tile_rows<T: WeightBlock, const R: usize>(
     for b in 0..acts.nb {
         // SAFETY: block b of activation row 0 exists (nb blocks per row).
         let av = unsafe { _mm256_loadu_si256(acts.qs.as_ptr().add(b * QK).cast()) };
-        let da = acts.d[b];
+        let da = acts.d[b * 8];
         for i in 0..R {
             // SAFETY: rows r0..r0+R each hold nb blocks of T::BYTES.
             let p = unsafe { wp.add(i * row_bytes + b * T::BYTES) };
+            // Decode streams weights from DRAM and the hardware prefetcher alone falls behind
+            // (measured ~2x): fetch this block two tiles ahead. Prefetches never fault, so
+            // running past the end of the matrix is harmless.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * R * row_bytes).cast());
             let (dw, mw) = unsafe { T::scales(p) };
             let wv = unsafe { T::values(p) };
             let sums = unsafe { lane_sums::<T>(wv, _mm256_sign_epi8(wv, wv), av) };
@@ -337,7 +383,7 @@ unsafe fn tile_acts<T: WeightBlock, const A: usize>(
     rows: usize,
     out: OutPtr,
 ) {
-    let nb = acts.nb;
+    let (nb, m) = (acts.nb, acts.m);
     let mut acc = [_mm256_setzero_ps(); A];
     // Lane j carries activation row a0 + j's `Σ m·s` chain.
     let mut summs = _mm256_setzero_ps();
@@ -348,11 +394,19 @@ unsafe fn tile_acts<T: WeightBlock, const A: usize>(
         let wv = unsafe { T::values(p) };
         let w_abs = _mm256_sign_epi8(wv, wv);
         let dwv = _mm256_set1_ps(dw);
+        // SAFETY: activation rows a0..a0+A < m exist for block b (asserted by the caller).
+        let (qs, d) = unsafe {
+            (
+                acts.qs.as_ptr().add((b * m + a0) * QK),
+                acts.d.as_ptr().add((b * m + a0) * 8),
+            )
+        };
         for (j, acc_j) in acc.iter_mut().enumerate() {
-            let idx = (a0 + j) * nb + b;
-            // SAFETY: activation row a0 + j < m has nb blocks; `d` has m·nb entries.
             let (av, da) = unsafe {
-                (_mm256_loadu_si256(acts.qs.as_ptr().add(idx * QK).cast()), _mm256_broadcast_ss(&*acts.d.as_ptr().add(idx)))
+                (
+                    _mm256_loadu_si256(qs.add(j * QK).cast()),
+                    _mm256_loadu_ps(d.add(j * 8)),
+                )
             };
             let sums = unsafe { lane_sums::<T>(wv, w_abs, av) };
             *acc_j = _mm256_fmadd_ps(_mm256_mul_ps(dwv, da), sums, *acc_j);

@@ -58,7 +58,10 @@ pub(crate) fn unpack_nibbles(qs: &[u8], offset: i32) -> [i32; QK] {
 /// Q4_0 weight row · Q8_0 activation row.
 pub fn dot_q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = [0.0f32; 8];
-    for (wb, xb) in w.chunks_exact(Q4_0_BLOCK_BYTES).zip(x.chunks_exact(Q8_0_BLOCK_BYTES)) {
+    for (wb, xb) in w
+        .chunks_exact(Q4_0_BLOCK_BYTES)
+        .zip(x.chunks_exact(Q8_0_BLOCK_BYTES))
+    {
         let d = read_f16(wb, 0) * read_f16(xb, 0);
         let sums = lane_sums(&unpack_nibbles(&wb[2..], 8), &xb[2..]);
         fma_lanes(&mut acc, d, &sums);
@@ -70,7 +73,10 @@ pub fn dot_q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
 pub fn dot_q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut summs = 0.0f32;
-    for (wb, xb) in w.chunks_exact(Q4_1_BLOCK_BYTES).zip(x.chunks_exact(Q8_1_BLOCK_BYTES)) {
+    for (wb, xb) in w
+        .chunks_exact(Q4_1_BLOCK_BYTES)
+        .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
+    {
         let d = read_f16(wb, 0) * read_f16(xb, 0);
         summs = read_f16(wb, 2).mul_add(read_f16(xb, 2), summs);
         let sums = lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..]);
@@ -82,7 +88,10 @@ pub fn dot_q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
 /// Q8_0 weight row · Q8_0 activation row.
 pub fn dot_q8_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = [0.0f32; 8];
-    for (wb, xb) in w.chunks_exact(Q8_0_BLOCK_BYTES).zip(x.chunks_exact(Q8_0_BLOCK_BYTES)) {
+    for (wb, xb) in w
+        .chunks_exact(Q8_0_BLOCK_BYTES)
+        .zip(x.chunks_exact(Q8_0_BLOCK_BYTES))
+    {
         let d = read_f16(wb, 0) * read_f16(xb, 0);
         let mut wq = [0i32; QK];
         for (o, &q) in wq.iter_mut().zip(&wb[2..]) {
@@ -143,7 +152,10 @@ mod tests {
     fn naive(ty: WeightType, w: &[u8], x: &[f32]) -> f64 {
         let mut wf = vec![0.0; x.len()];
         dequantize_row(ty, w, &mut wf).unwrap();
-        wf.iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum()
+        wf.iter()
+            .zip(x)
+            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+            .sum()
     }
 
     #[test]
@@ -163,7 +175,11 @@ mod tests {
                 _ => {
                     let mut q = vec![0u8; nb * Q8_0_BLOCK_BYTES];
                     quantize_row_q8_0(&x, &mut q);
-                    if ty == WeightType::Q4_0 { dot_q4_0_q8_0(&w, &q) } else { dot_q8_0_q8_0(&w, &q) }
+                    if ty == WeightType::Q4_0 {
+                        dot_q4_0_q8_0(&w, &q)
+                    } else {
+                        dot_q8_0_q8_0(&w, &q)
+                    }
                 }
             };
             // Activation quantization error: ≤ half a step (amax/254) per element.
@@ -172,7 +188,10 @@ mod tests {
                 dequantize_row(ty, &w, &mut wf).unwrap();
                 wf.iter().map(|v| f64::from(v.abs())).sum::<f64>() / 254.0 * 1.1 + 1e-3
             };
-            assert!((f64::from(got) - exact).abs() <= bound, "{ty:?}: {got} vs {exact}");
+            assert!(
+                (f64::from(got) - exact).abs() <= bound,
+                "{ty:?}: {got} vs {exact}"
+            );
         }
     }
 
@@ -180,12 +199,17 @@ mod tests {
     fn hsum8_uses_ggml_pairing() {
         // Values chosen so that any other association order gives a different f32.
         let a = [1.0e8f32, 1.0, -1.0e8, 1.0, 3.0, 1.0, 5.0, 1.0];
-        assert_eq!(hsum8(&a), ((1.0e8 + 3.0) + (-1.0e8 + 5.0)) + ((1.0 + 1.0) + (1.0 + 1.0)));
+        assert_eq!(
+            hsum8(&a),
+            ((1.0e8 + 3.0) + (-1.0e8 + 5.0)) + ((1.0 + 1.0) + (1.0 + 1.0))
+        );
     }
 
     #[test]
     fn float_dots_match_exact_small_integers() {
-        let w: Vec<u8> = (0..20).flat_map(|i| f16::from_f32(i as f32).to_le_bytes()).collect();
+        let w: Vec<u8> = (0..20)
+            .flat_map(|i| f16::from_f32(i as f32).to_le_bytes())
+            .collect();
         let x: Vec<f16> = (0..20).map(|i| f16::from_f32((i % 3) as f32)).collect();
         let exact: f32 = (0..20).map(|i| (i * (i % 3)) as f32).sum();
         assert_eq!(dot_f16_f16(&w, &x), exact);

@@ -19,7 +19,10 @@ pub mod quant;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-pub use attention::{KvLayout, ReductionOrder, paged_attention, write_kv};
+pub use attention::{
+    AttentionRow, AttentionScratch, KvLayout, ReductionOrder, paged_attention, paged_attention_batch,
+    write_kv,
+};
 pub use matmul::{MatmulScratch, QMatrix, matmul};
 pub use ops::{RopeMode, rms_norm, rope, swiglu};
 pub use quant::{QK, WeightType};

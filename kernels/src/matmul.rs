@@ -25,16 +25,32 @@ pub struct QMatrix<'a> {
 
 impl<'a> QMatrix<'a> {
     /// Validates that `data` holds exactly `rows` rows of `cols` elements of `ty`.
-    pub fn new(ty: WeightType, data: &'a [u8], rows: usize, cols: usize) -> Result<Self, KernelError> {
+    pub fn new(
+        ty: WeightType,
+        data: &'a [u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
         ty.check_cols(cols)?;
         let expected = ty
             .row_bytes(cols)
             .checked_mul(rows)
             .ok_or(KernelError::Overflow { rows, cols })?;
         if data.len() != expected {
-            return Err(KernelError::DataSize { ty, rows, cols, expected, actual: data.len() });
+            return Err(KernelError::DataSize {
+                ty,
+                rows,
+                cols,
+                expected,
+                actual: data.len(),
+            });
         }
-        Ok(Self { ty, data, rows, cols })
+        Ok(Self {
+            ty,
+            data,
+            rows,
+            cols,
+        })
     }
 
     /// Bytes of one row.
@@ -49,7 +65,10 @@ impl<'a> QMatrix<'a> {
     }
 
     fn assert_valid(&self) {
-        assert!(self.ty.check_cols(self.cols).is_ok(), "QMatrix cols not a block multiple");
+        assert!(
+            self.ty.check_cols(self.cols).is_ok(),
+            "QMatrix cols not a block multiple"
+        );
         assert!(
             self.data.len() >= self.rows * self.row_bytes(),
             "QMatrix data shorter than rows × row_bytes"
@@ -91,7 +110,10 @@ unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     pub(crate) fn new(out: &mut [f32]) -> Self {
-        Self { ptr: out.as_mut_ptr(), len: out.len() }
+        Self {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+        }
     }
 
     /// Writes `value` at `index`.
@@ -149,7 +171,9 @@ pub(crate) fn matmul_scalar(
     prepare_scalar_acts(w, x, m, scratch);
     let out = OutPtr::new(out);
     let scratch = &*scratch;
-    for_each_row_chunk(pool, w.rows, 1, &|rows| scalar_rows(w, x, m, scratch, rows, out));
+    for_each_row_chunk(pool, w.rows, 1, &|rows| {
+        scalar_rows(w, x, m, scratch, rows, out)
+    });
 }
 
 fn prepare_scalar_acts(w: &QMatrix, x: &[f32], m: usize, scratch: &mut MatmulScratch) {
@@ -162,28 +186,52 @@ fn prepare_scalar_acts(w: &QMatrix, x: &[f32], m: usize, scratch: &mut MatmulScr
         }
         ActivationType::Q8_0 | ActivationType::Q8_1 => {
             let q8_1 = w.ty.vec_dot_type() == ActivationType::Q8_1;
-            let block = if q8_1 { crate::quant::Q8_1_BLOCK_BYTES } else { crate::quant::Q8_0_BLOCK_BYTES };
+            let block = if q8_1 {
+                crate::quant::Q8_1_BLOCK_BYTES
+            } else {
+                crate::quant::Q8_0_BLOCK_BYTES
+            };
             let row_bytes = cols / crate::QK * block;
             scratch.ggml_bytes.resize(m * row_bytes, 0);
-            for (xr, qr) in x.chunks_exact(cols).zip(scratch.ggml_bytes.chunks_exact_mut(row_bytes)) {
-                if q8_1 { quantize_row_q8_1(xr, qr) } else { quantize_row_q8_0(xr, qr) }
+            for (xr, qr) in x
+                .chunks_exact(cols)
+                .zip(scratch.ggml_bytes.chunks_exact_mut(row_bytes))
+            {
+                if q8_1 {
+                    quantize_row_q8_1(xr, qr)
+                } else {
+                    quantize_row_q8_0(xr, qr)
+                }
             }
         }
     }
 }
 
-fn scalar_rows(w: &QMatrix, x: &[f32], m: usize, scratch: &MatmulScratch, rows: Range<usize>, out: OutPtr) {
+fn scalar_rows(
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    scratch: &MatmulScratch,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
     let cols = w.cols;
-    let act_bytes = if m == 0 { 0 } else { scratch.ggml_bytes.len() / m };
+    let act_bytes = scratch.ggml_bytes.len().checked_div(m).unwrap_or(0);
     for r in rows {
         let wr = w.row(r);
         for a in 0..m {
             let value = match w.ty {
                 WeightType::F32 => dot_f32_f32(wr, &x[a * cols..(a + 1) * cols]),
                 WeightType::F16 => dot_f16_f16(wr, &scratch.halves[a * cols..(a + 1) * cols]),
-                WeightType::Q8_0 => dot_q8_0_q8_0(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes]),
-                WeightType::Q4_0 => dot_q4_0_q8_0(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes]),
-                WeightType::Q4_1 => dot_q4_1_q8_1(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes]),
+                WeightType::Q8_0 => {
+                    dot_q8_0_q8_0(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes])
+                }
+                WeightType::Q4_0 => {
+                    dot_q4_0_q8_0(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes])
+                }
+                WeightType::Q4_1 => {
+                    dot_q4_1_q8_1(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes])
+                }
             };
             // SAFETY: each thread owns a distinct range of rows `r`.
             unsafe { out.write(a * w.rows + r, value) };
@@ -222,7 +270,10 @@ fn split_join(
         return;
     }
     let mid = first + (end - first) / 2;
-    rayon::join(|| split_join(first, mid, bounds, work), || split_join(mid, end, bounds, work));
+    rayon::join(
+        || split_join(first, mid, bounds, work),
+        || split_join(mid, end, bounds, work),
+    );
 }
 
 #[cfg(test)]

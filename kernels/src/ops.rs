@@ -35,9 +35,20 @@ pub enum RopeMode {
 
 /// Rotates every head of `x` (`n_heads × head_dim`, one token) in place for position `pos`,
 /// over the full head dimension.
-pub fn rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos: u32, freq_base: f32, mode: RopeMode) {
-    assert_eq!(x.len(), n_heads * head_dim, "rope: x must be n_heads × head_dim");
-    assert!(head_dim % 2 == 0, "rope: head_dim must be even");
+pub fn rope(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    pos: u32,
+    freq_base: f32,
+    mode: RopeMode,
+) {
+    assert_eq!(
+        x.len(),
+        n_heads * head_dim,
+        "rope: x must be n_heads × head_dim"
+    );
+    assert!(head_dim.is_multiple_of(2), "rope: head_dim must be even");
     let mut cache = [(0.0f32, 0.0f32); 256];
     let pairs = head_dim / 2;
     let mut heap_cache = Vec::new();
@@ -81,7 +92,11 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for i in 0..gate.len() {
         let x = gate[i];
         // ggml's vector path covers whole groups of 8; the tail uses libm expf.
-        let e = if i < full { ggml_v_expf(-x) } else { (-x).exp() };
+        let e = if i < full {
+            ggml_v_expf(-x)
+        } else {
+            (-x).exp()
+        };
         out[i] = (x / (1.0 + e)) * up[i];
     }
 }
@@ -115,17 +130,24 @@ pub fn softmax_inplace(x: &mut [f32]) {
 }
 
 /// One lane of ggml's AVX2 `ggml_v_expf` (max error about 1.5 ulp; flushes beyond ±88/−104).
+#[inline]
 pub fn ggml_v_expf(x: f32) -> f32 {
     let r = f32::from_bits(0x4B40_0000); // 0x1.8p23
     let z = x.mul_add(f32::from_bits(0x3FB8_AA3B), r); // log2(e)
     let n = z - r;
-    let b = (-n).mul_add(f32::from_bits(0x35BF_BE8E), (-n).mul_add(f32::from_bits(0x3F31_7200), x));
+    let b = (-n).mul_add(
+        f32::from_bits(0x35BF_BE8E),
+        (-n).mul_add(f32::from_bits(0x3F31_7200), x),
+    );
     let e = z.to_bits().wrapping_shl(23);
     let k = f32::from_bits(e.wrapping_add(1.0f32.to_bits()));
     let u = b * b;
     let j = f32::from_bits(0x3C07_2010)
         .mul_add(b, f32::from_bits(0x3D2B_9F17))
-        .mul_add(u, f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB)))
+        .mul_add(
+            u,
+            f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB)),
+        )
         .mul_add(u, f32::from_bits(0x3F7F_FFF6) * b);
     let abs_n = n.abs();
     if abs_n > 192.0 {
@@ -191,7 +213,10 @@ mod tests {
             let x = i as f32 * 0.1;
             let want = x.exp();
             let got = ggml_v_expf(x);
-            assert!((got - want).abs() <= want * 4.0e-7 + f32::MIN_POSITIVE, "{x}: {got} vs {want}");
+            assert!(
+                (got - want).abs() <= want * 4.0e-7 + f32::MIN_POSITIVE,
+                "{x}: {got} vs {want}"
+            );
         }
         assert_eq!(ggml_v_expf(f32::NEG_INFINITY), 0.0);
         assert_eq!(ggml_v_expf(-200.0), 0.0);
@@ -219,12 +244,16 @@ mod tests {
         let mut out: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
         for head in 0..x.len() / head_dim {
             for i in 0..head_dim / 2 {
-                let theta = f64::from(pos) * f64::from(base).powf(-2.0 * i as f64 / head_dim as f64);
+                let theta =
+                    f64::from(pos) * f64::from(base).powf(-2.0 * i as f64 / head_dim as f64);
                 let (a, b) = match mode {
                     RopeMode::Norm => (2 * i, 2 * i + 1),
                     RopeMode::Neox => (i, i + head_dim / 2),
                 };
-                let (x0, x1) = (f64::from(x[head * head_dim + a]), f64::from(x[head * head_dim + b]));
+                let (x0, x1) = (
+                    f64::from(x[head * head_dim + a]),
+                    f64::from(x[head * head_dim + b]),
+                );
                 out[head * head_dim + a] = x0 * theta.cos() - x1 * theta.sin();
                 out[head * head_dim + b] = x0 * theta.sin() + x1 * theta.cos();
             }
@@ -234,7 +263,9 @@ mod tests {
 
     #[test]
     fn rope_matches_direct_formula() {
-        let x: Vec<f32> = (0..3 * 64).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        let x: Vec<f32> = (0..3 * 64)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
         for mode in [RopeMode::Norm, RopeMode::Neox] {
             for pos in [0u32, 1, 7, 100, 1000] {
                 let mut got = x.clone();
@@ -243,7 +274,10 @@ mod tests {
                 // Cumulative f32 theta drifts by a few ulps per pair, times pos.
                 let tol = 1e-5 * (1.0 + f64::from(pos)) * 4.0;
                 for (g, w) in got.iter().zip(&want) {
-                    assert!((f64::from(*g) - w).abs() <= tol, "{mode:?} pos {pos}: {g} vs {w}");
+                    assert!(
+                        (f64::from(*g) - w).abs() <= tol,
+                        "{mode:?} pos {pos}: {g} vs {w}"
+                    );
                 }
             }
         }
@@ -265,7 +299,10 @@ mod tests {
         swiglu(&g, &u, &mut out);
         for i in 0..21 {
             let want = f64::from(g[i]) / (1.0 + (-f64::from(g[i])).exp()) * f64::from(u[i]);
-            assert!((f64::from(out[i]) - want).abs() <= want.abs() * 1e-6 + 1e-7, "{i}");
+            assert!(
+                (f64::from(out[i]) - want).abs() <= want.abs() * 1e-6 + 1e-7,
+                "{i}"
+            );
         }
     }
 

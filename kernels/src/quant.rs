@@ -82,8 +82,12 @@ impl WeightType {
     /// Checks that `cols` splits into whole blocks.
     pub fn check_cols(self, cols: usize) -> Result<(), KernelError> {
         let block = self.block_elems();
-        if cols % block != 0 {
-            return Err(KernelError::ColsNotBlockMultiple { ty: self, cols, block });
+        if !cols.is_multiple_of(block) {
+            return Err(KernelError::ColsNotBlockMultiple {
+                ty: self,
+                cols,
+                block,
+            });
         }
         Ok(())
     }
@@ -120,7 +124,10 @@ fn quantize_block(x: &[f32]) -> (f32, [i8; QK]) {
 /// (`x.len() / 32 * 34` bytes).
 pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
     check_quant_lengths(x.len(), out.len(), Q8_0_BLOCK_BYTES);
-    for (xb, ob) in x.chunks_exact(QK).zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES)) {
+    for (xb, ob) in x
+        .chunks_exact(QK)
+        .zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES))
+    {
         let (d, qs) = quantize_block(xb);
         write_f16(ob, 0, d);
         for (o, q) in ob[2..].iter_mut().zip(qs) {
@@ -132,7 +139,10 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
 /// Quantizes `x` into Q8_1 blocks (`x.len() / 32 * 36` bytes); `s` is f16(d · Σq) with the f32 `d`.
 pub fn quantize_row_q8_1(x: &[f32], out: &mut [u8]) {
     check_quant_lengths(x.len(), out.len(), Q8_1_BLOCK_BYTES);
-    for (xb, ob) in x.chunks_exact(QK).zip(out.chunks_exact_mut(Q8_1_BLOCK_BYTES)) {
+    for (xb, ob) in x
+        .chunks_exact(QK)
+        .zip(out.chunks_exact_mut(Q8_1_BLOCK_BYTES))
+    {
         let (d, qs) = quantize_block(xb);
         let sum: i32 = qs.iter().map(|&q| i32::from(q)).sum();
         write_f16(ob, 0, d);
@@ -144,8 +154,15 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [u8]) {
 }
 
 fn check_quant_lengths(x_len: usize, out_len: usize, block_bytes: usize) {
-    assert!(x_len % QK == 0, "quantize: {x_len} values is not a multiple of {QK}");
-    assert_eq!(out_len, x_len / QK * block_bytes, "quantize: output buffer has the wrong size");
+    assert!(
+        x_len.is_multiple_of(QK),
+        "quantize: {x_len} values is not a multiple of {QK}"
+    );
+    assert_eq!(
+        out_len,
+        x_len / QK * block_bytes,
+        "quantize: output buffer has the wrong size"
+    );
 }
 
 /// Converts one row of `ty` bytes into f32 (`out.len()` elements; used for embedding lookup).
@@ -173,7 +190,10 @@ pub fn dequantize_row(ty: WeightType, data: &[u8], out: &mut [f32]) -> Result<()
             }
         }
         WeightType::Q8_0 => {
-            for (ob, b) in out.chunks_exact_mut(QK).zip(data.chunks_exact(Q8_0_BLOCK_BYTES)) {
+            for (ob, b) in out
+                .chunks_exact_mut(QK)
+                .zip(data.chunks_exact(Q8_0_BLOCK_BYTES))
+            {
                 let d = read_f16(b, 0);
                 for (o, &q) in ob.iter_mut().zip(&b[2..]) {
                     *o = f32::from(q as i8) * d;
@@ -181,7 +201,10 @@ pub fn dequantize_row(ty: WeightType, data: &[u8], out: &mut [f32]) -> Result<()
             }
         }
         WeightType::Q4_0 => {
-            for (ob, b) in out.chunks_exact_mut(QK).zip(data.chunks_exact(Q4_0_BLOCK_BYTES)) {
+            for (ob, b) in out
+                .chunks_exact_mut(QK)
+                .zip(data.chunks_exact(Q4_0_BLOCK_BYTES))
+            {
                 let d = read_f16(b, 0);
                 for (j, &q) in b[2..].iter().enumerate() {
                     ob[j] = f32::from((q & 0x0F) as i8 - 8) * d;
@@ -190,7 +213,10 @@ pub fn dequantize_row(ty: WeightType, data: &[u8], out: &mut [f32]) -> Result<()
             }
         }
         WeightType::Q4_1 => {
-            for (ob, b) in out.chunks_exact_mut(QK).zip(data.chunks_exact(Q4_1_BLOCK_BYTES)) {
+            for (ob, b) in out
+                .chunks_exact_mut(QK)
+                .zip(data.chunks_exact(Q4_1_BLOCK_BYTES))
+            {
                 let d = read_f16(b, 0);
                 let m = read_f16(b, 2);
                 for (j, &q) in b[4..].iter().enumerate() {
@@ -232,7 +258,10 @@ mod tests {
         x[3] = 3.5;
         let mut out = vec![0u8; Q8_0_BLOCK_BYTES];
         quantize_row_q8_0(&x, &mut out);
-        assert_eq!(out[2..6].iter().map(|&b| b as i8).collect::<Vec<_>>(), vec![127, 2, -2, 4]);
+        assert_eq!(
+            out[2..6].iter().map(|&b| b as i8).collect::<Vec<_>>(),
+            vec![127, 2, -2, 4]
+        );
     }
 
     #[test]

@@ -195,8 +195,20 @@ impl BlockPool {
     /// Allocates one block for the holder of `credit`: from the credit first, else from the free
     /// blocks. `None` when neither has one.
     pub fn allocate(&self, credit: &mut Reservation) -> Option<BlockId> {
-        let mut table = Vec::with_capacity(1);
-        self.allocate_n(1, credit, &mut table).then(|| table[0])
+        let from_credit = credit.belongs_to(self) && credit.reserved > 0;
+        let mut state = self.state.lock();
+        if !from_credit && state.available() == 0 {
+            return None;
+        }
+        let id = state.free_list.pop()?;
+        state.ref_counts[id as usize] = 1;
+        state.used += 1;
+        if from_credit {
+            state.reserved -= 1;
+            credit.reserved -= 1;
+            credit.drawn += 1;
+        }
+        Some(id)
     }
 
     /// All-or-nothing: appends `count` new blocks to `table`, drawing on `credit` first, or

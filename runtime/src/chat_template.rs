@@ -98,7 +98,9 @@ impl ChatTemplate {
                 eos_token => &self.eos_token,
             })
             .map_err(|e| match e.kind() {
-                ErrorKind::InvalidOperation if e.detail().is_some_and(|d| d.starts_with(RAISED)) => {
+                ErrorKind::InvalidOperation
+                    if e.detail().is_some_and(|d| d.starts_with(RAISED)) =>
+                {
                     let detail = e.detail().unwrap_or_default();
                     TemplateError::Rejected(detail.trim_start_matches(RAISED).to_string())
                 }
@@ -130,7 +132,10 @@ mod tests {
     use super::*;
 
     fn msgs(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
-        pairs.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
+        pairs
+            .iter()
+            .map(|(r, c)| ChatMessage::new(*r, *c))
+            .collect()
     }
 
     #[test]
@@ -151,7 +156,9 @@ mod tests {
     fn python_string_methods_and_special_token_variables_work() {
         let src = "{{ bos_token }}{% for m in messages %}{{ m.content.strip().upper() }}|{% endfor %}{{ eos_token }}";
         let t = ChatTemplate::new(src, "<s>", "</s>").expect("compiles");
-        let out = t.render(&msgs(&[("user", "  hi \n")]), false).expect("renders");
+        let out = t
+            .render(&msgs(&[("user", "  hi \n")]), false)
+            .expect("renders");
         assert_eq!(out, "<s>HI|</s>");
     }
 
@@ -159,14 +166,19 @@ mod tests {
     fn trim_and_lstrip_blocks_match_transformers() {
         let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}";
         let t = ChatTemplate::new(src, "", "").expect("compiles");
-        assert_eq!(t.render(&msgs(&[("user", "a")]), false).expect("renders"), "[a]\n");
+        assert_eq!(
+            t.render(&msgs(&[("user", "a")]), false).expect("renders"),
+            "[a]\n"
+        );
     }
 
     #[test]
     fn raise_exception_is_a_rejection_with_the_templates_message() {
         let src = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok";
         let t = ChatTemplate::new(src, "", "").expect("compiles");
-        let err = t.render(&msgs(&[("assistant", "x")]), false).expect_err("rejected");
+        let err = t
+            .render(&msgs(&[("assistant", "x")]), false)
+            .expect_err("rejected");
         assert_eq!(err, TemplateError::Rejected("first must be user".into()));
     }
 

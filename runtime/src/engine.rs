@@ -11,6 +11,8 @@
 //! running sequence receives `TokenEvent::Error("engine shut down")` and the thread exits. A
 //! graceful drain is the gateway's job (stop admitting, wait for streams), before it calls this.
 
+mod config;
+mod stats;
 mod worker;
 
 use std::sync::Arc;
@@ -21,12 +23,13 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 use tokio::sync::mpsc as tokio_mpsc;
 
-use crate::backend::{Backend, MemoryUsage};
+use crate::backend::Backend;
 use crate::block_pool::{BlockPool, Reservation};
 use crate::kv_math::blocks_for_tokens;
-use crate::scheduler::SchedulerConfig;
 use crate::tokenizer::Tokenizer;
 
+pub use self::config::EngineConfig;
+pub use self::stats::{EngineStats, SeqSnapshot};
 pub use crate::sequence::{
     FinishReason, SamplingParams, SeqId, SeqStatus, Sequence, StopParams, TokenEvent,
 };
@@ -50,77 +53,6 @@ impl TokenDecoder for Tokenizer {
     }
     fn is_special(&self, id: u32) -> bool {
         Tokenizer::is_special(self, id)
-    }
-}
-
-/// Sizes and limits of an engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EngineConfig {
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// Blocks in the pool (the backend's KV cache must hold at least this many).
-    pub num_blocks: usize,
-    /// Bytes of one block in the backend's cache (reporting only).
-    pub bytes_per_block: usize,
-    /// Most sequences running at once.
-    pub max_num_seqs: usize,
-    /// Token budget per step.
-    pub max_batched_tokens: usize,
-    /// Largest prefill chunk per sequence per step; 0 = only the budget limits it.
-    pub long_prefill_threshold: usize,
-    /// Prompt + max_tokens may not exceed this.
-    pub max_model_len: usize,
-    /// Capacity of the submit queue (and of the engine's waiting list).
-    pub command_queue: usize,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            block_size: 16,
-            num_blocks: 1024,
-            bytes_per_block: 0,
-            max_num_seqs: 64,
-            max_batched_tokens: 512,
-            long_prefill_threshold: 256,
-            max_model_len: 8192,
-            command_queue: 256,
-        }
-    }
-}
-
-impl EngineConfig {
-    fn validate(&self) -> Result<(), EngineError> {
-        let positive = [
-            ("block_size", self.block_size),
-            ("num_blocks", self.num_blocks),
-            ("max_num_seqs", self.max_num_seqs),
-            ("max_batched_tokens", self.max_batched_tokens),
-            ("max_model_len", self.max_model_len),
-            ("command_queue", self.command_queue),
-        ];
-        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err(EngineError::InvalidConfig(format!(
-                "{name} must be at least 1"
-            )));
-        }
-        let slots = self.num_blocks.checked_mul(self.block_size);
-        if slots.is_none_or(|s| s > u32::MAX as usize) {
-            return Err(EngineError::InvalidConfig(format!(
-                "num_blocks × block_size must fit in u32 KV slots (got {} × {})",
-                self.num_blocks, self.block_size
-            )));
-        }
-        Ok(())
-    }
-
-    fn scheduler(&self) -> SchedulerConfig {
-        SchedulerConfig {
-            block_size: self.block_size,
-            max_num_seqs: self.max_num_seqs,
-            max_batched_tokens: self.max_batched_tokens,
-            long_prefill_threshold: self.long_prefill_threshold,
-        }
     }
 }
 
@@ -162,50 +94,6 @@ pub struct GenerationRequest {
 pub struct GenerationHandle {
     pub id: SeqId,
     pub events: tokio_mpsc::Receiver<TokenEvent>,
-}
-
-/// Counters and gauges, refreshed by the engine thread after every step.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
-pub struct EngineStats {
-    pub running: usize,
-    pub waiting: usize,
-    pub steps: u64,
-    pub preemptions_total: u64,
-    pub cancellations_total: u64,
-    pub finished_total: u64,
-    pub errors_total: u64,
-    pub prompt_tokens_total: u64,
-    pub generation_tokens_total: u64,
-    /// Allocated KV slots not holding a token, over running sequences (last-block tails).
-    pub kv_waste_slots: usize,
-    pub last_batch_seqs: usize,
-    pub last_batch_tokens: usize,
-    /// Wall time of the last step's forward + sampling, in microseconds.
-    pub last_step_micros: u64,
-    /// Largest `backend.memory()` total seen since start.
-    pub peak_memory_bytes: u64,
-    #[serde(skip)]
-    pub memory: MemoryUsage,
-}
-
-/// One sequence as `/admin/kv` shows it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct SeqSnapshot {
-    pub id: SeqId,
-    #[serde(serialize_with = "serialize_label")]
-    pub label: Arc<str>,
-    pub state: SeqStatus,
-    pub prompt_tokens: usize,
-    pub output_tokens: usize,
-    pub computed_tokens: usize,
-    pub blocks: usize,
-    /// Blocks still promised to it by its reservation.
-    pub reserved_blocks: usize,
-    pub preemptions: u32,
-}
-
-fn serialize_label<S: serde::Serializer>(label: &Arc<str>, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(label)
 }
 
 enum Command {

@@ -68,8 +68,13 @@ pub enum PlanError {
     #[error("{path}: {source}")]
     Model { path: PathBuf, source: ModelError },
     #[error("--{flag}: {source}")]
-    Parse { flag: &'static str, source: SizeParseError },
-    #[error("no model shape: give --model PATH, or --layers N with --kv-heads N --head-dim N or --hidden N")]
+    Parse {
+        flag: &'static str,
+        source: SizeParseError,
+    },
+    #[error(
+        "no model shape: give --model PATH, or --layers N with --kv-heads N --head-dim N or --hidden N"
+    )]
     MissingShape,
     #[error("--model and explicit shape flags (--{0}) cannot be combined")]
     ModelAndShape(&'static str),
@@ -89,7 +94,8 @@ pub enum PlanError {
     Margin(f64),
 }
 
-/// The result of a plan; `Display` prints it for people, `Serialize` for `--json`.
+/// The result of a plan; `Display` prints it for people (one line per fact, each ending in a
+/// newline), `Serialize` for `--json`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct PlanReport {
     pub layers: usize,
@@ -133,7 +139,10 @@ impl PlanReport {
     /// Reads the model (if any), validates the flags and computes the plan.
     pub fn compute(args: &PlanArgs) -> Result<PlanReport, PlanError> {
         let dtype = match &args.dtype {
-            Some(text) => KvDtype::parse(text).map_err(|source| PlanError::Parse { flag: "dtype", source })?,
+            Some(text) => KvDtype::parse(text).map_err(|source| PlanError::Parse {
+                flag: "dtype",
+                source,
+            })?,
             None => KvDtype::F16,
         };
         let shape = resolve_shape(args, dtype)?;
@@ -143,13 +152,27 @@ impl PlanReport {
         if !(0.0..1.0).contains(&args.margin) {
             return Err(PlanError::Margin(args.margin));
         }
-        let max_context = args.max_context.or(shape.model_context).ok_or(PlanError::MissingMaxContext)?;
+        let max_context = args
+            .max_context
+            .or(shape.model_context)
+            .ok_or(PlanError::MissingMaxContext)?;
         if max_context == 0 {
-            return Err(PlanError::Zero { flag: "max-context" });
+            return Err(PlanError::Zero {
+                flag: "max-context",
+            });
         }
         let kv_budget_bytes =
-            kv_math::parse_size(&args.memory).map_err(|source| PlanError::Parse { flag: "memory", source })?;
-        Ok(Self::from_parts(shape, dtype, max_context, kv_budget_bytes, args))
+            kv_math::parse_size(&args.memory).map_err(|source| PlanError::Parse {
+                flag: "memory",
+                source,
+            })?;
+        Ok(Self::from_parts(
+            shape,
+            dtype,
+            max_context,
+            kv_budget_bytes,
+            args,
+        ))
     }
 
     fn from_parts(
@@ -185,7 +208,9 @@ impl PlanReport {
             dtype: dtype.name(),
             weights_bytes: shape.weights_bytes,
             kv_budget_bytes,
-            total_bytes: shape.weights_bytes.map(|w| w.saturating_add(kv_budget_bytes as u64)),
+            total_bytes: shape
+                .weights_bytes
+                .map(|w| w.saturating_add(kv_budget_bytes as u64)),
             block_size,
             kv_bytes_per_token: kv.bytes_per_token(),
             kv_bytes_per_block: kv.bytes_per_block(block_size),
@@ -204,16 +229,26 @@ impl PlanReport {
 
 /// The KV shape from the model file, or from explicit flags.
 fn resolve_shape(args: &PlanArgs, dtype: KvDtype) -> Result<Shape, PlanError> {
-    let explicit =
-        [("layers", args.layers), ("kv-heads", args.kv_heads), ("head-dim", args.head_dim), ("hidden", args.hidden)];
+    let explicit = [
+        ("layers", args.layers),
+        ("kv-heads", args.kv_heads),
+        ("head-dim", args.head_dim),
+        ("hidden", args.hidden),
+    ];
     if let Some(path) = &args.model {
         if let Some((flag, _)) = explicit.iter().find(|(_, v)| v.is_some()) {
             return Err(PlanError::ModelAndShape(flag));
         }
         let gguf = GgufFile::open(path)?;
-        let config = ModelConfig::from_gguf(&gguf).map_err(|source| PlanError::Model { path: path.clone(), source })?;
+        let config = ModelConfig::from_gguf(&gguf).map_err(|source| PlanError::Model {
+            path: path.clone(),
+            source,
+        })?;
         return Ok(Shape {
-            kv: KvShape { dtype, ..config.kv_shape() },
+            kv: KvShape {
+                dtype,
+                ..config.kv_shape()
+            },
             weights_bytes: Some(gguf.tensor_bytes()),
             model_context: Some(config.context_length),
         });
@@ -237,7 +272,16 @@ fn resolve_shape(args: &PlanArgs, dtype: KvDtype) -> Result<Shape, PlanError> {
         }
         _ => return Err(PlanError::IncompleteHeads),
     };
-    Ok(Shape { kv: KvShape { layers, kv_heads, head_dim, dtype }, weights_bytes: None, model_context: None })
+    Ok(Shape {
+        kv: KvShape {
+            layers,
+            kv_heads,
+            head_dim,
+            dtype,
+        },
+        weights_bytes: None,
+        model_context: None,
+    })
 }
 
 impl fmt::Display for PlanReport {
@@ -273,16 +317,24 @@ impl fmt::Display for PlanReport {
             self.max_context,
             self.blocks_per_request
         )?;
-        writeln!(f, "pool             {} blocks = {} tokens", self.num_blocks, self.pool_tokens)?;
-        writeln!(f, "max concurrency  {} full-length requests", self.max_concurrency)?;
-        write!(
+        writeln!(
+            f,
+            "pool             {} blocks = {} tokens",
+            self.num_blocks, self.pool_tokens
+        )?;
+        writeln!(
+            f,
+            "max concurrency  {} full-length requests",
+            self.max_concurrency
+        )?;
+        writeln!(
             f,
             "with {:.0}% margin  {} full-length requests",
             self.margin * 100.0,
             self.max_concurrency_with_margin
         )?;
         for warning in &self.warnings {
-            write!(f, "\nwarning: {warning}")?;
+            writeln!(f, "warning: {warning}")?;
         }
         Ok(())
     }

@@ -10,11 +10,14 @@
 //! recompute: the victim's blocks go back (blocks drawn from its reservation back into that
 //! reservation), its `num_computed_tokens` drops to 0, and it returns to the *front* of the
 //! waiting queue. The victim is the least-computed (then newest) sequence among those whose
-//! preemption actually frees shared blocks, preferring sequences that still compete for free
-//! blocks over ones whose reservation covers all their remaining growth. If the best victim is
-//! the sequence itself, it gives up its blocks and waits. Waiting sequences are admitted FCFS; once
-//! the head cannot get free blocks, only sequences that their own reservation fully serves may
-//! pass it, so nobody jumps the queue for shared capacity and reserved capacity is never stuck.
+//! preemption frees shared blocks, preferring sequences that still compete for free blocks over
+//! ones whose reservation covers all their remaining growth. If the best victim is the sequence
+//! itself, it gives up its blocks and waits. (A sequence with only a partial reservation may be
+//! made to forfeit it, see `pick_victim`, so two of them cannot wait on each other forever.)
+//!
+//! Waiting sequences whose reservation covers everything are admitted first (they take no
+//! shared blocks); the rest FCFS, and once the head cannot get free blocks, only sequences their
+//! own credit serves may pass it, so nobody jumps the queue for shared capacity.
 //!
 //! Integers only: the scheduler never sees tensors, and never over-commits the pool because
 //! every allocation goes through the pool's all-or-nothing `allocate_n`.
@@ -261,30 +264,34 @@ impl Scheduler {
     /// The running sequence to preempt, see the module docs, and whether it must also give up
     /// its reservation. `None` if no preemption can free anything.
     ///
-    /// First choice: a sequence whose preemption returns shared blocks (it keeps its credit).
-    /// Otherwise a sequence with only a partial reservation that drew all its blocks from it:
-    /// keeping that credit could deadlock two such sequences, so it forfeits the credit (its
-    /// guarantee was partial anyway; the gateway reserves whole requests).
+    /// Candidates free shared blocks when preempted, or hold only a partial reservation from
+    /// which they drew all their blocks: keeping that credit could leave two such sequences
+    /// waiting on each other forever, so such a victim forfeits it (its guarantee was partial
+    /// anyway; the gateway reserves whole requests). Fully covered sequences come last.
     fn pick_victim(&self) -> Option<(usize, Forfeit)> {
         let block_size = self.config.block_size;
-        let by_cost = |(_, seq): &(usize, &Sequence)| {
-            (
-                seq.is_fully_covered(block_size),
-                seq.num_computed_tokens,
-                Reverse(seq.id),
-            )
-        };
-        let candidates = || self.running.iter().enumerate();
-        if let Some((index, _)) = candidates()
-            .filter(|(_, seq)| seq.releasable_blocks() > 0)
-            .min_by_key(by_cost)
-        {
-            return Some((index, Forfeit::KeepCredit));
-        }
-        candidates()
-            .filter(|(_, seq)| !seq.block_table.is_empty() && !seq.is_fully_covered(block_size))
-            .min_by_key(by_cost)
-            .map(|(index, _)| (index, Forfeit::DropCredit))
+        self.running
+            .iter()
+            .enumerate()
+            .filter(|(_, seq)| {
+                seq.releasable_blocks() > 0
+                    || (!seq.block_table.is_empty() && !seq.is_fully_covered(block_size))
+            })
+            .min_by_key(|(_, seq)| {
+                (
+                    seq.is_fully_covered(block_size),
+                    seq.num_computed_tokens,
+                    Reverse(seq.id),
+                )
+            })
+            .map(|(index, seq)| {
+                let forfeit = if seq.releasable_blocks() > 0 {
+                    Forfeit::KeepCredit
+                } else {
+                    Forfeit::DropCredit
+                };
+                (index, forfeit)
+            })
     }
 
     /// Recompute preemption: blocks back, progress reset, front of the waiting queue.

@@ -18,9 +18,9 @@ mod merge_bpe;
 mod pretokenize;
 mod special;
 mod stream;
-mod vocab;
 #[cfg(test)]
 mod tests;
+mod vocab;
 
 pub use stream::{StreamDecoder, Utf8Stream};
 pub use vocab::TokenKind;
@@ -40,9 +40,13 @@ use vocab::Vocab;
 pub enum TokenizerError {
     #[error("GGUF file has no `{0}`")]
     Missing(&'static str),
-    #[error("tokenizer model `{0}` is not supported: kvgate implements byte-level BPE (`gpt2`) only")]
+    #[error(
+        "tokenizer model `{0}` is not supported: kvgate implements byte-level BPE (`gpt2`) only"
+    )]
     UnsupportedModel(String),
-    #[error("pre-tokenizer `{0}` is not supported (supported: smollm and GPT-2 style pre-tokenizers)")]
+    #[error(
+        "pre-tokenizer `{0}` is not supported (supported: smollm and GPT-2 style pre-tokenizers)"
+    )]
     UnsupportedPreTokenizer(String),
     #[error("invalid vocabulary: {0}")]
     Invalid(String),
@@ -54,10 +58,11 @@ pub enum TokenizerError {
 pub struct Tokenizer {
     texts: Vec<String>,
     kinds: Vec<TokenKind>,
-    /// Raw bytes of every token, back to back; token `i` is `bytes[offsets[i]..offsets[i + 1]]`.
-    bytes: Vec<u8>,
-    offsets: Vec<usize>,
+    spellings: TokenSpellings,
     bpe: CoreBPE,
+    /// Whole-word shortcut: most words are one token, and a hash lookup is far cheaper than a
+    /// CoreBPE call (CoreBPE takes the same shortcut, after a regex search).
+    token_of_word: HashMap<Box<[u8]>, u32>,
     /// CoreBPE speaks ranks (merge priority); this maps them back to token ids.
     id_of_rank: Vec<u32>,
     /// Bytes no token spells; words containing one take the `merge_bpe` path.
@@ -80,22 +85,8 @@ impl Tokenizer {
 
     fn from_vocab(vocab: Vocab) -> Result<Self, TokenizerError> {
         let pre = PreTokenizer::for_pre_type(&vocab.pre)?;
-        let byte_decoder = ByteDecoder::new();
-        let mut bytes = Vec::new();
-        let mut offsets = vec![0];
-        let mut is_plain_bpe_token = Vec::with_capacity(vocab.texts.len());
-        for (text, kind) in vocab.texts.iter().zip(&vocab.kinds) {
-            let (token_bytes, all_mapped) = match kind {
-                TokenKind::Normal => byte_decoder.decode(text),
-                TokenKind::Byte => (parse_byte_token(text).map(|b| vec![b]).unwrap_or_default(), false),
-                TokenKind::UserDefined => (text.as_bytes().to_vec(), false),
-                _ => (Vec::new(), false),
-            };
-            is_plain_bpe_token.push(*kind == TokenKind::Normal && all_mapped);
-            bytes.extend_from_slice(&token_bytes);
-            offsets.push(bytes.len());
-        }
-        let span = |id: usize| &bytes[offsets[id]..offsets[id + 1]];
+        let (spellings, is_plain_bpe_token) = TokenSpellings::new(&vocab);
+        let span = |id: usize| spellings.get(id);
         let merges = vocab
             .merges
             .as_deref()
@@ -104,6 +95,7 @@ impl Tokenizer {
 
         let mut byte_token = [None; 256];
         let mut encoder = HashMap::default();
+        let mut token_of_word = HashMap::with_capacity(ranked.ids.len());
         let mut id_of_rank = vec![0u32; ranked.ids.len()];
         for (rank, &id) in ranked.ids.iter().enumerate() {
             let token = span(id as usize);
@@ -111,6 +103,7 @@ impl Tokenizer {
                 byte_token[*b as usize].get_or_insert(id);
             }
             encoder.entry(token.to_vec()).or_insert(rank as u32);
+            token_of_word.entry(Box::from(token)).or_insert(id);
             id_of_rank[rank] = id;
         }
         let unencodable = byte_token.map(|t| t.is_none());
@@ -119,26 +112,11 @@ impl Tokenizer {
         let bpe = CoreBPE::new(encoder, HashMap::default(), r"(?s).+")
             .map_err(|e| TokenizerError::Invalid(format!("BPE tables: {e}")))?;
 
-        let specials = special::matching_order(
-            vocab
-                .kinds
-                .iter()
-                .enumerate()
-                .filter_map(|(id, kind)| {
-                    let needs_parse_special = match kind {
-                        TokenKind::Control | TokenKind::Unknown => true,
-                        TokenKind::UserDefined => false,
-                        _ => return None,
-                    };
-                    Some(SpecialToken {
-                        id: id as u32,
-                        text: vocab.texts[id].clone(),
-                        needs_parse_special,
-                    })
-                })
-                .collect(),
-        );
-        let text_of = |id: Option<u32>| id.and_then(|i| vocab.texts.get(i as usize)).map_or("", |t| t);
+        let specials = special::matching_order(special_tokens(&vocab));
+        let text_of = |id: Option<u32>| {
+            id.and_then(|i| vocab.texts.get(i as usize))
+                .map_or("", |t| t)
+        };
         let chat_template = ChatTemplate::new(
             vocab.chat_template.as_deref().unwrap_or(FALLBACK_CHATML),
             text_of(vocab.bos),
@@ -147,9 +125,9 @@ impl Tokenizer {
         Ok(Self {
             texts: vocab.texts,
             kinds: vocab.kinds,
-            bytes,
-            offsets,
+            spellings,
             bpe,
+            token_of_word,
             id_of_rank,
             unencodable,
             merge_bpe,
@@ -200,6 +178,10 @@ impl Tokenizer {
             self.merge_bpe.encode(word.as_bytes(), ids);
             return;
         }
+        if let Some(&id) = self.token_of_word.get(word.as_bytes()) {
+            ids.push(id);
+            return;
+        }
         let ranks = self.bpe.encode_ordinary(word);
         ids.extend(ranks.into_iter().map(|r| self.id_of_rank[r as usize]));
     }
@@ -207,7 +189,11 @@ impl Tokenizer {
     /// Text of `ids`, lossily. Control tokens (BOS, `<|im_end|>`, …) contribute nothing, as in
     /// llama.cpp's detokenizer with `special = false`; user-defined tokens render as their text.
     pub fn decode(&self, ids: &[u32]) -> String {
-        let bytes: Vec<u8> = ids.iter().flat_map(|&id| self.token_bytes(id)).copied().collect();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| self.token_bytes(id))
+            .copied()
+            .collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
@@ -229,11 +215,7 @@ impl Tokenizer {
     /// Raw bytes of token `id`: empty for control, unknown and unused tokens and for ids out of
     /// range. May be part of a UTF-8 character; see [`StreamDecoder`].
     pub fn token_bytes(&self, id: u32) -> &[u8] {
-        let id = id as usize;
-        match (self.offsets.get(id), self.offsets.get(id + 1)) {
-            (Some(&start), Some(&end)) => &self.bytes[start..end],
-            _ => &[],
-        }
+        self.spellings.get(id as usize)
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -334,15 +316,77 @@ impl RankedMerges {
         for (left, right) in merges {
             let merged = id_of.get(format!("{left}{right}").as_str());
             // A merge whose parts or result are not tokens can never fire in llama.cpp either.
-            if let (Some(&l), Some(&r), Some(&m)) = (id_of.get(left.as_str()), id_of.get(right.as_str()), merged) {
+            if let (Some(&l), Some(&r), Some(&m)) =
+                (id_of.get(left.as_str()), id_of.get(right.as_str()), merged)
+            {
                 resolved.push((l, r, m));
                 if !std::mem::replace(&mut seen[m as usize], true) {
                     ids.push(m);
                 }
             }
         }
-        Self { ids, merges: resolved }
+        Self {
+            ids,
+            merges: resolved,
+        }
     }
+}
+
+/// Raw bytes of every token, back to back.
+struct TokenSpellings {
+    bytes: Vec<u8>,
+    /// Token `i` is `bytes[offsets[i]..offsets[i + 1]]`.
+    offsets: Vec<usize>,
+}
+
+impl TokenSpellings {
+    /// The spellings, and for each token whether it is a plain GPT-2-spelled BPE token.
+    fn new(vocab: &Vocab) -> (Self, Vec<bool>) {
+        let byte_decoder = ByteDecoder::new();
+        let mut spellings = Self {
+            bytes: Vec::new(),
+            offsets: vec![0],
+        };
+        let mut is_plain = Vec::with_capacity(vocab.texts.len());
+        for (text, kind) in vocab.texts.iter().zip(&vocab.kinds) {
+            let (bytes, all_mapped) = match kind {
+                TokenKind::Normal => byte_decoder.decode(text),
+                TokenKind::Byte => (parse_byte_token(text).into_iter().collect(), false),
+                // Added tokens are stored verbatim, not in the GPT-2 spelling.
+                TokenKind::UserDefined => (text.as_bytes().to_vec(), false),
+                _ => (Vec::new(), false),
+            };
+            is_plain.push(*kind == TokenKind::Normal && all_mapped);
+            spellings.bytes.extend_from_slice(&bytes);
+            spellings.offsets.push(spellings.bytes.len());
+        }
+        (spellings, is_plain)
+    }
+
+    /// Empty for ids out of range.
+    fn get(&self, id: usize) -> &[u8] {
+        match (self.offsets.get(id), self.offsets.get(id + 1)) {
+            (Some(&start), Some(&end)) => &self.bytes[start..end],
+            _ => &[],
+        }
+    }
+}
+
+/// Control and unknown tokens (matched with `parse_special`) and user-defined ones (always).
+fn special_tokens(vocab: &Vocab) -> Vec<SpecialToken> {
+    let special = |(id, kind): (usize, &TokenKind)| {
+        let needs_parse_special = match kind {
+            TokenKind::Control | TokenKind::Unknown => true,
+            TokenKind::UserDefined => false,
+            _ => return None,
+        };
+        Some(SpecialToken {
+            id: id as u32,
+            text: vocab.texts[id].clone(),
+            needs_parse_special,
+        })
+    };
+    vocab.kinds.iter().enumerate().filter_map(special).collect()
 }
 
 /// `<0xAB>` → 0xAB: the spelling of byte tokens in vocabularies with byte fallback.

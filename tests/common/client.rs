@@ -31,8 +31,12 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
@@ -41,7 +45,10 @@ impl Reply {
 
     /// `error.code` of an OpenAI error body.
     pub fn error_code(&self) -> String {
-        self.json()["error"]["code"].as_str().unwrap_or_default().to_owned()
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     }
 }
 
@@ -59,7 +66,10 @@ impl SseReply {
         loop {
             if let Some(end) = self.buffer.find("\n\n") {
                 let event: String = self.buffer.drain(..end + 2).collect();
-                let data: Vec<&str> = event.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+                let data: Vec<&str> = event
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .collect();
                 if data.is_empty() {
                     continue; // a keep-alive comment
                 }
@@ -92,7 +102,13 @@ impl Client {
         self.addr
     }
 
-    fn request(&self, method: Method, path: &str, key: Option<&str>, body: Bytes) -> Request<Full<Bytes>> {
+    fn request(
+        &self,
+        method: Method,
+        path: &str,
+        key: Option<&str>,
+        body: Bytes,
+    ) -> Request<Full<Bytes>> {
         let mut builder = Request::builder()
             .method(method)
             .uri(format!("http://{}{path}", self.addr))
@@ -107,32 +123,49 @@ impl Client {
         let response = self.inner.request(request).await.expect("server answers");
         let (parts, body) = response.into_parts();
         let body = body.collect().await.expect("body arrives").to_bytes();
-        Reply { status: parts.status, headers: parts.headers, body }
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
     }
 
     pub async fn post(&self, path: &str, key: Option<&str>, body: &Value) -> Reply {
         let bytes = Bytes::from(serde_json::to_vec(body).expect("json"));
-        self.send(self.request(Method::POST, path, key, bytes)).await
+        self.send(self.request(Method::POST, path, key, bytes))
+            .await
     }
 
     pub async fn post_bytes(&self, path: &str, key: Option<&str>, body: impl Into<Bytes>) -> Reply {
-        self.send(self.request(Method::POST, path, key, body.into())).await
+        self.send(self.request(Method::POST, path, key, body.into()))
+            .await
     }
 
     pub async fn get(&self, path: &str, key: Option<&str>) -> Reply {
-        self.send(self.request(Method::GET, path, key, Bytes::new())).await
+        self.send(self.request(Method::GET, path, key, Bytes::new()))
+            .await
     }
 
     pub async fn send_method(&self, method: Method, path: &str, key: Option<&str>) -> Reply {
-        self.send(self.request(method, path, key, Bytes::new())).await
+        self.send(self.request(method, path, key, Bytes::new()))
+            .await
     }
 
     /// Starts a request and returns as soon as the headers arrive.
     pub async fn stream(&self, path: &str, key: Option<&str>, body: &Value) -> SseReply {
         let bytes = Bytes::from(serde_json::to_vec(body).expect("json"));
-        let response = self.inner.request(self.request(Method::POST, path, key, bytes)).await.expect("server answers");
+        let response = self
+            .inner
+            .request(self.request(Method::POST, path, key, bytes))
+            .await
+            .expect("server answers");
         let (parts, body) = response.into_parts();
-        SseReply { status: parts.status, headers: parts.headers, body, buffer: String::new() }
+        SseReply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+            buffer: String::new(),
+        }
     }
 }
 

@@ -20,36 +20,41 @@ use kvgate_gateway::auth::hash_key;
 use kvgate_gateway::reload::PolicyStore;
 use kvgate_gateway::server::{ServeConfig, bind};
 use kvgate_gateway::validate::PromptCodec;
-use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
 use kvgate_runtime::block_pool::Occupancy;
-use kvgate_runtime::engine::{Engine, EngineConfig};
+use kvgate_runtime::engine::Engine;
 use kvgate_runtime::gguf::GgufFile;
+use kvgate_runtime::loader::{Runtime, RuntimeOptions};
 use kvgate_runtime::model::ModelConfig;
 use kvgate_runtime::tokenizer::Tokenizer;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+#[allow(unused_imports)] // not every test binary uses every type
 pub use client::{Client, Reply, SseReply};
 
-/// The id clients send as `model`.
-pub const MODEL: &str = "SmolLM2-135M-Instruct";
+/// The id clients send as `model`: the loader names the model after its file.
+pub const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 
-/// The default model, opened once per test binary.
-struct LoadedModel {
-    gguf: Arc<GgufFile>,
+/// The default model: its path and config, looked up once per test binary.
+struct ModelFile {
+    path: PathBuf,
     config: ModelConfig,
     tokenizer: Arc<Tokenizer>,
 }
 
-fn model() -> &'static LoadedModel {
-    static MODEL_CELL: OnceLock<LoadedModel> = OnceLock::new();
+fn model() -> &'static ModelFile {
+    static MODEL_CELL: OnceLock<ModelFile> = OnceLock::new();
     MODEL_CELL.get_or_init(|| {
         let path = kvgate_runtime::provision::default_model_path()
             .unwrap_or_else(|e| panic!("the default model is needed for end-to-end tests: {e}"));
-        let gguf = Arc::new(GgufFile::open(&path).expect("default model opens"));
+        let gguf = GgufFile::open(&path).expect("default model opens");
         let config = ModelConfig::from_gguf(&gguf).expect("default model config");
         let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).expect("default model tokenizer"));
-        LoadedModel { gguf, config, tokenizer }
+        ModelFile {
+            path,
+            config,
+            tokenizer,
+        }
     })
 }
 
@@ -78,7 +83,12 @@ impl Default for Options {
             shutdown_grace: Duration::from_secs(60),
             ..ServeConfig::default()
         };
-        Options { num_blocks: 512, block_size: 16, max_num_seqs: 32, serve }
+        Options {
+            num_blocks: 512,
+            block_size: 16,
+            max_num_seqs: 32,
+            serve,
+        }
     }
 }
 
@@ -101,18 +111,35 @@ impl TestServer {
     pub async fn start_with(policy: &str, options: Options) -> TestServer {
         let policy_path = write_policy(policy);
         let store = PolicyStore::load(&policy_path).expect("test policy is valid");
-        let engine = spawn_engine(&options);
+        let runtime = start_runtime(&options);
+        let engine = runtime.engine.clone();
         let admission = Admission::new(store.clone(), Arc::clone(engine.pool()));
-        let codec: Arc<dyn PromptCodec> = tokenizer();
-        let server = bind(&options.serve, engine.clone(), codec, store.clone(), admission.clone())
-            .await
-            .expect("bind 127.0.0.1:0");
+        let codec: Arc<dyn PromptCodec> = runtime.tokenizer.clone();
+        let mut serve = options.serve.clone();
+        serve.model_name = runtime.model_name.clone();
+        let server = bind(
+            &serve,
+            engine.clone(),
+            codec,
+            store.clone(),
+            admission.clone(),
+        )
+        .await
+        .expect("bind 127.0.0.1:0");
         let addr = server.local_addr().expect("bound address");
         let (shutdown, signal) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(async {
             let _ = signal.await;
         }));
-        TestServer { addr, engine, store, admission, policy_path, shutdown: Some(shutdown), task: Some(task) }
+        TestServer {
+            addr,
+            engine,
+            store,
+            admission,
+            policy_path,
+            shutdown: Some(shutdown),
+            task: Some(task),
+        }
     }
 
     pub fn client(&self) -> Client {
@@ -132,7 +159,10 @@ impl TestServer {
             if kv.used_blocks == 0 && kv.reserved_blocks == 0 {
                 return;
             }
-            assert!(tokio::time::Instant::now() < deadline, "KV never returned to idle: {kv:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "KV never returned to idle: {kv:?}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -165,32 +195,27 @@ impl Drop for TestServer {
     }
 }
 
-fn spawn_engine(options: &Options) -> Engine {
+/// Starts the real runtime with a pool of exactly `options.num_blocks` blocks.
+fn start_runtime(options: &Options) -> Runtime {
     let model = model();
-    let max_batched_tokens = 256;
-    let backend = CpuBackend::new(
-        Arc::clone(&model.gguf),
-        model.config.clone(),
-        CpuBackendOptions {
-            num_blocks: options.num_blocks,
+    let bytes_per_block = model.config.kv_shape().bytes_per_block(options.block_size);
+    let runtime = Runtime::start(
+        &model.path,
+        RuntimeOptions {
+            kv_memory_bytes: (options.num_blocks * bytes_per_block) as u64,
             block_size: options.block_size,
-            max_batched_tokens,
             threads: None,
+            max_num_seqs: options.max_num_seqs,
+            max_batched_tokens: 256,
         },
     )
-    .expect("CPU backend");
-    let config = EngineConfig {
-        block_size: options.block_size,
-        num_blocks: options.num_blocks,
-        max_num_seqs: options.max_num_seqs,
-        max_batched_tokens,
-        long_prefill_threshold: 128,
-        max_model_len: model.config.context_length,
-        command_queue: 1024,
-        ..EngineConfig::default()
-    };
-    let decoder = tokenizer();
-    Engine::spawn(Box::new(backend), decoder, config).expect("engine starts")
+    .expect("runtime starts");
+    assert_eq!(
+        runtime.num_blocks, options.num_blocks,
+        "KV pool sized as asked"
+    );
+    assert_eq!(runtime.model_name, MODEL);
+    runtime
 }
 
 fn write_policy(text: &str) -> PathBuf {
@@ -247,8 +272,14 @@ pub const LONG_ANSWER: &str = "Count from 1 to 500, separated by commas.";
 pub async fn hold_slot(client: &Client, key: &str, max_tokens: u32) -> SseReply {
     let mut body = chat(LONG_ANSWER, max_tokens);
     body["stream"] = serde_json::json!(true);
-    let mut reply = client.stream("/v1/chat/completions", Some(key), &body).await;
-    assert_eq!(reply.status.as_u16(), 200, "the slot-holding request must be admitted");
+    let mut reply = client
+        .stream("/v1/chat/completions", Some(key), &body)
+        .await;
+    assert_eq!(
+        reply.status.as_u16(),
+        200,
+        "the slot-holding request must be admitted"
+    );
     let role = reply.next_data().await.expect("role chunk");
     assert!(role.contains("\"role\":\"assistant\""), "{role}");
     let first = reply.next_data().await.expect("first token");
@@ -260,7 +291,10 @@ pub async fn hold_slot(client: &Client, key: &str, max_tokens: u32) -> SseReply 
 pub async fn wait_until(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + limit;
     while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

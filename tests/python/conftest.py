@@ -5,6 +5,7 @@ The server is stopped with SIGTERM at the end and must exit 0: a graceful drain.
 """
 
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -16,7 +17,6 @@ import urllib.request
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"main": "sk-py-main", "solo": "sk-py-solo"}
 
 
@@ -36,11 +36,12 @@ max_queue_wait = "60s"
 [tenants.main]
 key_sha256 = ["{_digest(KEYS['main'])}"]
 
-# One request at a time and no queue: a second concurrent request gets 429 + Retry-After.
+# One request running and one queued at a time: a third concurrent request gets 429 + Retry-After.
 [tenants.solo]
 key_sha256 = ["{_digest(KEYS['solo'])}"]
 max_concurrency = 1
-queue_depth = 0
+queue_depth = 1
+max_queue_wait = "120s"
 """
 
 
@@ -65,6 +66,12 @@ def _wait_ready(base: str, process: subprocess.Popen, limit_s: float = 300.0) ->
     raise RuntimeError("kvgate did not become ready")
 
 
+def _served_model(base: str) -> str:
+    request = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEYS['main']}"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.load(reply)["data"][0]["id"]
+
+
 @pytest.fixture(scope="session")
 def server():
     binary = os.environ.get("KVGATE_BIN", os.path.join(ROOT, "target", "debug", "kvgate"))
@@ -79,7 +86,7 @@ def server():
     )
     try:
         _wait_ready(base, process)
-        yield {"base_url": f"{base}/v1", "keys": KEYS, "model": MODEL}
+        yield {"base_url": f"{base}/v1", "keys": KEYS, "model": _served_model(base)}
     finally:
         process.send_signal(signal.SIGTERM)
         try:

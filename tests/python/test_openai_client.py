@@ -71,31 +71,47 @@ def test_errors_are_typed(server):
 
 
 def test_retry_honours_retry_after(server):
+    """solo may run one request and queue one. With both taken, a third gets 429 queue_full;
+    the client waits what Retry-After says, retries, and succeeds once the others are done."""
     seen = []
 
     def record(response):
         seen.append((response.status_code, time.monotonic(), response.headers.get("retry-after-ms")))
 
-    retrying = _client(server, "solo", max_retries=4, http_client=httpx.Client(event_hooks={"response": [record]}))
-    holder = _client(server, "solo", max_retries=0)
-    # Hold solo's only slot with a stream, and keep reading it in the background.
-    stream = holder.chat.completions.create(
+    retrying = _client(server, "solo", max_retries=5, http_client=httpx.Client(event_hooks={"response": [record]}))
+    others = _client(server, "solo", max_retries=0)
+    # 1. Hold the running slot with a long stream, read in the background.
+    stream = others.chat.completions.create(
         model=server["model"],
         messages=[{"role": "user", "content": "Count from 1 to 500, separated by commas."}],
-        max_tokens=24,
+        max_tokens=256,
         temperature=0,
         stream=True,
     )
     chunks = iter(stream)
     next(chunks)
-    reader = threading.Thread(target=lambda: [None for _ in chunks])
-    reader.start()
+    running = threading.Thread(target=lambda: [None for _ in chunks])
+    running.start()
+    # 2. Take the queue slot with a second request (it waits for the first).
+    queued_result = {}
 
+    def queued_request():
+        queued_result["reply"] = others.chat.completions.create(
+            model=server["model"], messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+
+    queued = threading.Thread(target=queued_request)
+    queued.start()
+    time.sleep(0.5)  # let it reach the queue
+
+    # 3. The third request is refused, honours Retry-After, and gets through on a retry.
     reply = retrying.chat.completions.create(
         model=server["model"], messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
-    reader.join()
+    running.join()
+    queued.join()
     assert reply.choices[0].message.content is not None
+    assert queued_result["reply"].choices[0].message.content is not None
     statuses = [status for status, _, _ in seen]
     assert statuses[0] == 429 and statuses[-1] == 200, statuses
     assert set(statuses[:-1]) == {429}

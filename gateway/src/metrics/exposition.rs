@@ -43,7 +43,10 @@ impl Writer {
 }
 
 fn escape_label_value(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Prometheus spelling of a sample value: integers without a fraction, `NaN`, `+Inf`, `-Inf`.
@@ -51,7 +54,11 @@ pub fn format_value(value: f64) -> String {
     if value.is_nan() {
         "NaN".into()
     } else if value.is_infinite() {
-        if value > 0.0 { "+Inf".into() } else { "-Inf".into() }
+        if value > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
     } else {
         format!("{value}")
     }
@@ -67,7 +74,10 @@ pub struct Sample {
 
 impl Sample {
     pub fn label(&self, key: &str) -> Option<&str> {
-        self.labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.labels
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     /// True when every `(key, value)` of `wanted` is among this sample's labels.
@@ -96,7 +106,10 @@ impl Scrape {
         let mut scrape = Scrape::default();
         for (index, raw) in text.lines().enumerate() {
             let line = raw.trim();
-            let error = |reason: String| ParseError { line: index + 1, reason };
+            let error = |reason: String| ParseError {
+                line: index + 1,
+                reason,
+            };
             if line.is_empty() {
                 continue;
             }
@@ -121,17 +134,25 @@ impl Scrape {
 
     /// The first sample of `name` carrying all of `labels`.
     pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-        self.series(name).find(|s| s.has_labels(labels)).map(|s| s.value)
+        self.series(name)
+            .find(|s| s.has_labels(labels))
+            .map(|s| s.value)
     }
 
     /// Sum over every sample of `name` carrying all of `labels` (0 when there is none).
     pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        self.series(name).filter(|s| s.has_labels(labels)).map(|s| s.value).sum()
+        self.series(name)
+            .filter(|s| s.has_labels(labels))
+            .map(|s| s.value)
+            .sum()
     }
 
     /// Distinct values of `label` among the samples of `name`.
     pub fn label_values(&self, name: &str, label: &str) -> BTreeSet<String> {
-        self.series(name).filter_map(|s| s.label(label)).map(str::to_string).collect()
+        self.series(name)
+            .filter_map(|s| s.label(label))
+            .map(str::to_string)
+            .collect()
     }
 }
 
@@ -161,8 +182,11 @@ fn parse_sample(line: &str) -> Result<Sample, String> {
         return Err(format!("expected a space before the value of {name}"));
     }
     let mut fields = rest.split_whitespace();
-    let value_text = fields.next().ok_or_else(|| format!("missing value for {name}"))?;
-    let value = parse_value(value_text).ok_or_else(|| format!("invalid value {value_text:?} for {name}"))?;
+    let value_text = fields
+        .next()
+        .ok_or_else(|| format!("missing value for {name}"))?;
+    let value = parse_value(value_text)
+        .ok_or_else(|| format!("invalid value {value_text:?} for {name}"))?;
     if let Some(timestamp) = fields.next()
         && timestamp.parse::<i64>().is_err()
     {
@@ -171,23 +195,34 @@ fn parse_sample(line: &str) -> Result<Sample, String> {
     if fields.next().is_some() {
         return Err(format!("unexpected text after the value of {name}"));
     }
-    Ok(Sample { name: name.to_string(), labels, value })
+    Ok(Sample {
+        name: name.to_string(),
+        labels,
+        value,
+    })
 }
 
 /// Parses `key="value",...}` and returns the text after the closing brace.
-fn parse_labels<'a>(mut text: &'a str, labels: &mut Vec<(String, String)>) -> Result<&'a str, String> {
+fn parse_labels<'a>(
+    mut text: &'a str,
+    labels: &mut Vec<(String, String)>,
+) -> Result<&'a str, String> {
     loop {
         text = text.trim_start();
         if let Some(after) = text.strip_prefix('}') {
             return Ok(after);
         }
-        let key_end = text.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(text.len());
+        let key_end = text
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(text.len());
         let key = &text[..key_end];
         if key.is_empty() || key.starts_with(|c: char| c.is_ascii_digit()) {
             return Err(format!("invalid label name at {text:?}"));
         }
         text = text[key_end..].trim_start();
-        text = text.strip_prefix("=\"").ok_or_else(|| format!("expected =\" after label {key}"))?;
+        text = text
+            .strip_prefix("=\"")
+            .ok_or_else(|| format!("expected =\" after label {key}"))?;
         let mut value = String::new();
         let mut chars = text.char_indices();
         let close = loop {
@@ -251,14 +286,32 @@ weird{msg="say \"hi\"\\n\nbye",} NaN
         let scrape = parse(REAL);
         assert_eq!(scrape.samples.len(), 8);
         assert_eq!(scrape.types["kvgate_requests_total"], "counter");
-        assert_eq!(scrape.value("kvgate_requests_total", &[("tenant", "b")]), Some(2.0));
-        assert_eq!(scrape.sum("kvgate_requests_total", &[("route", "chat")]), 5.0);
-        assert_eq!(scrape.sum("kvgate_requests_total", &[("tenant", "nobody")]), 0.0);
-        assert_eq!(scrape.value("kvgate_queue_wait_seconds_bucket", &[("le", "+Inf")]), Some(3.0));
+        assert_eq!(
+            scrape.value("kvgate_requests_total", &[("tenant", "b")]),
+            Some(2.0)
+        );
+        assert_eq!(
+            scrape.sum("kvgate_requests_total", &[("route", "chat")]),
+            5.0
+        );
+        assert_eq!(
+            scrape.sum("kvgate_requests_total", &[("tenant", "nobody")]),
+            0.0
+        );
+        assert_eq!(
+            scrape.value("kvgate_queue_wait_seconds_bucket", &[("le", "+Inf")]),
+            Some(3.0)
+        );
         assert_eq!(scrape.value("vllm:kv_cache_usage_perc", &[]), Some(0.25));
-        let weird = scrape.series("weird").next().map(|s| (s.label("msg").map(str::to_string), s.value));
+        let weird = scrape
+            .series("weird")
+            .next()
+            .map(|s| (s.label("msg").map(str::to_string), s.value));
         assert!(matches!(weird, Some((Some(ref m), v)) if m == "say \"hi\"\\n\nbye" && v.is_nan()));
-        let tenants: Vec<_> = scrape.label_values("kvgate_requests_total", "tenant").into_iter().collect();
+        let tenants: Vec<_> = scrape
+            .label_values("kvgate_requests_total", "tenant")
+            .into_iter()
+            .collect();
         assert_eq!(tenants, ["a", "b"]);
     }
 
@@ -270,10 +323,18 @@ weird{msg="say \"hi\"\\n\nbye",} NaN
         w.sample("kvgate_kv_blocks", &[("state", "tricky \"q\" \\ \n")], 0.5);
         w.sample("kvgate_up", &[], f64::INFINITY);
         let text = w.finish();
-        assert!(text.starts_with("# HELP kvgate_kv_blocks KV blocks.\\nby state\n# TYPE kvgate_kv_blocks gauge\n"));
-        assert!(text.contains("kvgate_kv_blocks{state=\"used\"} 12\n"), "{text}");
+        assert!(text.starts_with(
+            "# HELP kvgate_kv_blocks KV blocks.\\nby state\n# TYPE kvgate_kv_blocks gauge\n"
+        ));
+        assert!(
+            text.contains("kvgate_kv_blocks{state=\"used\"} 12\n"),
+            "{text}"
+        );
         let scrape = parse(&text);
-        assert_eq!(scrape.value("kvgate_kv_blocks", &[("state", "tricky \"q\" \\ \n")]), Some(0.5));
+        assert_eq!(
+            scrape.value("kvgate_kv_blocks", &[("state", "tricky \"q\" \\ \n")]),
+            Some(0.5)
+        );
         assert_eq!(scrape.value("kvgate_up", &[]), Some(f64::INFINITY));
     }
 

@@ -64,65 +64,245 @@ pub struct Family {
     pub help: &'static str,
 }
 
-const fn family(name: &'static str, kind: Kind, labels: &'static [&'static str], help: &'static str) -> Family {
-    Family { name, kind, labels, help }
+const fn family(
+    name: &'static str,
+    kind: Kind,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Family {
+    Family {
+        name,
+        kind,
+        labels,
+        help,
+    }
 }
 
 use Kind::{Counter, Gauge, Histogram};
 
 /// Families recorded through the `metrics` facade on the request path.
 pub const RECORDED: &[Family] = &[
-    family(REQUESTS_TOTAL, Counter, &["tenant", "route", "outcome"], "Requests that reached a handler, by final admission outcome (admitted or rejected)."),
-    family(REQUESTS_REJECTED_TOTAL, Counter, &["tenant", "reason"], "Refused requests by reason: auth, length, rate, quota, queue_full, queue_timeout, kv_saturation, bad_request, unavailable."),
-    family(QUEUE_ABANDONED_TOTAL, Counter, &["tenant"], "Queued requests dropped because their client went away."),
-    family(QUEUE_WAIT_SECONDS, Histogram, &["tenant"], "Time from entering admission to starting (queue wait plus KV reservation)."),
-    family(TIME_TO_FIRST_TOKEN_SECONDS, Histogram, &[], "Time from request arrival to the first generated token."),
-    family(INTER_TOKEN_LATENCY_SECONDS, Histogram, &[], "Time between successive tokens of one stream."),
-    family(REQUEST_DURATION_SECONDS, Histogram, &[], "Time from request arrival to the end of its response."),
-    family(PROMPT_TOKENS, Histogram, &[], "Prompt length of finished requests, in tokens."),
-    family(GENERATION_TOKENS, Histogram, &[], "Generated tokens per finished request."),
-    family(PROMPT_TOKENS_TOTAL, Counter, &["tenant"], "Prompt tokens of finished requests."),
-    family(GENERATION_TOKENS_TOTAL, Counter, &["tenant"], "Tokens generated for finished requests."),
-    family(BATCH_SIZE, Histogram, &[], "Sequences in the latest engine step, sampled once per sampler tick while the engine is stepping."),
-    family(POLICY_RELOADS_TOTAL, Counter, &["result"], "Policy file reloads by result (success or failure)."),
+    family(
+        REQUESTS_TOTAL,
+        Counter,
+        &["tenant", "route", "outcome"],
+        "Requests that reached a handler, by final admission outcome (admitted or rejected).",
+    ),
+    family(
+        REQUESTS_REJECTED_TOTAL,
+        Counter,
+        &["tenant", "reason"],
+        "Refused requests by reason: auth, length, rate, quota, queue_full, queue_timeout, kv_saturation, bad_request, unavailable.",
+    ),
+    family(
+        QUEUE_ABANDONED_TOTAL,
+        Counter,
+        &["tenant"],
+        "Queued requests dropped because their client went away.",
+    ),
+    family(
+        QUEUE_WAIT_SECONDS,
+        Histogram,
+        &["tenant"],
+        "Time from entering admission to starting (queue wait plus KV reservation).",
+    ),
+    family(
+        TIME_TO_FIRST_TOKEN_SECONDS,
+        Histogram,
+        &[],
+        "Time from request arrival to the first generated token.",
+    ),
+    family(
+        INTER_TOKEN_LATENCY_SECONDS,
+        Histogram,
+        &[],
+        "Time between successive tokens of one stream.",
+    ),
+    family(
+        REQUEST_DURATION_SECONDS,
+        Histogram,
+        &[],
+        "Time from request arrival to the end of its response.",
+    ),
+    family(
+        PROMPT_TOKENS,
+        Histogram,
+        &[],
+        "Prompt length of finished requests, in tokens.",
+    ),
+    family(
+        GENERATION_TOKENS,
+        Histogram,
+        &[],
+        "Generated tokens per finished request.",
+    ),
+    family(
+        PROMPT_TOKENS_TOTAL,
+        Counter,
+        &["tenant"],
+        "Prompt tokens of finished requests.",
+    ),
+    family(
+        GENERATION_TOKENS_TOTAL,
+        Counter,
+        &["tenant"],
+        "Tokens generated for finished requests.",
+    ),
+    family(
+        BATCH_SIZE,
+        Histogram,
+        &[],
+        "Sequences in the latest engine step, sampled once per sampler tick while the engine is stepping.",
+    ),
+    family(
+        POLICY_RELOADS_TOTAL,
+        Counter,
+        &["result"],
+        "Policy file reloads by result (success or failure).",
+    ),
 ];
 
 /// Families written from engine and admission state at scrape time.
 pub const STATE: &[Family] = &[
-    family(KV_BLOCKS, Gauge, &["state"], "KV blocks by state: total, used (holding tokens), reserved (promised to admitted requests), free."),
-    family(KV_USAGE_RATIO, Gauge, &[], "Fraction of KV blocks holding tokens (used / total)."),
-    family(KV_COMMITTED_RATIO, Gauge, &[], "Fraction of KV blocks used or reserved: what admission compares with its watermark."),
+    family(
+        KV_BLOCKS,
+        Gauge,
+        &["state"],
+        "KV blocks by state: total, used (holding tokens), reserved (promised to admitted requests), free.",
+    ),
+    family(
+        KV_USAGE_RATIO,
+        Gauge,
+        &[],
+        "Fraction of KV blocks holding tokens (used / total).",
+    ),
+    family(
+        KV_COMMITTED_RATIO,
+        Gauge,
+        &[],
+        "Fraction of KV blocks used or reserved: what admission compares with its watermark.",
+    ),
     family(KV_CAPACITY_BYTES, Gauge, &[], "Bytes of the KV block pool."),
     family(KV_BLOCK_SIZE_TOKENS, Gauge, &[], "Tokens per KV block."),
-    family(KV_WASTE_SLOTS, Gauge, &[], "Allocated KV slots of running sequences not holding a token (partially filled last blocks)."),
-    family(MEMORY_ALLOCATED_BYTES, Gauge, &["kind"], "Bytes the backend holds, by kind: weights, kv, workspace."),
-    family(MEMORY_RESERVED_BYTES, Gauge, &[], "Bytes the backend has reserved in total (on the CPU backend every reserved byte is allocated)."),
-    family(MEMORY_PEAK_ALLOCATED_BYTES, Gauge, &[], "Largest total backend allocation since start; never decreases."),
-    family(MEMORY_BUDGET_BYTES, Gauge, &[], "Memory budget the server was given (0 when none)."),
-    family(PROCESS_RESIDENT_MEMORY_BYTES, Gauge, &[], "Resident set size of the kvgate process."),
-    family(SEQUENCES, Gauge, &["state"], "Engine sequences by state: running, waiting."),
-    family(REQUESTS_IN_FLIGHT, Gauge, &["tenant"], "Admitted requests not yet finished."),
-    family(REQUESTS_QUEUED, Gauge, &["tenant"], "Requests waiting in the admission queue."),
-    family(QUEUED_TOKENS, Gauge, &["tenant"], "Tokens (prompt + max_tokens) of requests waiting in the admission queue."),
-    family(PREEMPTIONS_TOTAL, Counter, &[], "Sequences preempted (their KV freed, to be recomputed) to make room."),
-    family(CANCELLATIONS_TOTAL, Counter, &[], "Sequences cancelled because their client went away."),
+    family(
+        KV_WASTE_SLOTS,
+        Gauge,
+        &[],
+        "Allocated KV slots of running sequences not holding a token (partially filled last blocks).",
+    ),
+    family(
+        MEMORY_ALLOCATED_BYTES,
+        Gauge,
+        &["kind"],
+        "Bytes the backend holds, by kind: weights, kv, workspace.",
+    ),
+    family(
+        MEMORY_RESERVED_BYTES,
+        Gauge,
+        &[],
+        "Bytes the backend has reserved in total (on the CPU backend every reserved byte is allocated).",
+    ),
+    family(
+        MEMORY_PEAK_ALLOCATED_BYTES,
+        Gauge,
+        &[],
+        "Largest total backend allocation since start; never decreases.",
+    ),
+    family(
+        MEMORY_BUDGET_BYTES,
+        Gauge,
+        &[],
+        "Memory budget the server was given (0 when none).",
+    ),
+    family(
+        PROCESS_RESIDENT_MEMORY_BYTES,
+        Gauge,
+        &[],
+        "Resident set size of the kvgate process.",
+    ),
+    family(
+        SEQUENCES,
+        Gauge,
+        &["state"],
+        "Engine sequences by state: running, waiting.",
+    ),
+    family(
+        REQUESTS_IN_FLIGHT,
+        Gauge,
+        &["tenant"],
+        "Admitted requests not yet finished.",
+    ),
+    family(
+        REQUESTS_QUEUED,
+        Gauge,
+        &["tenant"],
+        "Requests waiting in the admission queue.",
+    ),
+    family(
+        QUEUED_TOKENS,
+        Gauge,
+        &["tenant"],
+        "Tokens (prompt + max_tokens) of requests waiting in the admission queue.",
+    ),
+    family(
+        PREEMPTIONS_TOTAL,
+        Counter,
+        &[],
+        "Sequences preempted (their KV freed, to be recomputed) to make room.",
+    ),
+    family(
+        CANCELLATIONS_TOTAL,
+        Counter,
+        &[],
+        "Sequences cancelled because their client went away.",
+    ),
     family(ENGINE_STEPS_TOTAL, Counter, &[], "Engine scheduler steps."),
-    family(BUILD_INFO, Gauge, &["version", "backend", "model"], "Always 1; the labels describe this server."),
+    family(
+        BUILD_INFO,
+        Gauge,
+        &["version", "backend", "model"],
+        "Always 1; the labels describe this server.",
+    ),
 ];
 
 /// Histogram buckets per metric (upper bounds; +Inf is implicit).
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
-    (QUEUE_WAIT_SECONDS, &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]),
-    (TIME_TO_FIRST_TOKEN_SECONDS, &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]),
-    (INTER_TOKEN_LATENCY_SECONDS, &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]),
-    (REQUEST_DURATION_SECONDS, &[0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0]),
+    (
+        QUEUE_WAIT_SECONDS,
+        &[
+            0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+        ],
+    ),
+    (
+        TIME_TO_FIRST_TOKEN_SECONDS,
+        &[
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+        ],
+    ),
+    (
+        INTER_TOKEN_LATENCY_SECONDS,
+        &[
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+        ],
+    ),
+    (
+        REQUEST_DURATION_SECONDS,
+        &[
+            0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0,
+        ],
+    ),
     (PROMPT_TOKENS, TOKEN_BUCKETS),
     (GENERATION_TOKENS, TOKEN_BUCKETS),
-    (BATCH_SIZE, &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0]),
+    (
+        BATCH_SIZE,
+        &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0],
+    ),
 ];
 
-const TOKEN_BUCKETS: &[f64] =
-    &[1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0];
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+    32768.0,
+];
 
 /// Help text of a family, for the state writer.
 pub(crate) fn family_of(name: &str) -> Option<&'static Family> {
@@ -152,13 +332,32 @@ mod tests {
     fn names_follow_prometheus_conventions() {
         for f in all() {
             assert!(f.name.starts_with("kvgate_"), "{}", f.name);
-            assert!(f.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'), "{}", f.name);
-            assert_eq!(f.kind == Kind::Counter, f.name.ends_with("_total"), "only counters end in _total: {}", f.name);
+            assert!(
+                f.name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+                "{}",
+                f.name
+            );
+            assert_eq!(
+                f.kind == Kind::Counter,
+                f.name.ends_with("_total"),
+                "only counters end in _total: {}",
+                f.name
+            );
             for unit in ["_ms", "_milliseconds", "_kb", "_mb", "_percent", "_perc"] {
                 assert!(!f.name.ends_with(unit), "use base units: {}", f.name);
             }
-            assert!(!f.help.is_empty() && f.help.ends_with('.'), "help of {}", f.name);
-            assert!(!f.labels.contains(&"le") && !f.labels.contains(&"quantile"), "{}", f.name);
+            assert!(
+                !f.help.is_empty() && f.help.ends_with('.'),
+                "help of {}",
+                f.name
+            );
+            assert!(
+                !f.labels.contains(&"le") && !f.labels.contains(&"quantile"),
+                "{}",
+                f.name
+            );
         }
     }
 
@@ -170,10 +369,22 @@ mod tests {
         names.dedup();
         assert_eq!(before, names.len(), "duplicate metric name");
         for f in all().filter(|f| f.kind == Kind::Histogram) {
-            let buckets = HISTOGRAM_BUCKETS.iter().find(|(n, _)| *n == f.name).map(|(_, b)| *b);
-            let Some(buckets) = buckets else { panic!("{} has no buckets", f.name) };
-            assert!(buckets.windows(2).all(|w| w[0] < w[1]), "{} buckets must increase", f.name);
+            let buckets = HISTOGRAM_BUCKETS
+                .iter()
+                .find(|(n, _)| *n == f.name)
+                .map(|(_, b)| *b);
+            let Some(buckets) = buckets else {
+                panic!("{} has no buckets", f.name)
+            };
+            assert!(
+                buckets.windows(2).all(|w| w[0] < w[1]),
+                "{} buckets must increase",
+                f.name
+            );
         }
-        assert!(STATE.iter().all(|f| f.kind != Kind::Histogram), "state is gauges and counters");
+        assert!(
+            STATE.iter().all(|f| f.kind != Kind::Histogram),
+            "state is gauges and counters"
+        );
     }
 }

@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kvgate_runtime::block_pool::Occupancy;
 use kvgate_runtime::engine::{Engine, EngineStats};
 
+use super::MetricsConfig;
 use super::exposition::Writer;
 use super::names::{self, *};
-use super::MetricsConfig;
 use crate::admission::{Admission, TenantQueueSnapshot};
 
 /// Everything a scrape reports, read in one go.
@@ -39,14 +39,22 @@ impl Snapshot {
 
     /// Requests waiting anywhere: in the admission queues and in the engine.
     pub fn waiting_requests(&self) -> usize {
-        let queued: usize = self.queues.iter().flatten().map(|q| q.queued_requests).sum();
+        let queued: usize = self
+            .queues
+            .iter()
+            .flatten()
+            .map(|q| q.queued_requests)
+            .sum();
         queued + self.stats.waiting
     }
 }
 
 /// Adds a zero row for every configured tenant without queue state, so per-tenant gauges read 0
 /// instead of vanishing when a tenant goes idle.
-fn with_configured_tenants(mut rows: Vec<TenantQueueSnapshot>, admission: &Admission) -> Vec<TenantQueueSnapshot> {
+fn with_configured_tenants(
+    mut rows: Vec<TenantQueueSnapshot>,
+    admission: &Admission,
+) -> Vec<TenantQueueSnapshot> {
     let policy = admission.policy_store().current();
     for tenant in policy.tenants() {
         if !rows.iter().any(|r| r.tenant == tenant.name) {
@@ -70,7 +78,13 @@ pub(super) fn resident_memory_bytes() -> Option<u64> {
 
 fn parse_vm_rss(status: &str) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kib: u64 = line.trim_start_matches("VmRSS:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    let kib: u64 = line
+        .trim_start_matches("VmRSS:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
     kib.checked_mul(1024)
 }
 
@@ -85,8 +99,13 @@ impl StateTracker {
     /// Keeps the peak and, when the engine has stepped since the last call, records the batch
     /// size of its latest step (one observation per call at most).
     pub fn sample(&self, stats: &EngineStats) {
-        self.peak_bytes.fetch_max(stats.peak_memory_bytes.max(stats.memory.total_bytes()), Ordering::Relaxed);
-        let previous = self.last_step_sampled.fetch_max(stats.steps, Ordering::Relaxed);
+        self.peak_bytes.fetch_max(
+            stats.peak_memory_bytes.max(stats.memory.total_bytes()),
+            Ordering::Relaxed,
+        );
+        let previous = self
+            .last_step_sampled
+            .fetch_max(stats.steps, Ordering::Relaxed);
         if stats.steps > previous && stats.last_batch_seqs > 0 {
             metrics::histogram!(BATCH_SIZE).record(stats.last_batch_seqs as f64);
         }
@@ -125,31 +144,51 @@ impl StateTracker {
         ];
         family(MEMORY_ALLOCATED_BYTES, &allocated);
         family(MEMORY_RESERVED_BYTES, &[(&[], memory.total_bytes() as f64)]);
-        family(MEMORY_PEAK_ALLOCATED_BYTES, &[(&[], self.peak_bytes.load(Ordering::Relaxed) as f64)]);
-        family(MEMORY_BUDGET_BYTES, &[(&[], config.memory_budget_bytes.unwrap_or(0) as f64)]);
+        family(
+            MEMORY_PEAK_ALLOCATED_BYTES,
+            &[(&[], self.peak_bytes.load(Ordering::Relaxed) as f64)],
+        );
+        family(
+            MEMORY_BUDGET_BYTES,
+            &[(&[], config.memory_budget_bytes.unwrap_or(0) as f64)],
+        );
         if let Some(rss) = snap.resident_bytes {
             family(PROCESS_RESIDENT_MEMORY_BYTES, &[(&[], rss as f64)]);
         }
 
-        let sequences =
-            [(&[("state", "running")][..], stats.running as f64), (&[("state", "waiting")], stats.waiting as f64)];
+        let sequences = [
+            (&[("state", "running")][..], stats.running as f64),
+            (&[("state", "waiting")], stats.waiting as f64),
+        ];
         family(SEQUENCES, &sequences);
         family(PREEMPTIONS_TOTAL, &[(&[], stats.preemptions_total as f64)]);
-        family(CANCELLATIONS_TOTAL, &[(&[], stats.cancellations_total as f64)]);
+        family(
+            CANCELLATIONS_TOTAL,
+            &[(&[], stats.cancellations_total as f64)],
+        );
         family(ENGINE_STEPS_TOTAL, &[(&[], stats.steps as f64)]);
-        let info = [("version", config.version.as_str()), ("backend", config.backend.as_str()), ("model", config.model.as_str())];
+        let info = [
+            ("version", config.version.as_str()),
+            ("backend", config.backend.as_str()),
+            ("model", config.model.as_str()),
+        ];
         family(BUILD_INFO, &[(&info[..], 1.0)]);
 
         if let Some(queues) = &snap.queues {
-            let per_tenant = |value: fn(&TenantQueueSnapshot) -> f64| -> Vec<(Vec<(&str, &str)>, f64)> {
-                queues.iter().map(|q| (vec![("tenant", q.tenant.as_str())], value(q))).collect()
-            };
+            let per_tenant =
+                |value: fn(&TenantQueueSnapshot) -> f64| -> Vec<(Vec<(&str, &str)>, f64)> {
+                    queues
+                        .iter()
+                        .map(|q| (vec![("tenant", q.tenant.as_str())], value(q)))
+                        .collect()
+                };
             for (name, rows) in [
                 (REQUESTS_IN_FLIGHT, per_tenant(|q| q.in_flight as f64)),
                 (REQUESTS_QUEUED, per_tenant(|q| q.queued_requests as f64)),
                 (QUEUED_TOKENS, per_tenant(|q| q.queued_tokens as f64)),
             ] {
-                let samples: Vec<(&[(&str, &str)], f64)> = rows.iter().map(|(l, v)| (l.as_slice(), *v)).collect();
+                let samples: Vec<(&[(&str, &str)], f64)> =
+                    rows.iter().map(|(l, v)| (l.as_slice(), *v)).collect();
                 family(name, &samples);
             }
         }
@@ -173,7 +212,11 @@ mod tests {
                 kv_waste_slots: 7,
                 last_batch_seqs: 3,
                 peak_memory_bytes: 5000,
-                memory: MemoryUsage { weights_bytes: 1000, kv_bytes: 2000, workspace_bytes: 500 },
+                memory: MemoryUsage {
+                    weights_bytes: 1000,
+                    kv_bytes: 2000,
+                    workspace_bytes: 500,
+                },
                 ..EngineStats::default()
             },
             occupancy: Occupancy {
@@ -184,14 +227,23 @@ mod tests {
                 block_size: 16,
                 bytes_per_block: 1024,
             },
-            queues: Some(vec![TenantQueueSnapshot { tenant: "acme".into(), queued_requests: 5, queued_tokens: 900, in_flight: 2 }]),
+            queues: Some(vec![TenantQueueSnapshot {
+                tenant: "acme".into(),
+                queued_requests: 5,
+                queued_tokens: 900,
+                in_flight: 2,
+            }]),
             resident_bytes: Some(1 << 20),
         }
     }
 
     fn render(tracker: &StateTracker, snap: &Snapshot) -> Scrape {
         let mut out = Writer::default();
-        let config = MetricsConfig { memory_budget_bytes: Some(8000), model: "smol".into(), ..MetricsConfig::default() };
+        let config = MetricsConfig {
+            memory_budget_bytes: Some(8000),
+            model: "smol".into(),
+            ..MetricsConfig::default()
+        };
         tracker.write(&mut out, snap, &config);
         match Scrape::parse(&out.finish()) {
             Ok(s) => s,
@@ -203,38 +255,73 @@ mod tests {
     fn writes_every_state_family_from_the_snapshot() {
         let scrape = render(&StateTracker::default(), &snapshot());
         for f in names::STATE {
-            assert!(scrape.types.get(f.name).is_some_and(|k| k == f.kind.as_str()), "missing {}", f.name);
+            assert!(
+                scrape
+                    .types
+                    .get(f.name)
+                    .is_some_and(|k| k == f.kind.as_str()),
+                "missing {}",
+                f.name
+            );
         }
         assert_eq!(scrape.value(KV_BLOCKS, &[("state", "used")]), Some(40.0));
-        assert_eq!(scrape.value(KV_BLOCKS, &[("state", "reserved")]), Some(10.0));
+        assert_eq!(
+            scrape.value(KV_BLOCKS, &[("state", "reserved")]),
+            Some(10.0)
+        );
         assert_eq!(scrape.value(KV_USAGE_RATIO, &[]), Some(0.4));
         assert_eq!(scrape.value(KV_COMMITTED_RATIO, &[]), Some(0.5));
         assert_eq!(scrape.value(KV_CAPACITY_BYTES, &[]), Some(102_400.0));
-        assert_eq!(scrape.value(MEMORY_ALLOCATED_BYTES, &[("kind", "kv")]), Some(2000.0));
+        assert_eq!(
+            scrape.value(MEMORY_ALLOCATED_BYTES, &[("kind", "kv")]),
+            Some(2000.0)
+        );
         assert_eq!(scrape.value(MEMORY_RESERVED_BYTES, &[]), Some(3500.0));
         assert_eq!(scrape.value(MEMORY_BUDGET_BYTES, &[]), Some(8000.0));
-        assert_eq!(scrape.value(REQUESTS_QUEUED, &[("tenant", "acme")]), Some(5.0));
-        assert_eq!(scrape.value(REQUESTS_IN_FLIGHT, &[("tenant", "acme")]), Some(2.0));
+        assert_eq!(
+            scrape.value(REQUESTS_QUEUED, &[("tenant", "acme")]),
+            Some(5.0)
+        );
+        assert_eq!(
+            scrape.value(REQUESTS_IN_FLIGHT, &[("tenant", "acme")]),
+            Some(2.0)
+        );
         assert_eq!(scrape.value(PREEMPTIONS_TOTAL, &[]), Some(4.0));
         assert_eq!(scrape.value(BUILD_INFO, &[("model", "smol")]), Some(1.0));
-        assert_eq!(snapshot().waiting_requests(), 7, "admission queue + engine waiting");
+        assert_eq!(
+            snapshot().waiting_requests(),
+            7,
+            "admission queue + engine waiting"
+        );
     }
 
     #[test]
     fn peak_never_decreases_even_if_the_engine_reports_less() {
         let tracker = StateTracker::default();
         let mut snap = snapshot();
-        assert_eq!(render(&tracker, &snap).value(MEMORY_PEAK_ALLOCATED_BYTES, &[]), Some(5000.0));
+        assert_eq!(
+            render(&tracker, &snap).value(MEMORY_PEAK_ALLOCATED_BYTES, &[]),
+            Some(5000.0)
+        );
         snap.stats.peak_memory_bytes = 100; // e.g. another engine's stats, or a reset
         snap.stats.memory = MemoryUsage::default();
-        assert_eq!(render(&tracker, &snap).value(MEMORY_PEAK_ALLOCATED_BYTES, &[]), Some(5000.0));
+        assert_eq!(
+            render(&tracker, &snap).value(MEMORY_PEAK_ALLOCATED_BYTES, &[]),
+            Some(5000.0)
+        );
         snap.stats.memory.kv_bytes = 9000; // current total above the recorded peak
-        assert_eq!(render(&tracker, &snap).value(MEMORY_PEAK_ALLOCATED_BYTES, &[]), Some(9000.0));
+        assert_eq!(
+            render(&tracker, &snap).value(MEMORY_PEAK_ALLOCATED_BYTES, &[]),
+            Some(9000.0)
+        );
     }
 
     #[test]
     fn without_admission_there_are_no_tenant_gauges() {
-        let snap = Snapshot { queues: None, ..snapshot() };
+        let snap = Snapshot {
+            queues: None,
+            ..snapshot()
+        };
         let scrape = render(&StateTracker::default(), &snap);
         assert!(!scrape.types.contains_key(REQUESTS_QUEUED));
         assert_eq!(snap.waiting_requests(), 2);

@@ -10,9 +10,9 @@
 //! gateway's admission queues plus the engine's waiting list, because a router balancing on it
 //! wants the whole backlog. `kv_cache_usage_perc` is used blocks / total (0–1), like vLLM.
 
+use super::MetricsConfig;
 use super::exposition::Writer;
 use super::state::Snapshot;
-use super::MetricsConfig;
 
 pub(super) fn write(out: &mut Writer, snap: &Snapshot, config: &MetricsConfig) {
     let ids = [("engine", "0"), ("model_name", config.model.as_str())];
@@ -20,8 +20,16 @@ pub(super) fn write(out: &mut Writer, snap: &Snapshot, config: &MetricsConfig) {
         out.family(name, "gauge", help);
         out.sample(name, &ids, value);
     };
-    gauge("vllm:num_requests_running", "Number of requests in model execution batches.", snap.stats.running as f64);
-    gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", snap.waiting_requests() as f64);
+    gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        snap.stats.running as f64,
+    );
+    gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        snap.waiting_requests() as f64,
+    );
     gauge(
         "vllm:kv_cache_usage_perc",
         "KV-cache usage. 1 means 100 percent usage.",
@@ -29,9 +37,21 @@ pub(super) fn write(out: &mut Writer, snap: &Snapshot, config: &MetricsConfig) {
     );
 
     let counters = [
-        ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", snap.stats.preemptions_total),
-        ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", snap.stats.prompt_tokens_total),
-        ("vllm:generation_tokens_total", "Number of generation tokens processed.", snap.stats.generation_tokens_total),
+        (
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemption from the engine.",
+            snap.stats.preemptions_total,
+        ),
+        (
+            "vllm:prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            snap.stats.prompt_tokens_total,
+        ),
+        (
+            "vllm:generation_tokens_total",
+            "Number of generation tokens processed.",
+            snap.stats.generation_tokens_total,
+        ),
     ];
     for (name, help, value) in counters {
         out.family(name, "counter", help);
@@ -48,7 +68,11 @@ pub(super) fn write(out: &mut Writer, snap: &Snapshot, config: &MetricsConfig) {
         ("num_cpu_blocks", "None"),
         ("num_gpu_blocks", num_blocks.as_str()),
     ];
-    out.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
+    out.family(
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig",
+    );
     out.sample("vllm:cache_config_info", &info, 1.0);
 }
 
@@ -63,13 +87,35 @@ mod tests {
     #[test]
     fn exports_the_names_and_labels_an_epp_scrapes() {
         let snap = Snapshot {
-            stats: EngineStats { running: 2, waiting: 1, preemptions_total: 3, ..EngineStats::default() },
-            occupancy: Occupancy { total_blocks: 200, used_blocks: 50, block_size: 16, ..Occupancy::default() },
-            queues: Some(vec![TenantQueueSnapshot { tenant: "t".into(), queued_requests: 4, queued_tokens: 0, in_flight: 2 }]),
+            stats: EngineStats {
+                running: 2,
+                waiting: 1,
+                preemptions_total: 3,
+                ..EngineStats::default()
+            },
+            occupancy: Occupancy {
+                total_blocks: 200,
+                used_blocks: 50,
+                block_size: 16,
+                ..Occupancy::default()
+            },
+            queues: Some(vec![TenantQueueSnapshot {
+                tenant: "t".into(),
+                queued_requests: 4,
+                queued_tokens: 0,
+                in_flight: 2,
+            }]),
             resident_bytes: None,
         };
         let mut out = Writer::default();
-        write(&mut out, &snap, &MetricsConfig { model: "smol".into(), ..MetricsConfig::default() });
+        write(
+            &mut out,
+            &snap,
+            &MetricsConfig {
+                model: "smol".into(),
+                ..MetricsConfig::default()
+            },
+        );
         let text = out.finish();
         let scrape = match Scrape::parse(&text) {
             Ok(s) => s,
@@ -77,14 +123,25 @@ mod tests {
         };
         let ids = [("model_name", "smol"), ("engine", "0")];
         assert_eq!(scrape.value("vllm:num_requests_running", &ids), Some(2.0));
-        assert_eq!(scrape.value("vllm:num_requests_waiting", &ids), Some(5.0), "queue + engine");
+        assert_eq!(
+            scrape.value("vllm:num_requests_waiting", &ids),
+            Some(5.0),
+            "queue + engine"
+        );
         assert_eq!(scrape.value("vllm:kv_cache_usage_perc", &ids), Some(0.25));
         assert_eq!(scrape.value("vllm:num_preemptions_total", &ids), Some(3.0));
         assert_eq!(scrape.types["vllm:num_preemptions_total"], "counter");
         assert_eq!(
-            scrape.value("vllm:cache_config_info", &[("block_size", "16"), ("num_gpu_blocks", "200")]),
+            scrape.value(
+                "vllm:cache_config_info",
+                &[("block_size", "16"), ("num_gpu_blocks", "200")]
+            ),
             Some(1.0)
         );
-        assert!(text.lines().filter(|l| !l.starts_with('#')).all(|l| l.starts_with("vllm:")));
+        assert!(
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .all(|l| l.starts_with("vllm:"))
+        );
     }
 }

@@ -21,7 +21,9 @@ struct FakeGuard(Probe);
 
 impl BodyGuard for FakeGuard {
     fn record_completion(&mut self, completion_tokens: usize) {
-        self.0.completion.store(completion_tokens + 1, Ordering::SeqCst);
+        self.0
+            .completion
+            .store(completion_tokens + 1, Ordering::SeqCst);
     }
 }
 
@@ -36,22 +38,38 @@ fn handle(events: Vec<TokenEvent>) -> (GenerationHandle, mpsc::Sender<TokenEvent
     for event in events {
         tx.try_send(event).unwrap();
     }
-    (GenerationHandle { id: SeqId(1), events: rx }, tx)
+    (
+        GenerationHandle {
+            id: SeqId(1),
+            events: rx,
+        },
+        tx,
+    )
 }
 
 fn token(text: &str) -> TokenEvent {
-    TokenEvent::Token { id: 5, text: text.to_owned() }
+    TokenEvent::Token {
+        id: 5,
+        text: text.to_owned(),
+    }
 }
 
 fn finished(reason: EngineFinish, completion_tokens: usize) -> TokenEvent {
-    TokenEvent::Finished { reason, prompt_tokens: 7, completion_tokens }
+    TokenEvent::Finished {
+        reason,
+        prompt_tokens: 7,
+        completion_tokens,
+    }
 }
 
 /// The `data:` payloads of an SSE body, in order (keep-alive comments skipped).
 async fn sse_data(response: Response) -> Vec<String> {
     let bytes = response.into_body().collect().await.unwrap().to_bytes();
     let text = String::from_utf8(bytes.to_vec()).unwrap();
-    text.lines().filter_map(|line| line.strip_prefix("data: ")).map(str::to_owned).collect()
+    text.lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .map(str::to_owned)
+        .collect()
 }
 
 fn json(data: &str) -> Value {
@@ -61,11 +79,16 @@ fn json(data: &str) -> Value {
 #[tokio::test]
 async fn chat_stream_has_role_deltas_finish_usage_and_done() {
     let probe = Probe::default();
-    let events = vec![token("Hel"), token(""), token("lo"), finished(EngineFinish::Stop, 3)];
+    let events = vec![
+        token("Hel"),
+        token(""),
+        token("lo"),
+        finished(EngineFinish::Stop, 3),
+    ];
     let (handle, tx) = handle(events);
     drop(tx);
     let meta = ResponseMeta::new(Endpoint::Chat, "m", true);
-    let data = sse_data(sse_body(meta, handle, FakeGuard(probe.clone()))).await;
+    let data = sse_data(sse_body(meta, handle, FakeGuard(probe.clone()), None)).await;
 
     assert_eq!(data.len(), 6, "{data:?}"); // role, "Hel", "lo", finish, usage, [DONE]
     let first = json(&data[0]);
@@ -81,7 +104,10 @@ async fn chat_stream_has_role_deltas_finish_usage_and_done() {
     assert_eq!(finish["choices"][0]["delta"], serde_json::json!({}));
     let usage = json(&data[4]);
     assert_eq!(usage["choices"], serde_json::json!([]));
-    assert_eq!(usage["usage"], serde_json::json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}));
+    assert_eq!(
+        usage["usage"],
+        serde_json::json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10})
+    );
     assert_eq!(data[5], "[DONE]");
     assert_eq!(probe.completion.load(Ordering::SeqCst), 4);
     assert!(probe.dropped.load(Ordering::SeqCst));
@@ -92,7 +118,7 @@ async fn completion_stream_without_usage_omits_the_field() {
     let (handle, tx) = handle(vec![token("a"), finished(EngineFinish::Length, 1)]);
     drop(tx);
     let meta = ResponseMeta::new(Endpoint::Completion, "m", false);
-    let data = sse_data(sse_body(meta, handle, FakeGuard(Probe::default()))).await;
+    let data = sse_data(sse_body(meta, handle, FakeGuard(Probe::default()), None)).await;
     assert_eq!(data.len(), 3, "{data:?}"); // "a", finish, [DONE]: no role chunk for completions
     let first = json(&data[0]);
     assert!(first["id"].as_str().unwrap().starts_with("cmpl-"));
@@ -106,15 +132,27 @@ async fn completion_stream_without_usage_omits_the_field() {
 #[tokio::test]
 async fn an_error_after_the_start_is_an_openai_error_event_without_done() {
     let probe = Probe::default();
-    let (handle, tx) = handle(vec![token("a"), TokenEvent::Error("backend failure".into())]);
+    let (handle, tx) = handle(vec![
+        token("a"),
+        TokenEvent::Error("backend failure".into()),
+    ]);
     drop(tx);
     let meta = ResponseMeta::new(Endpoint::Chat, "m", false);
-    let data = sse_data(sse_body(meta, handle, FakeGuard(probe.clone()))).await;
+    let data = sse_data(sse_body(meta, handle, FakeGuard(probe.clone()), None)).await;
     let last = json(data.last().unwrap());
     assert_eq!(last["error"]["type"], "server_error");
-    assert!(last["error"]["message"].as_str().unwrap().contains("backend failure"));
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("backend failure")
+    );
     assert!(!data.contains(&"[DONE]".to_owned()));
-    assert_eq!(probe.completion.load(Ordering::SeqCst), 0, "no completion recorded on failure");
+    assert_eq!(
+        probe.completion.load(Ordering::SeqCst),
+        0,
+        "no completion recorded on failure"
+    );
     assert!(probe.dropped.load(Ordering::SeqCst));
 }
 
@@ -123,8 +161,11 @@ async fn a_stream_cut_short_by_the_engine_ends_with_an_error_event() {
     let (handle, tx) = handle(vec![token("a")]);
     drop(tx); // no Finished ever comes
     let meta = ResponseMeta::new(Endpoint::Chat, "m", false);
-    let data = sse_data(sse_body(meta, handle, FakeGuard(Probe::default()))).await;
-    assert_eq!(json(data.last().unwrap())["error"]["code"], "generation_failed");
+    let data = sse_data(sse_body(meta, handle, FakeGuard(Probe::default()), None)).await;
+    assert_eq!(
+        json(data.last().unwrap())["error"]["code"],
+        "generation_failed"
+    );
 }
 
 #[tokio::test]
@@ -132,32 +173,47 @@ async fn dropping_the_body_cancels_the_sequence_and_frees_the_guard() {
     let probe = Probe::default();
     let (handle, tx) = handle(vec![token("a")]);
     let meta = ResponseMeta::new(Endpoint::Chat, "m", false);
-    let mut body = sse_body(meta, handle, FakeGuard(probe.clone())).into_body();
+    let mut body = sse_body(meta, handle, FakeGuard(probe.clone()), None).into_body();
     // Read the role chunk and the first delta, then the client goes away.
     let _ = body.frame().await.unwrap().unwrap();
     let _ = body.frame().await.unwrap().unwrap();
     assert!(!tx.is_closed());
     drop(body);
-    assert!(tx.is_closed(), "the engine sees the receiver closed: the sequence is cancelled");
+    assert!(
+        tx.is_closed(),
+        "the engine sees the receiver closed: the sequence is cancelled"
+    );
     assert!(probe.dropped.load(Ordering::SeqCst));
 }
 
 #[tokio::test]
 async fn collect_joins_text_and_reports_usage() {
     let probe = Probe::default();
-    let (handle, _tx) = handle(vec![token("Hi"), token(" there"), finished(EngineFinish::Stop, 2)]);
+    let (handle, _tx) = handle(vec![
+        token("Hi"),
+        token(" there"),
+        finished(EngineFinish::Stop, 2),
+    ]);
     let mut guard = FakeGuard(probe.clone());
-    let collected = collect(handle, &mut guard).await.unwrap();
+    let collected = collect(handle, &mut guard, None).await.unwrap();
     assert_eq!(collected.text, "Hi there");
     assert_eq!(collected.finish_reason, FinishReason::Stop);
     assert_eq!(collected.usage.total_tokens, 9);
     assert_eq!(probe.completion.load(Ordering::SeqCst), 3);
 
     let meta = ResponseMeta::new(Endpoint::Chat, "m", false);
-    let bytes = full_response(&meta, collected).into_body().collect().await.unwrap().to_bytes();
+    let bytes = full_response(&meta, collected)
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes();
     let body: Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(body["object"], "chat.completion");
-    assert_eq!(body["choices"][0]["message"], serde_json::json!({"role": "assistant", "content": "Hi there"}));
+    assert_eq!(
+        body["choices"][0]["message"],
+        serde_json::json!({"role": "assistant", "content": "Hi there"})
+    );
     assert_eq!(body["choices"][0]["logprobs"], Value::Null);
     assert_eq!(body["usage"]["completion_tokens"], 2);
 }
@@ -165,6 +221,8 @@ async fn collect_joins_text_and_reports_usage() {
 #[tokio::test]
 async fn collect_turns_engine_errors_into_generation_failures() {
     let (handle, _tx) = handle(vec![TokenEvent::Error("boom".into())]);
-    let err = collect(handle, &mut FakeGuard(Probe::default())).await.unwrap_err();
+    let err = collect(handle, &mut FakeGuard(Probe::default()), None)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Some("generation_failed"));
 }

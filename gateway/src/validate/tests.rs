@@ -50,7 +50,10 @@ fn defaults_fill_in_and_prompt_is_the_rendered_template() {
     assert_eq!(v.prompt_ids.len(), "[user]hi[assistant]".len());
     // Default budget: the tenant's output cap, since 120 - 19 leaves more room than that.
     assert_eq!(v.max_tokens, 50);
-    assert_eq!((v.temperature, v.top_p, v.stream, v.include_usage), (1.0, 1.0, false, false));
+    assert_eq!(
+        (v.temperature, v.top_p, v.stream, v.include_usage),
+        (1.0, 1.0, false, false)
+    );
 }
 
 #[test]
@@ -73,7 +76,10 @@ fn bounds_on_sampling_and_budget_name_their_param() {
     let cases = [
         (json!({"max_tokens": 0}), "max_tokens"),
         (json!({"max_tokens": -5}), "max_tokens"),
-        (json!({"max_completion_tokens": 51}), "max_completion_tokens"),
+        (
+            json!({"max_completion_tokens": 51}),
+            "max_completion_tokens",
+        ),
         (json!({"max_tokens": 9_000_000_000i64}), "max_tokens"),
         (json!({"temperature": 2.5}), "temperature"),
         (json!({"temperature": -0.1}), "temperature"),
@@ -114,8 +120,9 @@ fn message_count_and_content_parts() {
     let v = chat(json!({"model": "m", "messages": [{"role": "user", "content": parts}]}));
     assert_eq!(v.unwrap().prompt_ids.len(), "[user]ab[assistant]".len());
     let image = json!([{"type": "text", "text": "a"}, {"type": "image_url"}]);
-    let err = chat(json!({"model": "m", "messages": [user("x"), {"role": "user", "content": image}]}))
-        .unwrap_err();
+    let err =
+        chat(json!({"model": "m", "messages": [user("x"), {"role": "user", "content": image}]}))
+            .unwrap_err();
     assert_eq!(err.param().as_deref(), Some("messages[1].content[1].type"));
 }
 
@@ -135,9 +142,17 @@ fn prompt_plus_budget_over_total_is_context_length() {
     let err = chat(body).unwrap_err();
     assert!(matches!(
         err,
-        ValidationError::ContextLengthExceeded { prompt_tokens: 87, max_tokens: 40, limit: 120, .. }
+        ValidationError::ContextLengthExceeded {
+            prompt_tokens: 87,
+            max_tokens: 40,
+            limit: 120,
+            ..
+        }
     ));
-    assert!(err.to_string().contains("127 tokens (87 in the messages, 40 in the completion)"));
+    assert!(
+        err.to_string()
+            .contains("127 tokens (87 in the messages, 40 in the completion)")
+    );
 }
 
 #[test]
@@ -147,11 +162,21 @@ fn model_context_caps_a_generous_tenant() {
     l.max_input_tokens = 10_000;
     l.max_output_tokens = 10_000;
     l.model_context = 30;
-    let err = chat_with(json!({"model": "m", "messages": [user("0123456789abc")]}), &l)
-        .unwrap_err();
-    assert!(err.to_string().contains("model's maximum context length is 30"), "{err}");
-    let err = chat_with(json!({"model": "m", "messages": [user("a")], "max_tokens": 31}), &l)
-        .unwrap_err();
+    let err = chat_with(
+        json!({"model": "m", "messages": [user("0123456789abc")]}),
+        &l,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("model's maximum context length is 30"),
+        "{err}"
+    );
+    let err = chat_with(
+        json!({"model": "m", "messages": [user("a")], "max_tokens": 31}),
+        &l,
+    )
+    .unwrap_err();
     assert_eq!(err.param().as_deref(), Some("max_tokens"));
 }
 
@@ -166,8 +191,11 @@ fn truncate_oldest_keeps_system_and_newest_turns() {
         user(&filler), {"role": "assistant", "content": "ok"},
         user("newest"),
     ]);
-    let v = chat_with(json!({"model": "m", "messages": messages, "max_tokens": 10}), &l)
-        .unwrap();
+    let v = chat_with(
+        json!({"model": "m", "messages": messages, "max_tokens": 10}),
+        &l,
+    )
+    .unwrap();
     // Dropping only the first user/assistant pair fits: 2 messages gone.
     assert_eq!(v.dropped_messages, 2);
     let expected = format!("[system]S[user]{filler}[assistant]ok[user]newest[assistant]");
@@ -197,10 +225,15 @@ fn completion_rules() {
         let req: CompletionRequest = serde_json::from_value(body).unwrap();
         validate_completion(&req, "m", &limits(), &ByteCodec)
     };
-    let v = parse(json!({"model": "m", "prompt": "abc", "max_tokens": 5, "stream": true,
-                         "stream_options": {"include_usage": true}}))
+    let v = parse(
+        json!({"model": "m", "prompt": "abc", "max_tokens": 5, "stream": true,
+                         "stream_options": {"include_usage": true}}),
+    )
     .unwrap();
-    assert_eq!((v.prompt_ids.len(), v.max_tokens, v.stream, v.include_usage), (3, 5, true, true));
+    assert_eq!(
+        (v.prompt_ids.len(), v.max_tokens, v.stream, v.include_usage),
+        (3, 5, true, true)
+    );
     assert_eq!(v.endpoint, Endpoint::Completion);
     let err = parse(json!({"model": "m", "prompt": ["a", "b"]})).unwrap_err();
     assert_eq!(err, ValidationError::PromptCount(2));

@@ -84,6 +84,8 @@ fn tokenize_turns(
     turns: &[TemplateTurn],
     codec: &dyn PromptCodec,
 ) -> Result<Vec<u32>, ValidationError> {
-    let text = codec.render_chat(turns).map_err(ValidationError::Template)?;
+    let text = codec
+        .render_chat(turns)
+        .map_err(ValidationError::Template)?;
     Ok(codec.encode(&text))
 }

@@ -4,7 +4,10 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
 }
 
 /// Random but realistic blocks: small positive scales, mins of both signs, random quants.
@@ -24,9 +27,11 @@ fn random_matrix(rng: &mut StdRng, ty: WeightType, rows: usize, cols: usize) -> 
         }
         _ => {
             for b in data.chunks_exact_mut(ty.block_bytes()) {
-                b[0..2].copy_from_slice(&f16::from_f32(rng.random_range(0.0005..0.05)).to_le_bytes());
+                b[0..2]
+                    .copy_from_slice(&f16::from_f32(rng.random_range(0.0005..0.05)).to_le_bytes());
                 if ty == WeightType::Q4_1 {
-                    b[2..4].copy_from_slice(&f16::from_f32(rng.random_range(-0.3..0.3)).to_le_bytes());
+                    b[2..4]
+                        .copy_from_slice(&f16::from_f32(rng.random_range(-0.3..0.3)).to_le_bytes());
                 }
             }
         }
@@ -36,16 +41,31 @@ fn random_matrix(rng: &mut StdRng, ty: WeightType, rows: usize, cols: usize) -> 
 
 fn random_acts(rng: &mut StdRng, n: usize) -> Vec<f32> {
     // Mix magnitudes so that scales differ between blocks; include an all-zero block.
-    let mut x: Vec<f32> = (0..n).map(|i| rng.random_range(-1.0..1.0) * if i % 97 < 40 { 8.0 } else { 0.5 }).collect();
+    let mut x: Vec<f32> = (0..n)
+        .map(|i| rng.random_range(-1.0..1.0) * if i % 97 < 40 { 8.0 } else { 0.5 })
+        .collect();
     if n >= QK {
         x[..QK].fill(0.0);
     }
     x
 }
 
-const TYPES: [WeightType; 5] = [WeightType::Q4_1, WeightType::Q4_0, WeightType::Q8_0, WeightType::F16, WeightType::F32];
+const TYPES: [WeightType; 5] = [
+    WeightType::Q4_1,
+    WeightType::Q4_0,
+    WeightType::Q8_0,
+    WeightType::F16,
+    WeightType::F32,
+];
 
-fn check_against_reference(ty: WeightType, rows: usize, cols: usize, m: usize, threads: usize, seed: u64) {
+fn check_against_reference(
+    ty: WeightType,
+    rows: usize,
+    cols: usize,
+    m: usize,
+    threads: usize,
+    seed: u64,
+) {
     let mut rng = StdRng::seed_from_u64(seed);
     let data = random_matrix(&mut rng, ty, rows, cols);
     let w = QMatrix::new(ty, &data, rows, cols).unwrap();
@@ -56,7 +76,11 @@ fn check_against_reference(ty: WeightType, rows: usize, cols: usize, m: usize, t
     let mut scratch = MatmulScratch::new();
     matmul(&w, &x, m, &mut got, &mut scratch, &pool(threads));
     for (i, (g, r)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g.to_bits(), r.to_bits(), "{ty:?} {rows}x{cols} m={m} t={threads} [{i}]: {g} vs {r}");
+        assert_eq!(
+            g.to_bits(),
+            r.to_bits(),
+            "{ty:?} {rows}x{cols} m={m} t={threads} [{i}]: {g} vs {r}"
+        );
     }
 }
 
@@ -94,11 +118,25 @@ fn reference_approximates_float_product() {
             dequantize_row(ty, w.row(r), &mut wf).unwrap();
             for a in 0..m {
                 let xa = &x[a * cols..(a + 1) * cols];
-                let exact: f64 = wf.iter().zip(xa).map(|(&p, &q)| f64::from(p) * f64::from(q)).sum();
+                let exact: f64 = wf
+                    .iter()
+                    .zip(xa)
+                    .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                    .sum();
                 // Activation rounding: ≤ half a step of 127 levels per block (Σ|w|·amax/254).
-                let bound: f64 = wf.iter().zip(xa).map(|(&p, _)| f64::from(p.abs())).sum::<f64>() * 8.0 / 254.0 + 1e-3;
+                let bound: f64 = wf
+                    .iter()
+                    .zip(xa)
+                    .map(|(&p, _)| f64::from(p.abs()))
+                    .sum::<f64>()
+                    * 8.0
+                    / 254.0
+                    + 1e-3;
                 let got = f64::from(out[a * rows + r]);
-                assert!((got - exact).abs() <= bound, "{ty:?} r{r} a{a}: {got} vs {exact}");
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "{ty:?} r{r} a{a}: {got} vs {exact}"
+                );
             }
         }
     }
@@ -108,9 +146,18 @@ fn reference_approximates_float_product() {
 fn qmatrix_new_validates_shapes() {
     let data = vec![0u8; 2 * 20];
     assert!(QMatrix::new(WeightType::Q4_1, &data, 2, 32).is_ok());
-    assert!(matches!(QMatrix::new(WeightType::Q4_1, &data, 3, 32), Err(KernelError::DataSize { .. })));
-    assert!(matches!(QMatrix::new(WeightType::Q4_1, &data, 1, 48), Err(KernelError::ColsNotBlockMultiple { .. })));
-    assert!(matches!(QMatrix::new(WeightType::Q8_0, &data, usize::MAX, 32), Err(KernelError::Overflow { .. })));
+    assert!(matches!(
+        QMatrix::new(WeightType::Q4_1, &data, 3, 32),
+        Err(KernelError::DataSize { .. })
+    ));
+    assert!(matches!(
+        QMatrix::new(WeightType::Q4_1, &data, 1, 48),
+        Err(KernelError::ColsNotBlockMultiple { .. })
+    ));
+    assert!(matches!(
+        QMatrix::new(WeightType::Q8_0, &data, usize::MAX, 32),
+        Err(KernelError::Overflow { .. })
+    ));
 }
 
 #[test]
@@ -118,7 +165,11 @@ fn scratch_is_reused_across_shapes() {
     let mut rng = StdRng::seed_from_u64(2);
     let p = pool(2);
     let mut scratch = MatmulScratch::new();
-    for (ty, rows, cols, m) in [(WeightType::Q4_1, 8, 64, 4), (WeightType::Q8_0, 3, 128, 1), (WeightType::Q4_1, 8, 64, 2)] {
+    for (ty, rows, cols, m) in [
+        (WeightType::Q4_1, 8, 64, 4),
+        (WeightType::Q8_0, 3, 128, 1),
+        (WeightType::Q4_1, 8, 64, 2),
+    ] {
         let data = random_matrix(&mut rng, ty, rows, cols);
         let w = QMatrix::new(ty, &data, rows, cols).unwrap();
         let x = random_acts(&mut rng, m * cols);

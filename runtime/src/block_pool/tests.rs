@@ -160,6 +160,7 @@ enum Op {
     Submit(usize),
     SubmitUnreserved,
     Grow { seq: usize, blocks: usize },
+    GrowOne(usize),
     Fork(usize),
     Preempt(usize),
     Finish(usize),
@@ -172,6 +173,7 @@ fn op() -> impl Strategy<Value = Op> {
         (0..8usize).prop_map(Op::Submit),
         Just(Op::SubmitUnreserved),
         (0..8usize, 0..6usize).prop_map(|(seq, blocks)| Op::Grow { seq, blocks }),
+        (0..8usize).prop_map(Op::GrowOne),
         (0..8usize).prop_map(Op::Fork),
         (0..8usize).prop_map(Op::Preempt),
         (0..8usize).prop_map(Op::Finish),
@@ -252,6 +254,19 @@ proptest! {
                     let ok = pool.allocate_n(blocks, &mut s.credit, &mut s.table);
                     prop_assert_eq!(ok, blocks <= free + s.credit.blocks() + (s.table.len() - before));
                     prop_assert_eq!(s.table.len(), if ok { before + blocks } else { before });
+                }
+                Op::GrowOne(i) if i < seqs.len() => {
+                    let s = &mut seqs[i];
+                    let could = s.credit.blocks() + pool.snapshot().free_blocks > 0;
+                    let credit_before = s.credit.blocks();
+                    match pool.allocate(&mut s.credit) {
+                        Some(id) => {
+                            prop_assert!(could);
+                            prop_assert_eq!(s.credit.blocks(), credit_before.saturating_sub(1));
+                            s.table.push(id);
+                        }
+                        None => prop_assert!(!could),
+                    }
                 }
                 Op::Fork(i) if i < seqs.len() => {
                     let table = seqs[i].table.clone();

@@ -32,7 +32,11 @@ fn compute(args: &PlanArgs) -> PlanReport {
 fn the_documented_13b_example_needs_3_125_gib_per_request() {
     let report = compute(&thirteen_b_example());
     assert_eq!(report.kv_bytes_per_token, 800 * 1024, "40·2·5120·2 B");
-    assert_eq!(report.kv_bytes_per_request, 3 * (1 << 30) + (1 << 27), "3.125 GiB");
+    assert_eq!(
+        report.kv_bytes_per_request,
+        3 * (1 << 30) + (1 << 27),
+        "3.125 GiB"
+    );
     assert_eq!(report.blocks_per_request, 256);
     // 40 GiB / (800 KiB · 16) = 3276.8 → 3276 whole blocks.
     assert_eq!(report.num_blocks, 3276);
@@ -44,16 +48,30 @@ fn the_documented_13b_example_needs_3_125_gib_per_request() {
     assert!(report.warnings.is_empty(), "{:?}", report.warnings);
 
     let text = report.to_string();
-    assert!(text.contains("shape            40 layers, KV width 5120"), "{text}");
-    assert!(text.contains("KV per request   3.12GiB (4096 tokens = 256 blocks)"), "{text}");
+    assert!(
+        text.contains("shape            40 layers, KV width 5120"),
+        "{text}"
+    );
+    assert!(
+        text.contains("KV per request   3.12GiB (4096 tokens = 256 blocks)"),
+        "{text}"
+    );
     assert!(text.contains("KV per token     800KiB"), "{text}");
     assert!(text.contains("max concurrency  12"), "{text}");
 }
 
 #[test]
 fn hidden_and_explicit_heads_give_the_same_bytes_without_gqa() {
-    let by_heads = PlanArgs { hidden: None, kv_heads: Some(40), head_dim: Some(128), ..thirteen_b_example() };
-    assert_eq!(compute(&by_heads).kv_bytes_per_token, compute(&thirteen_b_example()).kv_bytes_per_token);
+    let by_heads = PlanArgs {
+        hidden: None,
+        kv_heads: Some(40),
+        head_dim: Some(128),
+        ..thirteen_b_example()
+    };
+    assert_eq!(
+        compute(&by_heads).kv_bytes_per_token,
+        compute(&thirteen_b_example()).kv_bytes_per_token
+    );
 }
 
 #[test]
@@ -72,7 +90,11 @@ fn json_output_carries_every_number() {
 #[test]
 fn gguf_plan_matches_the_pool_the_runtime_builds_for_the_same_kv_budget() {
     let path = smollm2_path();
-    let args = PlanArgs { model: Some(path.clone()), memory: "64MiB".into(), ..PlanArgs::default() };
+    let args = PlanArgs {
+        model: Some(path.clone()),
+        memory: "64MiB".into(),
+        ..PlanArgs::default()
+    };
     let report = compute(&args);
 
     let gguf = match GgufFile::open(&path) {
@@ -84,14 +106,25 @@ fn gguf_plan_matches_the_pool_the_runtime_builds_for_the_same_kv_budget() {
         Err(e) => panic!("{e}"),
     };
     // SmolLM2-135M: 30 layers × 3 KV heads × 64, f16 → 23 040 B per token.
-    assert_eq!((report.layers, report.kv_heads, report.head_dim), (30, 3, 64));
-    assert_eq!(report.kv_bytes_per_token, config.kv_shape().bytes_per_token());
+    assert_eq!(
+        (report.layers, report.kv_heads, report.head_dim),
+        (30, 3, 64)
+    );
+    assert_eq!(
+        report.kv_bytes_per_token,
+        config.kv_shape().bytes_per_token()
+    );
     assert_eq!(report.kv_bytes_per_token, 23_040);
-    let runtime_blocks = config.kv_shape().blocks_for_budget(64 << 20, DEFAULT_BLOCK_SIZE);
+    let runtime_blocks = config
+        .kv_shape()
+        .blocks_for_budget(64 << 20, DEFAULT_BLOCK_SIZE);
     assert_eq!(report.num_blocks, runtime_blocks);
     assert_eq!(report.num_blocks, (64 << 20) / (23_040 * 16));
     assert_eq!(report.weights_bytes, Some(gguf.tensor_bytes()));
-    assert_eq!(report.max_context, config.context_length, "defaults to the model's context");
+    assert_eq!(
+        report.max_context, config.context_length,
+        "defaults to the model's context"
+    );
 }
 
 #[test]
@@ -103,37 +136,70 @@ fn weights_are_reported_beside_the_pool_not_taken_from_it() {
         ..PlanArgs::default()
     });
     let weights = report.weights_bytes.unwrap_or(0);
-    assert!(weights > 50 << 20, "SmolLM2 Q4_1 weighs about 90 MiB, got {weights}");
-    assert_eq!(report.kv_budget_bytes, 1 << 30, "--memory is the KV pool, like --kv-memory");
+    assert!(
+        weights > 50 << 20,
+        "SmolLM2 Q4_1 weighs about 90 MiB, got {weights}"
+    );
+    assert_eq!(
+        report.kv_budget_bytes,
+        1 << 30,
+        "--memory is the KV pool, like --kv-memory"
+    );
     assert_eq!(report.total_bytes, Some(weights + (1 << 30)));
     assert!(report.to_string().contains("weights + KV"));
 }
 
 #[test]
 fn a_request_larger_than_the_pool_is_a_warning_with_zero_concurrency() {
-    let report = compute(&PlanArgs { memory: "1GiB".into(), ..thirteen_b_example() });
+    let report = compute(&PlanArgs {
+        memory: "1GiB".into(),
+        ..thirteen_b_example()
+    });
     assert_eq!(report.max_concurrency, 0);
     assert_eq!(report.max_concurrency_with_margin, 0);
     assert_eq!(report.warnings.len(), 1);
-    assert!(report.to_string().contains("warning: one 4096-token request needs 256 blocks"));
+    assert!(
+        report
+            .to_string()
+            .contains("warning: one 4096-token request needs 256 blocks")
+    );
 }
 
 #[test]
 fn margin_changes_concurrency_but_never_the_pool() {
-    let none = compute(&PlanArgs { margin: 0.0, ..thirteen_b_example() });
-    let half = compute(&PlanArgs { margin: 0.5, ..thirteen_b_example() });
+    let none = compute(&PlanArgs {
+        margin: 0.0,
+        ..thirteen_b_example()
+    });
+    let half = compute(&PlanArgs {
+        margin: 0.5,
+        ..thirteen_b_example()
+    });
     assert_eq!(none.num_blocks, half.num_blocks);
     assert_eq!(none.max_concurrency_with_margin, none.max_concurrency);
-    assert_eq!(half.max_concurrency_with_margin, 6, "1638 usable blocks / 256");
+    assert_eq!(
+        half.max_concurrency_with_margin, 6,
+        "1638 usable blocks / 256"
+    );
 }
 
 #[test]
 fn q8_counts_scales_and_block_size_changes_rounding() {
-    let q8 = compute(&PlanArgs { dtype: Some("q8".into()), ..thirteen_b_example() });
+    let q8 = compute(&PlanArgs {
+        dtype: Some("q8".into()),
+        ..thirteen_b_example()
+    });
     // 5120 values = 160 Q8 blocks of 34 bytes, ×2 (K,V) ×40 layers.
     assert_eq!(q8.kv_bytes_per_token, 2 * 40 * 160 * 34);
-    let odd = compute(&PlanArgs { max_context: Some(4097), block_size: 32, ..thirteen_b_example() });
-    assert_eq!(odd.blocks_per_request, 129, "4097 tokens round up to a whole block");
+    let odd = compute(&PlanArgs {
+        max_context: Some(4097),
+        block_size: 32,
+        ..thirteen_b_example()
+    });
+    assert_eq!(
+        odd.blocks_per_request, 129,
+        "4097 tokens round up to a whole block"
+    );
     assert_eq!(odd.kv_bytes_per_request, 129 * 32 * 800 * 1024);
 }
 
@@ -147,27 +213,126 @@ fn error(args: PlanArgs) -> String {
 #[test]
 fn bad_inputs_give_clear_errors() {
     let base = thirteen_b_example;
-    let from_model = || PlanArgs { model: Some(smollm2_path()), layers: None, hidden: None, ..base() };
+    let from_model = || PlanArgs {
+        model: Some(smollm2_path()),
+        layers: None,
+        hidden: None,
+        ..base()
+    };
     let cases = [
         (PlanArgs::default(), "no model shape"),
-        (PlanArgs { layers: None, ..base() }, "--layers is required"),
-        (PlanArgs { hidden: None, ..base() }, "needs its width"),
-        (PlanArgs { kv_heads: Some(8), ..base() }, "not both"),
-        (PlanArgs { hidden: None, kv_heads: Some(8), ..base() }, "given together"),
-        (PlanArgs { layers: Some(0), ..base() }, "--layers must be at least 1"),
-        (PlanArgs { block_size: 0, ..base() }, "--block-size must be at least 1"),
-        (PlanArgs { max_context: None, ..base() }, "--max-context is required"),
-        (PlanArgs { max_context: Some(0), ..base() }, "--max-context must be at least 1"),
-        (PlanArgs { dtype: Some("int4".into()), ..base() }, "--dtype: unknown KV dtype"),
-        (PlanArgs { memory: "40 parsecs".into(), ..base() }, "--memory: unknown size unit"),
-        (PlanArgs { memory: String::new(), ..base() }, "--memory: empty size"),
-        (PlanArgs { margin: 1.0, ..base() }, "--margin must be in [0, 1)"),
-        (PlanArgs { margin: f64::NAN, ..base() }, "--margin must be in [0, 1)"),
-        (PlanArgs { model: Some("/nonexistent/model.gguf".into()), ..from_model() }, "/nonexistent/model.gguf"),
-        (PlanArgs { layers: Some(30), ..from_model() }, "cannot be combined"),
+        (
+            PlanArgs {
+                layers: None,
+                ..base()
+            },
+            "--layers is required",
+        ),
+        (
+            PlanArgs {
+                hidden: None,
+                ..base()
+            },
+            "needs its width",
+        ),
+        (
+            PlanArgs {
+                kv_heads: Some(8),
+                ..base()
+            },
+            "not both",
+        ),
+        (
+            PlanArgs {
+                hidden: None,
+                kv_heads: Some(8),
+                ..base()
+            },
+            "given together",
+        ),
+        (
+            PlanArgs {
+                layers: Some(0),
+                ..base()
+            },
+            "--layers must be at least 1",
+        ),
+        (
+            PlanArgs {
+                block_size: 0,
+                ..base()
+            },
+            "--block-size must be at least 1",
+        ),
+        (
+            PlanArgs {
+                max_context: None,
+                ..base()
+            },
+            "--max-context is required",
+        ),
+        (
+            PlanArgs {
+                max_context: Some(0),
+                ..base()
+            },
+            "--max-context must be at least 1",
+        ),
+        (
+            PlanArgs {
+                dtype: Some("int4".into()),
+                ..base()
+            },
+            "--dtype: unknown KV dtype",
+        ),
+        (
+            PlanArgs {
+                memory: "40 parsecs".into(),
+                ..base()
+            },
+            "--memory: unknown size unit",
+        ),
+        (
+            PlanArgs {
+                memory: String::new(),
+                ..base()
+            },
+            "--memory: empty size",
+        ),
+        (
+            PlanArgs {
+                margin: 1.0,
+                ..base()
+            },
+            "--margin must be in [0, 1)",
+        ),
+        (
+            PlanArgs {
+                margin: f64::NAN,
+                ..base()
+            },
+            "--margin must be in [0, 1)",
+        ),
+        (
+            PlanArgs {
+                model: Some("/nonexistent/model.gguf".into()),
+                ..from_model()
+            },
+            "/nonexistent/model.gguf",
+        ),
+        (
+            PlanArgs {
+                layers: Some(30),
+                ..from_model()
+            },
+            "cannot be combined",
+        ),
     ];
     for (args, expected) in cases {
         let message = error(args);
-        assert!(message.contains(expected), "{message:?} should mention {expected:?}");
+        assert!(
+            message.contains(expected),
+            "{message:?} should mention {expected:?}"
+        );
     }
 }

@@ -71,12 +71,19 @@ impl MergeBpe {
         };
         heap.extend((0..n).filter_map(|i| candidate(&symbols, i)));
         while let Some(Reverse((_, left, left_id, right_id))) = heap.pop() {
-            let Some(right) = symbols[left].next else { continue };
+            let Some(right) = symbols[left].next else {
+                continue;
+            };
             // Skip pairs made stale by an earlier merge on either side.
-            if symbols[left].merged_away || symbols[left].id != left_id || symbols[right].id != right_id {
+            if symbols[left].merged_away
+                || symbols[left].id != left_id
+                || symbols[right].id != right_id
+            {
                 continue;
             }
-            let Some(&(_, merged)) = self.pairs.get(&(left_id, right_id)) else { continue };
+            let Some(&(_, merged)) = self.pairs.get(&(left_id, right_id)) else {
+                continue;
+            };
             symbols[left].id = merged;
             symbols[left].next = symbols[right].next;
             symbols[right].merged_away = true;
@@ -103,7 +110,10 @@ mod tests {
         for (i, b) in (b'a'..=b'e').enumerate() {
             byte_token[b as usize] = Some(i as u32);
         }
-        MergeBpe::new(byte_token, &[(1, 2, 10), (0, 1, 11), (0, 10, 12), (10, 3, 13)])
+        MergeBpe::new(
+            byte_token,
+            &[(1, 2, 10), (0, 1, 11), (0, 10, 12), (10, 3, 13)],
+        )
     }
 
     fn encode(word: &[u8]) -> Vec<u32> {

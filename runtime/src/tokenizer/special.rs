@@ -120,10 +120,7 @@ mod tests {
     fn longest_special_wins() {
         use Fragment::*;
         let s = specials();
-        assert_eq!(
-            partition("<s>x<s>", &s, true),
-            [Token(2), Token(1)]
-        );
+        assert_eq!(partition("<s>x<s>", &s, true), [Token(2), Token(1)]);
         assert_eq!(partition("", &s, true), []);
     }
 }

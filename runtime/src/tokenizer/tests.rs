@@ -29,7 +29,12 @@ fn tiny_vocab(merges: &[(&str, &str)], missing_bytes: &[u8]) -> Vocab {
     let mut vocab = Vocab {
         texts,
         kinds,
-        merges: Some(merges.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()),
+        merges: Some(
+            merges
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+        ),
         pre: "smollm".into(),
         bos: Some(1),
         eos: Some(2),
@@ -52,7 +57,9 @@ fn id(t: &Tokenizer, text: &str) -> u32 {
 }
 
 fn texts(t: &Tokenizer, ids: &[u32]) -> Vec<String> {
-    ids.iter().map(|&i| t.token_text(i).unwrap_or("?").to_string()).collect()
+    ids.iter()
+        .map(|&i| t.token_text(i).unwrap_or("?").to_string())
+        .collect()
 }
 
 #[test]
@@ -74,7 +81,10 @@ fn words_are_merged_separately_with_gpt2_spelling() {
     let t = tiny(&[("Ġ", "w"), ("Ġw", "o"), ("h", "i")]);
     assert_eq!(texts(&t, &t.encode("hi wo", false)), ["hi", "Ġwo"]);
     // The pre-tokenizer keeps "i" and " w" apart, so "i Ġ" can never merge across them.
-    assert_eq!(texts(&t, &t.encode("hi  wo\n", false)), ["hi", "Ġ", "Ġwo", "Ċ"]);
+    assert_eq!(
+        texts(&t, &t.encode("hi  wo\n", false)),
+        ["hi", "Ġ", "Ġwo", "Ċ"]
+    );
 }
 
 #[test]
@@ -116,7 +126,10 @@ fn a_missing_lead_byte_drops_out_and_its_continuation_bytes_still_merge() {
     let vocab = tiny_vocab(&[(c80.as_str(), c80.as_str())], &[0xF1]);
     let t = Tokenizer::from_vocab(vocab).expect("loads");
     let pair = format!("{c80}{c80}");
-    assert_eq!(texts(&t, &t.encode("a\u{40000}", false)), ["a", pair.as_str(), c80.as_str()]);
+    assert_eq!(
+        texts(&t, &t.encode("a\u{40000}", false)),
+        ["a", pair.as_str(), c80.as_str()]
+    );
 }
 
 #[test]
@@ -174,7 +187,10 @@ fn chat_template_falls_back_to_chatml() {
     let out = t
         .apply_chat_template(&[ChatMessage::new("user", "hi")], true)
         .expect("renders");
-    assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        out,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
 }
 
 #[test]

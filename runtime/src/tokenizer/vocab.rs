@@ -145,7 +145,9 @@ impl Vocab {
                 .get_str("tokenizer.ggml.pre")
                 .unwrap_or("default")
                 .to_string(),
-            add_bos: gguf.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+            add_bos: gguf
+                .get_bool("tokenizer.ggml.add_bos_token")
+                .unwrap_or(false),
             chat_template: gguf.get_str("tokenizer.chat_template").map(str::to_string),
             eog_ids: eos.into_iter().chain(explicit_eog).collect(),
             texts,
@@ -168,14 +170,22 @@ impl Vocab {
             .enumerate()
             .map(|(id, text)| (text.as_str(), id as u32))
             .collect();
-        let mut eog: Vec<u32> = EOG_TEXTS.iter().filter_map(|t| id_of.get(t).copied()).collect();
+        let mut eog: Vec<u32> = EOG_TEXTS
+            .iter()
+            .filter_map(|t| id_of.get(t).copied())
+            .collect();
         for ((_, candidates), explicit) in FIM_EOG.iter().zip(fim_ids) {
             match explicit {
                 Some(id) => {
                     self.eog_ids.insert(*id);
                 }
                 // llama.cpp takes whichever candidate its hash map yields first; take the lowest.
-                None => eog.extend(candidates.iter().filter_map(|t| id_of.get(t).copied()).min()),
+                None => eog.extend(
+                    candidates
+                        .iter()
+                        .filter_map(|t| id_of.get(t).copied())
+                        .min(),
+                ),
             }
         }
         for id in eog {

@@ -6,6 +6,7 @@
 //! Seam 1). Like llama.cpp, the last layer only computes queries, attention and the FFN for the
 //! rows that need logits; the other rows only contribute their K and V.
 
+use kvgate_kernels::attention::AttentionScratch;
 use kvgate_kernels::quant::dequantize_row;
 use kvgate_kernels::{
     KvLayout, ReductionOrder, RopeMode, matmul, paged_attention, rms_norm, rope, swiglu, write_kv,
@@ -203,7 +204,7 @@ fn attend(
     kv: &LayerKv,
     q: &[f32],
     att: &mut [f32],
-    scratch: &mut [Vec<f32>],
+    scratch: &mut [AttentionScratch],
     outputs_only: bool,
 ) {
     let cfg = &step.model.config;

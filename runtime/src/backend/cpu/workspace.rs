@@ -2,6 +2,7 @@
 //! (`max_batched_tokens` rows) and reused, so the hot path never allocates.
 
 use kvgate_kernels::MatmulScratch;
+use kvgate_kernels::attention::AttentionScratch;
 
 use crate::model::ModelConfig;
 
@@ -22,7 +23,7 @@ pub struct Workspace {
     pub up: Vec<f32>,
     pub act: Vec<f32>,
     /// Per-thread attention scratch (scores, f16 q, value accumulators).
-    pub attn_scratch: Vec<Vec<f32>>,
+    pub attn_scratch: Vec<AttentionScratch>,
     pub matmul: MatmulScratch,
     max_tokens: usize,
 }
@@ -43,7 +44,7 @@ impl Workspace {
             gate: rows(ff),
             up: rows(ff),
             act: rows(ff),
-            attn_scratch: (0..threads.max(1)).map(|_| Vec::new()).collect(),
+            attn_scratch: (0..threads.max(1)).map(|_| AttentionScratch::new()).collect(),
             matmul: MatmulScratch::new(),
             max_tokens,
         }
@@ -53,8 +54,8 @@ impl Workspace {
         self.max_tokens
     }
 
-    /// Bytes held by the activation buffers (the scratch vectors grow with the context and
-    /// batch and are counted at their current capacity).
+    /// Bytes held by the activation buffers (the kernels' scratch buffers, a few KB per
+    /// thread, are not counted).
     pub fn bytes(&self) -> u64 {
         let f32s = [
             &self.x, &self.xn, &self.q, &self.k, &self.v, &self.att, &self.proj, &self.gate,
@@ -62,8 +63,7 @@ impl Workspace {
         ]
         .iter()
         .map(|b| b.capacity())
-        .sum::<usize>()
-            + self.attn_scratch.iter().map(Vec::capacity).sum::<usize>();
+        .sum::<usize>();
         (f32s * std::mem::size_of::<f32>()) as u64
     }
 }

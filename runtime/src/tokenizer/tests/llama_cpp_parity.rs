@@ -95,5 +95,10 @@ fn tokenize_matches_llama_cpp_on_adversarial_texts() {
             })
         })
         .collect();
-    assert!(mismatches.is_empty(), "{} mismatches:\n{}", mismatches.len(), mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "{} mismatches:\n{}",
+        mismatches.len(),
+        mismatches.join("\n")
+    );
 }

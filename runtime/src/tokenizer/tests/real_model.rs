@@ -58,7 +58,11 @@ fn metadata_matches_the_file() {
     assert!((0..17).all(|id| t.is_special(id)) && !t.is_special(17));
     // llama.cpp: eos, the text-detected <|endoftext|>/<|im_end|>, and <reponame> as FIM repo.
     assert_eq!(t.eog_ids().collect::<Vec<_>>(), [0, 2, 4]);
-    assert_eq!(t.encode_with_bos("hi", false), t.encode("hi", false), "add_bos is false");
+    assert_eq!(
+        t.encode_with_bos("hi", false),
+        t.encode("hi", false),
+        "add_bos is false"
+    );
 }
 
 /// The claim the rank-based merge relies on: each merge `a b` creates token `ab`, and those
@@ -68,17 +72,27 @@ fn merge_order_is_token_id_order() {
     let Some(vocab) = smollm_vocab() else { return };
     let merges = vocab.merges.as_ref().expect("SmolLM2 has merges");
     assert_eq!(merges.len(), 48900);
-    let id_of: HashMap<&str, usize> =
-        vocab.texts.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let id_of: HashMap<&str, usize> = vocab
+        .texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
     let mut previous = None;
     for (a, b) in merges {
         let id = id_of.get(format!("{a}{b}").as_str()).copied();
         let id = id.unwrap_or_else(|| panic!("merge `{a} {b}` creates no token"));
-        assert!(previous < Some(id), "merge `{a} {b}` (id {id}) is out of id order");
+        assert!(
+            previous < Some(id),
+            "merge `{a} {b}` (id {id}) is out of id order"
+        );
         previous = Some(id);
     }
     let Some(t) = smollm() else { return };
-    assert!(t.id_of_rank.windows(2).all(|w| w[0] < w[1]), "ranks map monotonically to ids");
+    assert!(
+        t.id_of_rank.windows(2).all(|w| w[0] < w[1]),
+        "ranks map monotonically to ids"
+    );
 }
 
 /// Merge-list BPE exactly as llama.cpp runs it: repeatedly merge the adjacent pair with the
@@ -102,7 +116,9 @@ fn merge_list_bpe(word: &[u8], rank_of_pair: &HashMap<(Vec<u8>, Vec<u8>), usize>
 /// and on random concatenations of tokens.
 #[test]
 fn rank_bpe_equals_merge_list_bpe() {
-    let (Some(t), Some(vocab)) = (smollm(), smollm_vocab()) else { return };
+    let (Some(t), Some(vocab)) = (smollm(), smollm_vocab()) else {
+        return;
+    };
     let decoder = byte_level::ByteDecoder::new();
     let bytes_of = |s: &str| decoder.decode(s).0;
     let rank_of_pair: HashMap<(Vec<u8>, Vec<u8>), usize> = vocab
@@ -122,7 +138,11 @@ fn rank_bpe_equals_merge_list_bpe() {
     };
     let mut words: Vec<String> = plain
         .iter()
-        .filter_map(|&id| std::str::from_utf8(t.token_bytes(id)).ok().map(str::to_string))
+        .filter_map(|&id| {
+            std::str::from_utf8(t.token_bytes(id))
+                .ok()
+                .map(str::to_string)
+        })
         .collect();
     let whole_tokens = words.len();
     let mut rng = StdRng::seed_from_u64(7);
@@ -151,7 +171,10 @@ fn bytes_without_tokens_are_dropped_like_llama_cpp() {
     assert_eq!(t.decode(&t.encode("a\u{4}b\u{1d}", false)), "ab");
     // U+40000 is F1 80 80 80 and SmolLM2 has no 0xF1 token: three lone continuation bytes stay.
     let ids = t.encode("x\u{40000}y", false);
-    let bytes: Vec<u8> = ids.iter().flat_map(|&id| t.token_bytes(id).to_vec()).collect();
+    let bytes: Vec<u8> = ids
+        .iter()
+        .flat_map(|&id| t.token_bytes(id).to_vec())
+        .collect();
     assert_eq!(bytes, b"x\x80\x80\x80y");
 }
 
@@ -171,11 +194,16 @@ fn round_trip_over_a_mixed_corpus() {
 fn known_tokenizations() {
     let Some(t) = smollm() else { return };
     let spelled = |ids: Vec<u32>| -> Vec<String> {
-        ids.iter().map(|&i| t.token_text(i).unwrap_or("?").to_string()).collect()
+        ids.iter()
+            .map(|&i| t.token_text(i).unwrap_or("?").to_string())
+            .collect()
     };
     assert_eq!(spelled(t.encode(" 123", false)), ["Ġ", "1", "2", "3"]);
     assert_eq!(t.encode("<|im_start|>user\n", true)[0], 1);
-    assert_eq!(spelled(t.encode("<|im_start|>", false)), ["<", "|", "im", "_", "start", "|", ">"]);
+    assert_eq!(
+        spelled(t.encode("<|im_start|>", false)),
+        ["<", "|", "im", "_", "start", "|", ">"]
+    );
     assert_eq!(spelled(t.encode("Hello world", false)), ["Hello", "Ġworld"]);
 }
 
@@ -187,7 +215,10 @@ fn stream_decoder_reassembles_split_characters() {
         let mut out = String::new();
         for id in t.encode(text, false) {
             let piece = stream.push(id);
-            assert!(!piece.contains('\u{FFFD}'), "partial character leaked in {text:?}");
+            assert!(
+                !piece.contains('\u{FFFD}'),
+                "partial character leaked in {text:?}"
+            );
             out += &piece;
         }
         out += &stream.flush();
@@ -208,7 +239,10 @@ fn real_chat_template_inserts_default_system_and_generation_prompt() {
     );
     let with_system = t
         .apply_chat_template(
-            &[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")],
+            &[
+                ChatMessage::new("system", "Be brief."),
+                ChatMessage::new("user", "Hi"),
+            ],
             false,
         )
         .expect("renders");

@@ -1,0 +1,231 @@
+//! The two generation endpoints, kept thin: authenticate (extractor) → parse (extractor) →
+//! validate → admit → submit → respond. Each step is one call into the module that owns it;
+//! this file wires them together, decides which headers a response carries, and makes sure
+//! everything a request holds is owned by something that dies with the client's connection.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::HeaderValue;
+use axum::response::{IntoResponse, Response};
+use kvgate_runtime::engine::{GenerationRequest, SamplingParams, StopParams, SubmitError};
+use tokio::time::Instant;
+
+use crate::admission::{AdmissionTicket, Admitted};
+use crate::error::GatewayError;
+use crate::extract::{OpenAiJson, RequestId, Tenant};
+use crate::handlers::AppState;
+use crate::metrics::{RejectReason, record_queue_wait, record_rejection, record_request};
+use crate::openai::{ChatCompletionRequest, CompletionRequest};
+use crate::policy::TenantPolicy;
+use crate::stream::{ResponseMeta, collect, full_response, sse_body};
+use crate::telemetry::GenerationTelemetry;
+use crate::validate::{
+    Limits, PromptCodec, ValidRequest, ValidationError, validate_chat, validate_completion,
+};
+
+/// Header naming how many old messages `truncate_oldest` dropped (absent when none).
+pub const DROPPED_MESSAGES_HEADER: &str = "x-kvgate-dropped-messages";
+
+type Validator = Box<
+    dyn FnOnce(&Limits, &dyn PromptCodec, &str) -> Result<ValidRequest, ValidationError> + Send,
+>;
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    RequestId(request_id): RequestId,
+    Tenant(tenant): Tenant,
+    body: Result<OpenAiJson<ChatCompletionRequest>, GatewayError>,
+) -> Response {
+    let arrived = Instant::now();
+    let outcome = match body {
+        Ok(OpenAiJson(request)) => {
+            let validate: Validator =
+                Box::new(move |limits, codec, model| validate_chat(&request, model, limits, codec));
+            generate(&state, &tenant, request_id, arrived, validate).await
+        }
+        Err(error) => Err(error),
+    };
+    respond(&state, &tenant, "chat", outcome)
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<AppState>,
+    RequestId(request_id): RequestId,
+    Tenant(tenant): Tenant,
+    body: Result<OpenAiJson<CompletionRequest>, GatewayError>,
+) -> Response {
+    let arrived = Instant::now();
+    let outcome = match body {
+        Ok(OpenAiJson(request)) => {
+            let validate: Validator = Box::new(move |limits, codec, model| {
+                validate_completion(&request, model, limits, codec)
+            });
+            generate(&state, &tenant, request_id, arrived, validate).await
+        }
+        Err(error) => Err(error),
+    };
+    respond(&state, &tenant, "completions", outcome)
+}
+
+/// Validation → admission → engine → response, for both endpoints.
+async fn generate(
+    state: &AppState,
+    tenant: &Arc<TenantPolicy>,
+    request_id: String,
+    arrived: Instant,
+    validate: Validator,
+) -> Result<Response, GatewayError> {
+    if state.is_draining() {
+        return Err(GatewayError::ShuttingDown);
+    }
+    let valid = validate_off_thread(state, tenant, validate).await?;
+    // If the client leaves while this waits, the future is dropped and admission unqueues it.
+    let mut admitted = state
+        .admission()
+        .admit(AdmissionTicket {
+            tenant: Arc::clone(tenant),
+            prompt_tokens: valid.prompt_ids.len(),
+            max_output_tokens: valid.max_tokens as usize,
+            request_id,
+        })
+        .await?;
+    record_queue_wait(&tenant.name, admitted.queue_wait());
+    let meta = ResponseMeta::new(valid.endpoint, &state.inner.model_name, valid.include_usage);
+    let telemetry = GenerationTelemetry::new(&tenant.name, arrived, valid.prompt_ids.len());
+    let (stream, dropped) = (valid.stream, valid.dropped_messages);
+    let rate_headers = admitted.rate_headers();
+    let request = generation_request(valid, &mut admitted, &tenant.name);
+    let handle = state.engine().submit(request).map_err(submit_error)?;
+
+    let mut response = if stream {
+        // The body now owns the handle, the admission guard and the telemetry.
+        sse_body(meta, handle, admitted, Some(telemetry))
+    } else {
+        // Owned by this future: if hyper drops it (client gone), the sequence is cancelled.
+        let collected = collect(handle, &mut admitted, Some(telemetry)).await?;
+        full_response(&meta, collected)
+    };
+    rate_headers.apply(response.headers_mut());
+    if dropped > 0 {
+        response
+            .headers_mut()
+            .insert(DROPPED_MESSAGES_HEADER, HeaderValue::from(dropped));
+    }
+    Ok(response)
+}
+
+/// Runs validation (template rendering and tokenization) on a blocking thread, a bounded
+/// number at once, so the async workers never stall on CPU work.
+async fn validate_off_thread(
+    state: &AppState,
+    tenant: &Arc<TenantPolicy>,
+    validate: Validator,
+) -> Result<ValidRequest, GatewayError> {
+    let _slot = state
+        .inner
+        .validation_slots
+        .acquire()
+        .await
+        .map_err(|_| GatewayError::ShuttingDown)?;
+    let limits = tenant_limits(tenant, state.engine().config().max_model_len);
+    let codec = Arc::clone(&state.inner.codec);
+    let model = state.inner.model_name.clone();
+    let outcome = tokio::task::spawn_blocking(move || validate(&limits, codec.as_ref(), &model))
+        .await
+        .map_err(|error| GatewayError::Internal(format!("validation task failed: {error}")))?;
+    Ok(outcome?)
+}
+
+/// The tenant's limits clipped by the model's context window.
+pub fn tenant_limits(tenant: &TenantPolicy, model_context: usize) -> Limits {
+    let clip = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    Limits {
+        max_input_tokens: clip(tenant.max_input_tokens),
+        max_output_tokens: clip(tenant.max_output_tokens),
+        max_total_tokens: clip(tenant.max_total_tokens),
+        max_messages: clip(tenant.max_messages),
+        overflow: tenant.overflow,
+        model_context: clip(model_context),
+    }
+}
+
+fn generation_request(
+    valid: ValidRequest,
+    admitted: &mut Admitted,
+    tenant: &str,
+) -> GenerationRequest {
+    GenerationRequest {
+        prompt: valid.prompt_ids,
+        sampling: SamplingParams {
+            temperature: valid.temperature,
+            top_p: valid.top_p,
+            top_k: 0,
+            // Without a seed each request samples differently, as OpenAI does.
+            seed: valid.seed.unwrap_or_else(rand::random),
+        },
+        stop: StopParams {
+            max_tokens: valid.max_tokens as usize,
+            stop_strings: valid.stop,
+            ignore_eos: false,
+        },
+        reservation: admitted.take_reservation(),
+        label: tenant.to_owned(),
+    }
+}
+
+fn submit_error(error: SubmitError) -> GatewayError {
+    match error {
+        SubmitError::QueueFull => GatewayError::EngineUnavailable(error.to_string()),
+        SubmitError::ShutDown => GatewayError::ShuttingDown,
+        // Validation and admission check both of these first: reaching them is our bug.
+        SubmitError::TooLong { .. } | SubmitError::InvalidRequest(_) => {
+            GatewayError::Internal(error.to_string())
+        }
+    }
+}
+
+/// Turns the outcome into a response and counts it. Errors that never reached admission still
+/// carry the tenant's rate-limit headers (a rejection carries its own).
+fn respond(
+    state: &AppState,
+    tenant: &TenantPolicy,
+    route: &'static str,
+    outcome: Result<Response, GatewayError>,
+) -> Response {
+    let error = match outcome {
+        Ok(response) => {
+            record_request(&tenant.name, route, true);
+            return response;
+        }
+        Err(error) => error,
+    };
+    record_request(&tenant.name, route, false);
+    // Admission counts its own rejections; count the ones decided here.
+    let reason = match &error {
+        GatewayError::Rejected(_) => None,
+        GatewayError::Invalid(invalid) if invalid.is_context_length() => Some(RejectReason::Length),
+        GatewayError::Invalid(_) | GatewayError::BadBody { .. } => Some(RejectReason::BadRequest),
+        GatewayError::PayloadTooLarge { .. } | GatewayError::BodyTimeout { .. } => {
+            Some(RejectReason::BadRequest)
+        }
+        GatewayError::ShuttingDown | GatewayError::EngineUnavailable(_) => {
+            Some(RejectReason::Unavailable)
+        }
+        _ => None,
+    };
+    if let Some(reason) = reason {
+        record_rejection(&tenant.name, reason);
+    }
+    let carries_own_headers = matches!(error, GatewayError::Rejected(_));
+    let mut response = error.into_response();
+    if !carries_own_headers {
+        state
+            .admission()
+            .rate_headers(tenant)
+            .apply(response.headers_mut());
+    }
+    response
+}

@@ -1,0 +1,66 @@
+//! Per-request metric hooks for one generation: time to first token, inter-token gaps, and the
+//! end-of-request record, which must be written exactly once however the request ends
+//! (finished, failed, or dropped because the client left). The names and buckets live in
+//! `metrics.rs`; this file only decides *when* each is recorded.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::metrics::{
+    record_inter_token_latency, record_request_finished, record_time_to_first_token,
+};
+
+/// Travels with a generation (inside the response body for streams); records on drop.
+#[derive(Debug)]
+pub struct GenerationTelemetry {
+    tenant: String,
+    arrived: Instant,
+    prompt_tokens: usize,
+    generated: usize,
+    last_token: Option<Instant>,
+}
+
+impl GenerationTelemetry {
+    /// `arrived` is when the request reached the handler, so TTFT includes queueing.
+    pub fn new(tenant: &str, arrived: Instant, prompt_tokens: usize) -> GenerationTelemetry {
+        GenerationTelemetry {
+            tenant: tenant.to_owned(),
+            arrived,
+            prompt_tokens,
+            generated: 0,
+            last_token: None,
+        }
+    }
+
+    /// One generated token left (or was collected by) the server.
+    pub fn on_token(&mut self) {
+        let now = Instant::now();
+        match self.last_token {
+            None => record_time_to_first_token(now.duration_since(self.arrived)),
+            Some(previous) => record_inter_token_latency(now.duration_since(previous)),
+        }
+        self.last_token = Some(now);
+        self.generated += 1;
+    }
+
+    /// Generation ended normally with the engine's own count.
+    pub fn on_finished(&mut self, completion_tokens: usize) {
+        self.generated = completion_tokens;
+    }
+
+    fn elapsed(&self) -> Duration {
+        self.arrived.elapsed()
+    }
+}
+
+impl Drop for GenerationTelemetry {
+    fn drop(&mut self) {
+        record_request_finished(
+            &self.tenant,
+            self.elapsed(),
+            self.prompt_tokens,
+            self.generated,
+        );
+    }
+}

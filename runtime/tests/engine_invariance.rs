@@ -1,0 +1,111 @@
+//! Batch invariance through the real engine: a sequence's greedy tokens are the same whether
+//! it runs alone, inside a batch of 16 mixed-length sequences, or next to sequences that get
+//! preempted or cancelled.
+
+mod common;
+
+use common::model_path;
+use kvgate_runtime::engine::{
+    GenerationRequest, SamplingParams, StopParams, TokenEvent, generate_blocking,
+};
+use kvgate_runtime::loader::{Runtime, RuntimeOptions};
+
+fn runtime(kv_memory_bytes: u64) -> Runtime {
+    let opts = RuntimeOptions { kv_memory_bytes, threads: Some(2), ..RuntimeOptions::default() };
+    Runtime::start(&model_path(), opts).expect("runtime starts")
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, label: &str) -> GenerationRequest {
+    GenerationRequest {
+        prompt,
+        sampling: SamplingParams::default(),
+        stop: StopParams { max_tokens, stop_strings: Vec::new(), ignore_eos: true },
+        reservation: None,
+        label: label.into(),
+    }
+}
+
+fn observed_prompt(rt: &Runtime) -> Vec<u32> {
+    rt.tokenizer.encode("<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n", true)
+}
+
+/// Mixed-length filler prompts (5..120 tokens).
+fn filler(rt: &Runtime, i: usize) -> Vec<u32> {
+    let text = "The history of paged memory in operating systems begins with the Atlas computer. ".repeat(1 + i % 8);
+    let mut ids = rt.tokenizer.encode(&format!("{i}: {text}"), false);
+    ids.truncate(5 + (i * 37) % 116);
+    ids
+}
+
+/// Drains a stream, returning its token ids.
+fn collect(mut handle: kvgate_runtime::engine::GenerationHandle) -> Vec<u32> {
+    let mut ids = Vec::new();
+    while let Some(event) = handle.events.blocking_recv() {
+        match event {
+            TokenEvent::Token { id, .. } => ids.push(id),
+            TokenEvent::Finished { .. } => break,
+            TokenEvent::Error(msg) => panic!("generation failed: {msg}"),
+        }
+    }
+    ids
+}
+
+#[test]
+fn greedy_tokens_do_not_depend_on_the_batch() {
+    let rt = runtime(256 << 20);
+    let prompt = observed_prompt(&rt);
+    let alone = generate_blocking(&rt.engine, request(prompt.clone(), 24, "alone")).expect("alone").tokens;
+    assert_eq!(alone.len(), 24);
+
+    // The observed sequence first, then 15 others of mixed lengths, all submitted together.
+    let observed = rt.engine.submit(request(prompt.clone(), 24, "observed")).expect("submit");
+    let others: Vec<_> = (0..15)
+        .map(|i| rt.engine.submit(request(filler(&rt, i), 8 + i * 2, "filler")).expect("submit"))
+        .collect();
+    let batched = collect(observed);
+    for (i, h) in others.into_iter().enumerate() {
+        assert_eq!(collect(h).len(), 8 + i * 2);
+    }
+    assert_eq!(batched, alone, "a batch of 16 changed the greedy tokens");
+    rt.engine.shutdown();
+}
+
+#[test]
+fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
+    // 40 blocks of 16 tokens. The observed sequence holds a reservation for all it needs (as
+    // the gateway's admission gives it), so it is never the victim; five ~250-token neighbours
+    // cannot all fit and get preempted (recomputed later).
+    let rt = runtime(40 * 16 * 23_040);
+    let prompt = observed_prompt(&rt);
+    let alone = generate_blocking(&rt.engine, request(prompt.clone(), 40, "alone")).expect("alone").tokens;
+
+    let blocks = (prompt.len() + 40).div_ceil(16);
+    let reservation = rt.engine.pool().try_reserve(blocks).expect("pool is empty");
+    let mut observed_request = request(prompt.clone(), 40, "observed");
+    observed_request.reservation = Some(reservation);
+    let observed = rt.engine.submit(observed_request).expect("submit");
+    let long_text = "Paged attention stores the key and value vectors of each sequence in fixed-size blocks. ".repeat(20);
+    let mut neighbours = (0..5).map(|i| {
+        let mut p = rt.tokenizer.encode(&format!("Neighbour {i}. {long_text}"), false);
+        p.truncate(150);
+        rt.engine.submit(request(p, 100, "neighbour")).expect("submit")
+    });
+    // Cancel one neighbour once it has produced a token.
+    let mut cancelled = neighbours.next().expect("a neighbour");
+    while let Some(event) = cancelled.events.blocking_recv() {
+        if matches!(event, TokenEvent::Token { .. }) {
+            break;
+        }
+    }
+    drop(cancelled);
+    let neighbours: Vec<_> = neighbours.collect();
+    let got = collect(observed);
+    for h in neighbours {
+        assert_eq!(collect(h).len(), 100, "a preempted sequence still finishes");
+    }
+    let stats = rt.engine.stats();
+    assert!(stats.preemptions_total > 0, "the workload was meant to force preemption: {stats:?}");
+    assert!(stats.cancellations_total > 0, "{stats:?}");
+    assert_eq!(got, alone, "preemption or cancellation of neighbours changed the greedy tokens");
+    rt.engine.shutdown();
+}
