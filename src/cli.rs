@@ -131,9 +131,6 @@ pub struct BenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Also measure KV waste and held sequences on a mixed-length workload.
-    #[arg(long)]
-    pub kv_waste: bool,
 }
 
 #[derive(Debug, Args)]

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kvgate_gateway::{auth, policy};
+use kvgate_runtime::bench::BenchOptions;
 use kvgate_runtime::chat_template::ChatMessage;
 use kvgate_runtime::engine::{GenerationRequest, TokenEvent};
 use kvgate_runtime::gguf::GgufFile;
@@ -92,18 +93,15 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
 
 pub fn bench(args: BenchArgs) -> Result<()> {
     let runtime = start_runtime(&args.model)?;
-    let report = kvgate_runtime::bench::run_bench(&runtime)?;
+    let report = kvgate_runtime::bench::run_bench(&runtime, &BenchOptions::default())?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("{report}");
-    }
-    if args.kv_waste {
-        let waste = kvgate_runtime::bench::run_kv_waste(&runtime)?;
-        if args.json {
-            println!("{}", serde_json::to_string(&waste)?);
-        } else {
-            println!("{waste}");
+        println!("threads                     {}", report.threads);
+        println!("prefill                     {:8.1} tok/s", report.prefill_tok_s);
+        println!("decode (single stream)      {:8.1} tok/s", report.decode_tok_s);
+        for (seqs, rate) in &report.aggregate_decode_tok_s {
+            println!("aggregate decode, {seqs:>2} seqs   {rate:8.1} tok/s");
         }
     }
     Ok(())

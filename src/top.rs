@@ -36,12 +36,16 @@ pub async fn run(url: String, interval: Duration, once: bool) -> anyhow::Result<
     if uri.scheme_str() != Some("http") {
         bail!("--url must be a plain http:// URL (kvgate serves HTTP), got {url:?}");
     }
-    let client: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let client: Client<HttpConnector, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
     let interval = interval.max(Duration::from_millis(100));
 
     if once {
         let scrape = fetch(&client, &uri).await?;
-        let frame = Frame { scrape, at: Instant::now() };
+        let frame = Frame {
+            scrape,
+            at: Instant::now(),
+        };
         print!("{}", TopView::build(&frame, None).render(base, interval));
         return Ok(());
     }
@@ -56,19 +60,27 @@ pub async fn run(url: String, interval: Duration, once: bool) -> anyhow::Result<
         }
         let screen = match fetch(&client, &uri).await {
             Ok(scrape) => {
-                let frame = Frame { scrape, at: Instant::now() };
+                let frame = Frame {
+                    scrape,
+                    at: Instant::now(),
+                };
                 let screen = TopView::build(&frame, previous.as_ref()).render(base, interval);
                 previous = Some(frame);
                 screen
             }
-            Err(error) => format!("kvgate top — {base}\n\nscrape failed: {error:#}\nretrying every {interval:?}…\n"),
+            Err(error) => format!(
+                "kvgate top — {base}\n\nscrape failed: {error:#}\nretrying every {interval:?}…\n"
+            ),
         };
         print!("{CLEAR}{screen}");
     }
 }
 
 /// GETs and parses one scrape.
-async fn fetch(client: &Client<HttpConnector, Empty<Bytes>>, uri: &hyper::Uri) -> anyhow::Result<Scrape> {
+async fn fetch(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    uri: &hyper::Uri,
+) -> anyhow::Result<Scrape> {
     let response = tokio::time::timeout(SCRAPE_TIMEOUT, client.get(uri.clone()))
         .await
         .with_context(|| format!("no answer from {uri} within {SCRAPE_TIMEOUT:?}"))?
@@ -77,11 +89,14 @@ async fn fetch(client: &Client<HttpConnector, Empty<Bytes>>, uri: &hyper::Uri) -
     if !status.is_success() {
         bail!("{uri} answered {status}");
     }
-    let body = tokio::time::timeout(SCRAPE_TIMEOUT, Limited::new(response.into_body(), MAX_BODY_BYTES).collect())
-        .await
-        .with_context(|| format!("{uri} did not finish its body within {SCRAPE_TIMEOUT:?}"))?
-        .map_err(|e| anyhow::anyhow!("reading {uri}: {e}"))?
-        .to_bytes();
+    let body = tokio::time::timeout(
+        SCRAPE_TIMEOUT,
+        Limited::new(response.into_body(), MAX_BODY_BYTES).collect(),
+    )
+    .await
+    .with_context(|| format!("{uri} did not finish its body within {SCRAPE_TIMEOUT:?}"))?
+    .map_err(|e| anyhow::anyhow!("reading {uri}: {e}"))?
+    .to_bytes();
     let text = std::str::from_utf8(&body).with_context(|| format!("{uri} is not UTF-8 text"))?;
     Scrape::parse(text).with_context(|| format!("{uri} is not Prometheus text format"))
 }

@@ -10,7 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{Options, Reply, TenantSpec, TestServer, chat, hold_slot, policy, queued, wait_until};
+use common::{
+    LONG_ANSWER, Options, Reply, TenantSpec, TestServer, chat, hold_slot, policy, queued,
+    wait_until,
+};
 use hyper::StatusCode;
 
 const CHAT: &str = "/v1/chat/completions";
@@ -143,15 +146,16 @@ async fn token_rate_limit_and_never_fitting_quota() {
     assert_eq!(never.error_code(), "insufficient_quota");
     assert_eq!(never.header("x-should-retry"), Some("false"));
     assert!(never.header("retry-after").is_none());
-    // ~30 prompt + 120 budget fits once, not twice.
-    assert_eq!(
-        client
-            .post(CHAT, Some("sk-a"), &chat("hi", 120))
-            .await
-            .status,
-        StatusCode::OK
-    );
-    let limited = client.post(CHAT, Some("sk-a"), &chat("hi", 120)).await;
+    // ~40 prompt + 120 generated (a long answer runs to length, so nothing is refunded) fits
+    // the 200-token bucket once, not twice.
+    let first = client
+        .post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, 120))
+        .await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.json()["usage"]["completion_tokens"], 120);
+    let limited = client
+        .post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, 120))
+        .await;
     assert_eq!(limited.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(limited.error_code(), "rate_limit_exceeded");
     assert_eq!(limited.json()["error"]["type"], "tokens");
@@ -221,7 +225,8 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
         num_blocks: 48,
         ..Options::default()
     };
-    let extra = "max_output_tokens = 600\nmax_total_tokens = 1000\nmax_queue_wait = \"100ms\"";
+    let extra = "max_input_tokens = 400\nmax_output_tokens = 600\nmax_total_tokens = 1000\n\
+                 max_queue_wait = \"100ms\"";
     let server = TestServer::start_with(
         &policy(
             &[TenantSpec {
@@ -275,9 +280,10 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_tenant_does_not_starve_a_quiet_one() {
-    // KV is the shared bottleneck: 32 blocks (28 admissible), ~5 blocks per request.
+    // KV is the shared bottleneck: 16 blocks (14 admissible), 4 blocks per request, so about
+    // three run at once and the rest of the flood waits in admission's fair queue.
     let options = Options {
-        num_blocks: 32,
+        num_blocks: 16,
         ..Options::default()
     };
     let tenants = [
@@ -294,7 +300,7 @@ async fn a_flooding_tenant_does_not_starve_a_quiet_one() {
     ];
     let server = TestServer::start_with(&policy(&tenants, ""), options).await;
     let client = server.client();
-    const FLOOD: usize = 24;
+    const FLOOD: usize = 16;
     let bulk_done = Arc::new(AtomicUsize::new(0));
     let mut flood = Vec::new();
     for i in 0..FLOOD {
@@ -305,7 +311,7 @@ async fn a_flooding_tenant_does_not_starve_a_quiet_one() {
                 .post(
                     CHAT,
                     Some("sk-bulk"),
-                    &chat(&format!("Write a poem about the number {i}."), 40),
+                    &chat(&format!("Write a poem about the number {i}."), 16),
                 )
                 .await;
             done.fetch_add(1, Ordering::SeqCst);
@@ -317,7 +323,7 @@ async fn a_flooding_tenant_does_not_starve_a_quiet_one() {
     })
     .await;
     let quiet = client
-        .post(CHAT, Some("sk-quiet"), &chat("Say hi.", 40))
+        .post(CHAT, Some("sk-quiet"), &chat("Say hi.", 16))
         .await;
     let bulk_finished_first = bulk_done.load(Ordering::SeqCst);
     assert_eq!(quiet.status, StatusCode::OK);

@@ -16,8 +16,8 @@ use hyper::StatusCode;
 use kvgate_gateway::auth::hash_key;
 use kvgate_gateway::metrics::exposition::Scrape;
 use kvgate_gateway::metrics::{
-    Compat, KV_BLOCKS, KV_USAGE_RATIO, MEMORY_PEAK_ALLOCATED_BYTES, REQUESTS_IN_FLIGHT, REQUESTS_REJECTED_TOTAL,
-    REQUESTS_TOTAL, RejectReason, SEQUENCES,
+    Compat, KV_BLOCKS, KV_USAGE_RATIO, MEMORY_PEAK_ALLOCATED_BYTES, REQUESTS_IN_FLIGHT,
+    REQUESTS_REJECTED_TOTAL, REQUESTS_TOTAL, RejectReason, SEQUENCES,
 };
 
 const CHAT: &str = "/v1/chat/completions";
@@ -32,7 +32,9 @@ async fn scrape(server: &TestServer) -> Scrape {
 }
 
 fn gauge(scrape: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
-    scrape.value(name, labels).unwrap_or_else(|| panic!("{name}{labels:?} missing from the scrape"))
+    scrape
+        .value(name, labels)
+        .unwrap_or_else(|| panic!("{name}{labels:?} missing from the scrape"))
 }
 
 fn with_admin_key(policy: String) -> String {
@@ -41,7 +43,11 @@ fn with_admin_key(policy: String) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops() {
-    let tenants = [TenantSpec { name: "m-occ", key: "sk-occ", extra: "" }];
+    let tenants = [TenantSpec {
+        name: "m-occ",
+        key: "sk-occ",
+        extra: "",
+    }];
     let server = TestServer::start(&with_admin_key(policy(&tenants, ""))).await;
     let client = server.client();
     let tenant = [("tenant", "m-occ")];
@@ -49,17 +55,27 @@ async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops
 
     let idle = scrape(&server).await;
     assert_eq!(gauge(&idle, KV_BLOCKS, &[("state", "used")]), 0.0);
-    assert_eq!(gauge(&idle, KV_BLOCKS, &[("state", "total")]), server.kv().total_blocks as f64);
-    assert_eq!(gauge(&idle, REQUESTS_IN_FLIGHT, &tenant), 0.0, "configured tenants report 0, not nothing");
+    assert_eq!(
+        gauge(&idle, KV_BLOCKS, &[("state", "total")]),
+        server.kv().total_blocks as f64
+    );
+    assert_eq!(
+        gauge(&idle, REQUESTS_IN_FLIGHT, &tenant),
+        0.0,
+        "configured tenants report 0, not nothing"
+    );
     peaks.push(gauge(&idle, MEMORY_PEAK_ALLOCATED_BYTES, &[]));
 
-    let first = hold_slot(&client, "sk-occ", 400).await;
-    let second = hold_slot(&client, "sk-occ", 400).await;
+    let first = hold_slot(&client, "sk-occ", 250).await;
+    let second = hold_slot(&client, "sk-occ", 250).await;
     let busy = scrape(&server).await;
     let used = gauge(&busy, KV_BLOCKS, &[("state", "used")]);
     let reserved = gauge(&busy, KV_BLOCKS, &[("state", "reserved")]);
     assert!(used >= 2.0, "two running sequences hold blocks, saw {used}");
-    assert!(used + reserved >= 2.0 * 26.0, "each reserved ~30 prompt + 400 tokens: {used} + {reserved}");
+    assert!(
+        used + reserved >= 2.0 * 16.0,
+        "each reserved its prompt + 250 tokens: {used} + {reserved}"
+    );
     assert!(gauge(&busy, KV_USAGE_RATIO, &[]) > 0.0);
     assert_eq!(gauge(&busy, REQUESTS_IN_FLIGHT, &tenant), 2.0);
     assert_eq!(gauge(&busy, SEQUENCES, &[("state", "running")]), 2.0);
@@ -67,11 +83,17 @@ async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops
 
     // The admin view attributes the blocks to the tenant and lists the two holders.
     let denied = client.get("/admin/kv", Some("sk-occ")).await;
-    assert_eq!(denied.status, StatusCode::UNAUTHORIZED, "a tenant key is not an admin key");
+    assert_eq!(
+        denied.status,
+        StatusCode::UNAUTHORIZED,
+        "a tenant key is not an admin key"
+    );
     let report = client.get("/admin/kv", Some(ADMIN_KEY)).await;
     assert_eq!(report.status, StatusCode::OK);
     let report = report.json();
-    let row = report["tenants"].as_array().and_then(|rows| rows.iter().find(|r| r["tenant"] == "m-occ"));
+    let row = report["tenants"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["tenant"] == "m-occ"));
     let row = row.unwrap_or_else(|| panic!("no m-occ row in {report}"));
     assert_eq!(row["sequences"], 2);
     assert!(row["blocks"].as_u64().unwrap_or(0) >= 2, "{row}");
@@ -80,17 +102,33 @@ async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops
     drop(first);
     drop(second);
     server.wait_for_idle_kv(WAIT).await;
-    wait_until("the engine to drop both sequences", WAIT, || server.engine.stats().running == 0).await;
+    wait_until("the engine to drop both sequences", WAIT, || {
+        server.engine.stats().running == 0
+    })
+    .await;
     let after = scrape(&server).await;
     assert_eq!(gauge(&after, KV_BLOCKS, &[("state", "used")]), 0.0);
     assert_eq!(gauge(&after, KV_BLOCKS, &[("state", "reserved")]), 0.0);
-    assert_eq!(gauge(&after, KV_BLOCKS, &[("state", "free")]), server.kv().total_blocks as f64);
+    assert_eq!(
+        gauge(&after, KV_BLOCKS, &[("state", "free")]),
+        server.kv().total_blocks as f64
+    );
     assert_eq!(gauge(&after, REQUESTS_IN_FLIGHT, &tenant), 0.0);
     peaks.push(gauge(&after, MEMORY_PEAK_ALLOCATED_BYTES, &[]));
-    peaks.push(gauge(&scrape(&server).await, MEMORY_PEAK_ALLOCATED_BYTES, &[]));
+    peaks.push(gauge(
+        &scrape(&server).await,
+        MEMORY_PEAK_ALLOCATED_BYTES,
+        &[],
+    ));
 
-    assert!(peaks.windows(2).all(|w| w[0] <= w[1]), "the peak never decreases: {peaks:?}");
-    assert!(peaks[peaks.len() - 1] > 0.0, "the peak covers at least the weights: {peaks:?}");
+    assert!(
+        peaks.windows(2).all(|w| w[0] <= w[1]),
+        "the peak never decreases: {peaks:?}"
+    );
+    assert!(
+        peaks[peaks.len() - 1] > 0.0,
+        "the peak covers at least the weights: {peaks:?}"
+    );
     server.shutdown().await;
 }
 
@@ -98,33 +136,83 @@ async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops
 fn rejections(scrape: &Scrape, tenant: &str) -> (Vec<(RejectReason, f64)>, f64) {
     let by_reason = RejectReason::ALL
         .iter()
-        .map(|r| (*r, scrape.sum(REQUESTS_REJECTED_TOTAL, &[("tenant", tenant), ("reason", r.as_str())])))
+        .map(|r| {
+            (
+                *r,
+                scrape.sum(
+                    REQUESTS_REJECTED_TOTAL,
+                    &[("tenant", tenant), ("reason", r.as_str())],
+                ),
+            )
+        })
         .collect();
-    (by_reason, scrape.sum(REQUESTS_TOTAL, &[("tenant", tenant), ("outcome", "rejected")]))
+    (
+        by_reason,
+        scrape.sum(
+            REQUESTS_TOTAL,
+            &[("tenant", tenant), ("outcome", "rejected")],
+        ),
+    )
 }
 
 /// Asserts that between two scrapes `tenant` gained exactly `expected` rejections under
 /// `reason`, none under any other reason, and as many rejected requests in total.
-fn assert_counted(before: &Scrape, after: &Scrape, tenant: &str, reason: RejectReason, expected: f64) {
+fn assert_counted(
+    before: &Scrape,
+    after: &Scrape,
+    tenant: &str,
+    reason: RejectReason,
+    expected: f64,
+) {
     let (old, old_total) = rejections(before, tenant);
     let (new, new_total) = rejections(after, tenant);
     for ((r, was), (_, now)) in old.iter().zip(&new) {
         let want = if *r == reason { expected } else { 0.0 };
-        assert_eq!(now - was, want, "{tenant}: {} rejections counted under {}", now - was, r.as_str());
+        assert_eq!(
+            now - was,
+            want,
+            "{tenant}: {} rejections counted under {}",
+            now - was,
+            r.as_str()
+        );
     }
     if reason != RejectReason::Auth {
-        assert_eq!(new_total - old_total, expected, "{tenant}: requests_total{{outcome=rejected}}");
+        assert_eq!(
+            new_total - old_total,
+            expected,
+            "{tenant}: requests_total{{outcome=rejected}}"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_rejection_is_counted_once_under_its_reason() {
     let tenants = [
-        TenantSpec { name: "m-len", key: "sk-len", extra: "max_input_tokens = 40" },
-        TenantSpec { name: "m-bad", key: "sk-bad", extra: "" },
-        TenantSpec { name: "m-rate", key: "sk-rate", extra: "requests_per_minute = 1" },
-        TenantSpec { name: "m-quota", key: "sk-quota", extra: "tokens_per_minute = 200" },
-        TenantSpec { name: "m-full", key: "sk-full", extra: "max_concurrency = 1\nqueue_depth = 1" },
+        TenantSpec {
+            name: "m-len",
+            key: "sk-len",
+            extra: "max_input_tokens = 40",
+        },
+        TenantSpec {
+            name: "m-bad",
+            key: "sk-bad",
+            extra: "",
+        },
+        TenantSpec {
+            name: "m-rate",
+            key: "sk-rate",
+            extra: "requests_per_minute = 1",
+        },
+        TenantSpec {
+            name: "m-quota",
+            key: "sk-quota",
+            extra: "tokens_per_minute = 200",
+        },
+        TenantSpec {
+            name: "m-full",
+            key: "sk-full",
+            extra: "max_concurrency = 1\nqueue_depth = 1",
+        },
         TenantSpec {
             name: "m-slow",
             key: "sk-slow",
@@ -136,29 +224,72 @@ async fn each_rejection_is_counted_once_under_its_reason() {
     let before = scrape(&server).await;
 
     for key in [Some("sk-nobody"), None] {
-        assert_eq!(client.post(CHAT, key, &chat("hi", 1)).await.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            client.post(CHAT, key, &chat("hi", 1)).await.status,
+            StatusCode::UNAUTHORIZED
+        );
     }
     let long = "word ".repeat(60);
-    assert_eq!(client.post(CHAT, Some("sk-len"), &chat(&long, 5)).await.status, StatusCode::BAD_REQUEST);
-    let broken = client.post_bytes(CHAT, Some("sk-bad"), "{\"model\": ").await;
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-len"), &chat(&long, 5))
+            .await
+            .status,
+        StatusCode::BAD_REQUEST
+    );
+    let broken = client
+        .post_bytes(CHAT, Some("sk-bad"), "{\"model\": ")
+        .await;
     assert_eq!(broken.status, StatusCode::BAD_REQUEST);
-    assert_eq!(client.post(CHAT, Some("sk-rate"), &chat("hi", 1)).await.status, StatusCode::OK);
-    assert_eq!(client.post(CHAT, Some("sk-rate"), &chat("hi", 1)).await.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-rate"), &chat("hi", 1))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-rate"), &chat("hi", 1))
+            .await
+            .status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
     let quota = client.post(CHAT, Some("sk-quota"), &chat("hi", 250)).await;
     assert_eq!(quota.error_code(), "insufficient_quota");
 
-    let running = hold_slot(&client, "sk-full", 400).await;
+    let running = hold_slot(&client, "sk-full", 250).await;
     let waiting = tokio::spawn({
         let client = client.clone();
-        async move { client.post(CHAT, Some("sk-full"), &chat("hi", 1)).await.status }
+        async move {
+            client
+                .post(CHAT, Some("sk-full"), &chat("hi", 1))
+                .await
+                .status
+        }
     });
-    wait_until("a request queues behind the running one", WAIT, || queued(&server, "m-full") == 1).await;
-    assert_eq!(client.post(CHAT, Some("sk-full"), &chat("hi", 1)).await.error_code(), "queue_full");
+    wait_until("a request queues behind the running one", WAIT, || {
+        queued(&server, "m-full") == 1
+    })
+    .await;
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-full"), &chat("hi", 1))
+            .await
+            .error_code(),
+        "queue_full"
+    );
     drop(running);
     assert_eq!(waiting.await.expect("queued request task"), StatusCode::OK);
 
-    let running = hold_slot(&client, "sk-slow", 400).await;
-    assert_eq!(client.post(CHAT, Some("sk-slow"), &chat("hi", 1)).await.error_code(), "queue_timeout");
+    let running = hold_slot(&client, "sk-slow", 250).await;
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-slow"), &chat("hi", 1))
+            .await
+            .error_code(),
+        "queue_timeout"
+    );
     drop(running);
     server.wait_for_idle_kv(WAIT).await;
 
@@ -170,8 +301,17 @@ async fn each_rejection_is_counted_once_under_its_reason() {
     assert_counted(&before, &after, "m-quota", RejectReason::Quota, 1.0);
     assert_counted(&before, &after, "m-full", RejectReason::QueueFull, 1.0);
     assert_counted(&before, &after, "m-slow", RejectReason::QueueTimeout, 1.0);
-    let admitted = |s: &Scrape| s.sum(REQUESTS_TOTAL, &[("tenant", "m-rate"), ("outcome", "admitted")]);
-    assert_eq!(admitted(&after) - admitted(&before), 1.0, "the admitted request is not a rejection");
+    let admitted = |s: &Scrape| {
+        s.sum(
+            REQUESTS_TOTAL,
+            &[("tenant", "m-rate"), ("outcome", "admitted")],
+        )
+    };
+    assert_eq!(
+        admitted(&after) - admitted(&before),
+        1.0,
+        "the admitted request is not a rejection"
+    );
     server.shutdown().await;
 }
 
@@ -188,27 +328,63 @@ fn check_metrics_script(server: &TestServer) -> std::process::Output {
 async fn assert_promtool_accepts(compat: Compat) {
     let mut options = Options::default();
     options.serve.metrics.compat = compat;
-    let tenants = [TenantSpec { name: "m-lint", key: "sk-lint", extra: "requests_per_minute = 600" }];
+    let tenants = [TenantSpec {
+        name: "m-lint",
+        key: "sk-lint",
+        extra: "requests_per_minute = 600",
+    }];
     let server = TestServer::start_with(&policy(&tenants, ""), options).await;
     let client = server.client();
     // Populate every recorded family: a finished request, a rejection, a queue wait.
-    assert_eq!(client.post(CHAT, Some("sk-lint"), &chat("hi", 3)).await.status, StatusCode::OK);
-    assert_eq!(client.post(CHAT, Some("sk-wrong"), &chat("hi", 1)).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-lint"), &chat("hi", 3))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client
+            .post(CHAT, Some("sk-wrong"), &chat("hi", 1))
+            .await
+            .status,
+        StatusCode::UNAUTHORIZED
+    );
 
     let scrape = scrape(&server).await;
-    let compat_lines = scrape.samples.iter().filter(|s| s.name.starts_with("vllm:")).count();
+    let compat_lines = scrape
+        .samples
+        .iter()
+        .filter(|s| s.name.starts_with("vllm:"))
+        .count();
     match compat {
         Compat::Vllm => {
             assert!(compat_lines >= 7, "vLLM names exported: {compat_lines}");
             let total = server.kv().total_blocks.to_string();
-            assert_eq!(scrape.value("vllm:cache_config_info", &[("num_gpu_blocks", total.as_str())]), Some(1.0));
-            assert_eq!(scrape.value("vllm:kv_cache_usage_perc", &[]), scrape.value(KV_USAGE_RATIO, &[]));
+            assert_eq!(
+                scrape.value(
+                    "vllm:cache_config_info",
+                    &[("num_gpu_blocks", total.as_str())]
+                ),
+                Some(1.0)
+            );
+            assert_eq!(
+                scrape.value("vllm:kv_cache_usage_perc", &[]),
+                scrape.value(KV_USAGE_RATIO, &[])
+            );
         }
-        Compat::None => assert_eq!(compat_lines, 0, "no vLLM names without --metrics-compat vllm"),
+        Compat::None => assert_eq!(
+            compat_lines, 0,
+            "no vLLM names without --metrics-compat vllm"
+        ),
     }
 
     let output = check_metrics_script(&server);
-    let report = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert!(
         output.status.success(),
         "promtool check metrics failed ({compat:?}); install promtool with `apt-get install prometheus`:\n{report}"

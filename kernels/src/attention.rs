@@ -119,10 +119,26 @@ pub fn paged_attention(
 ) {
     let group = check_heads(layout, n_heads);
     let width = n_heads * layout.head_dim;
-    assert_eq!(q.len(), width, "paged_attention: q must be n_heads × head_dim");
-    assert_eq!(out.len(), width, "paged_attention: out must be n_heads × head_dim");
+    assert_eq!(
+        q.len(),
+        width,
+        "paged_attention: q must be n_heads × head_dim"
+    );
+    assert_eq!(
+        out.len(),
+        width,
+        "paged_attention: out must be n_heads × head_dim"
+    );
     check_row(layout, k_cache, v_cache, block_table, context_len);
-    let args = HeadArgs { layout, k_cache, v_cache, block_table, context_len, scale, order };
+    let args = HeadArgs {
+        layout,
+        k_cache,
+        v_cache,
+        block_table,
+        context_len,
+        scale,
+        order,
+    };
     let gw = group * layout.head_dim;
     for (kv_head, (qg, og)) in q.chunks_exact(gw).zip(out.chunks_exact_mut(gw)).enumerate() {
         attention_group(&args, qg, kv_head, og, scratch);
@@ -155,8 +171,16 @@ pub fn paged_attention_batch(
 ) {
     let group = check_heads(layout, n_heads);
     let width = n_heads * layout.head_dim;
-    assert_eq!(q.len(), rows.len() * width, "paged_attention_batch: q must be rows × n_heads × head_dim");
-    assert_eq!(out.len(), rows.len() * width, "paged_attention_batch: out must be rows × n_heads × head_dim");
+    assert_eq!(
+        q.len(),
+        rows.len() * width,
+        "paged_attention_batch: q must be rows × n_heads × head_dim"
+    );
+    assert_eq!(
+        out.len(),
+        rows.len() * width,
+        "paged_attention_batch: out must be rows × n_heads × head_dim"
+    );
     for row in rows {
         check_row(layout, k_cache, v_cache, row.block_table, row.context_len);
     }
@@ -166,19 +190,22 @@ pub fn paged_attention_batch(
     let gw = group * layout.head_dim;
     let n_kv = layout.num_kv_heads;
     pool.install(|| {
-        out.par_chunks_mut(gw).zip(q.par_chunks(gw)).enumerate().for_each(|(task, (og, qg))| {
-            let row = &rows[task / n_kv];
-            let args = HeadArgs {
-                layout,
-                k_cache,
-                v_cache,
-                block_table: row.block_table,
-                context_len: row.context_len,
-                scale,
-                order,
-            };
-            SCRATCH.with(|s| attention_group(&args, qg, task % n_kv, og, &mut s.borrow_mut()));
-        });
+        out.par_chunks_mut(gw)
+            .zip(q.par_chunks(gw))
+            .enumerate()
+            .for_each(|(task, (og, qg))| {
+                let row = &rows[task / n_kv];
+                let args = HeadArgs {
+                    layout,
+                    k_cache,
+                    v_cache,
+                    block_table: row.block_table,
+                    context_len: row.context_len,
+                    scale,
+                    order,
+                };
+                SCRATCH.with(|s| attention_group(&args, qg, task % n_kv, og, &mut s.borrow_mut()));
+            });
     });
 }
 
@@ -200,7 +227,15 @@ pub fn paged_attention_reference(
     assert_eq!(q.len(), n_heads * layout.head_dim);
     assert_eq!(out.len(), n_heads * layout.head_dim);
     check_row(layout, k_cache, v_cache, block_table, context_len);
-    let args = HeadArgs { layout, k_cache, v_cache, block_table, context_len, scale, order };
+    let args = HeadArgs {
+        layout,
+        k_cache,
+        v_cache,
+        block_table,
+        context_len,
+        scale,
+        order,
+    };
     let gw = group * layout.head_dim;
     let mut scratch = AttentionScratch::new();
     for (kv_head, (qg, og)) in q.chunks_exact(gw).zip(out.chunks_exact_mut(gw)).enumerate() {
@@ -211,7 +246,9 @@ pub fn paged_attention_reference(
 /// Returns the number of query heads per KV head.
 fn check_heads(layout: &KvLayout, n_heads: usize) -> usize {
     assert!(
-        layout.num_kv_heads > 0 && layout.block_size > 0 && n_heads.is_multiple_of(layout.num_kv_heads),
+        layout.num_kv_heads > 0
+            && layout.block_size > 0
+            && n_heads.is_multiple_of(layout.num_kv_heads),
         "attention: n_heads must be a positive multiple of num_kv_heads"
     );
     n_heads / layout.num_kv_heads
@@ -219,12 +256,28 @@ fn check_heads(layout: &KvLayout, n_heads: usize) -> usize {
 
 /// The block table must cover the context and name blocks inside both caches; after this check
 /// every K/V row the kernels read is in bounds.
-fn check_row(layout: &KvLayout, k_cache: &[f16], v_cache: &[f16], block_table: &[u32], context_len: usize) {
+fn check_row(
+    layout: &KvLayout,
+    k_cache: &[f16],
+    v_cache: &[f16],
+    block_table: &[u32],
+    context_len: usize,
+) {
     assert!(context_len > 0, "attention: empty context");
     let blocks = context_len.div_ceil(layout.block_size);
-    assert!(block_table.len() >= blocks, "attention: block table too short for the context");
-    let end = block_table[..blocks].iter().map(|&b| (b as usize + 1) * layout.block_elems()).max().unwrap_or(0);
-    assert!(end <= k_cache.len() && end <= v_cache.len(), "attention: block id outside the cache");
+    assert!(
+        block_table.len() >= blocks,
+        "attention: block table too short for the context"
+    );
+    let end = block_table[..blocks]
+        .iter()
+        .map(|&b| (b as usize + 1) * layout.block_elems())
+        .max()
+        .unwrap_or(0);
+    assert!(
+        end <= k_cache.len() && end <= v_cache.len(),
+        "attention: block id outside the cache"
+    );
 }
 
 /// Everything a kernel needs about one sequence's attention, besides the query.
@@ -239,7 +292,13 @@ struct HeadArgs<'a> {
 }
 
 /// The query heads `q` (`group × head_dim`) that share `kv_head`, into `out` (same shape).
-fn attention_group(args: &HeadArgs, q: &[f32], kv_head: usize, out: &mut [f32], scratch: &mut AttentionScratch) {
+fn attention_group(
+    args: &HeadArgs,
+    q: &[f32],
+    kv_head: usize,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) {
     #[cfg(target_arch = "x86_64")]
     if crate::simd_level() == crate::SimdLevel::Avx2 {
         // SAFETY: the CPU supports AVX2, FMA and F16C (checked by simd_level); rows were

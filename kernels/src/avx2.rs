@@ -1,33 +1,23 @@
-//! AVX2 + FMA + F16C matmul: activation quantization and register-tiled quantized dot products.
+//! AVX2 + FMA + F16C quantized matmul kernels (activation packing lives in `pack`).
 //!
 //! Results are bit-identical to the scalar reference in `dot.rs` (and so to ggml's AVX2 build):
 //! per weight-row × activation-row pair, eight f32 lanes receive `fma(dw·da, lane_sum, acc)` per
 //! block and are reduced with `hsum8`; integer lane sums are exact whichever instructions make
-//! them. Speed comes from reuse, not from reordering: a tile of `WR` weight rows × `AR`
-//! activation rows shares each unpacked weight block across `AR` activation rows and each
-//! activation block across `WR` weight rows. Activations are stored split (`qs`, `d`, `s` as f32)
-//! so that the inner loop never converts f16 scales of the activations.
+//! them. Speed comes from reuse and memory-level parallelism, never from reordering the float
+//! arithmetic: decode (m = 1) interleaves 4 weight rows and prefetches ahead because it streams
+//! the weights from DRAM; prefill tiles 1 weight row × 8 activation rows so that each unpacked
+//! weight block is reused 8 times, over a block of rows that stays in L1.
+
+pub(crate) mod math;
+mod pack;
 
 use crate::matmul::{MatmulScratch, OutPtr, QMatrix, for_each_row_chunk};
 use crate::quant::{
     ActivationType, Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType,
 };
+pub(crate) use pack::PackedActs;
 use std::arch::x86_64::*;
 use std::ops::Range;
-
-/// Activations quantized for the AVX2 kernels, block-major so that the activation rows a tile
-/// reads for one weight block are adjacent: block `b` of row `a` is `qs[(b*m + a)*32..]`, its
-/// scale `d[(b*m + a)*8..]` (8 copies, ready to multiply as a vector), and (Q8_1) its sum
-/// `s[b*s_stride + a]`. Scales and sums are already rounded through f16.
-#[derive(Default)]
-pub(crate) struct PackedActs {
-    nb: usize,
-    m: usize,
-    s_stride: usize,
-    qs: Vec<i8>,
-    d: Vec<f32>,
-    s: Vec<f32>,
-}
 
 pub(crate) fn matmul(
     w: &QMatrix,
@@ -43,7 +33,7 @@ pub(crate) fn matmul(
         return crate::matmul::matmul_scalar(w, x, m, out, scratch, pool);
     }
     let with_sums = w.ty.vec_dot_type() == ActivationType::Q8_1;
-    pack_acts(x, m, w.cols, with_sums, &mut scratch.packed);
+    pack::pack_acts(x, m, w.cols, with_sums, &mut scratch.packed);
     let acts = &scratch.packed;
     let out = OutPtr::new(out);
     let work = |rows: Range<usize>| {
@@ -58,95 +48,6 @@ pub(crate) fn matmul(
         }
     };
     for_each_row_chunk(pool, w.rows, WR, &work);
-}
-
-fn pack_acts(x: &[f32], m: usize, cols: usize, with_sums: bool, p: &mut PackedActs) {
-    let nb = cols / QK;
-    p.nb = nb;
-    p.m = m;
-    // Padding lets a tile read 8 sums starting at any activation row.
-    p.s_stride = m.next_multiple_of(8) + 8;
-    p.qs.resize(m * nb * QK, 0);
-    p.d.resize(m * nb * 8, 0.0);
-    p.s.clear();
-    if with_sums {
-        p.s.resize(nb * p.s_stride, 0.0);
-    }
-    for a in 0..m {
-        // SAFETY: AVX2/F16C detected by the caller's dispatch; buffers sized above.
-        unsafe { quantize_row(&x[a * cols..(a + 1) * cols], a, p, with_sums) };
-    }
-}
-
-/// ggml's AVX2 `quantize_row_q8_0` / `quantize_row_q8_1` for activation row `a`, written into
-/// the block-major layout of `p`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_row(x: &[f32], a: usize, p: &mut PackedActs, with_sums: bool) {
-    let m = p.m;
-    assert!(
-        x.len() == p.nb * QK && a < m && p.qs.len() == m * x.len() && p.d.len() == m * p.nb * 8
-    );
-    assert!(!with_sums || p.s.len() == p.nb * p.s_stride);
-    let sign = _mm256_set1_ps(-0.0);
-    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (b, xb) in x.chunks_exact(QK).enumerate() {
-        let px = xb.as_ptr();
-        let slot = b * m + a;
-        // SAFETY: `xb` has 32 elements; `qs` has 32 bytes at `slot * 32` (asserted above).
-        unsafe {
-            let v = [
-                _mm256_loadu_ps(px),
-                _mm256_loadu_ps(px.add(8)),
-                _mm256_loadu_ps(px.add(16)),
-                _mm256_loadu_ps(px.add(24)),
-            ];
-            let mut max_abs = _mm256_andnot_ps(sign, v[0]);
-            for vi in &v[1..] {
-                max_abs = _mm256_max_ps(max_abs, _mm256_andnot_ps(sign, *vi));
-            }
-            let mut max4 = _mm_max_ps(
-                _mm256_extractf128_ps(max_abs, 1),
-                _mm256_castps256_ps128(max_abs),
-            );
-            max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
-            max4 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
-            let amax = _mm_cvtss_f32(max4);
-            let scale = amax / 127.0;
-            p.d[slot * 8..slot * 8 + 8].fill(round_f16(scale));
-            let mul = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-            let i: [__m256i; 4] = std::array::from_fn(|j| {
-                _mm256_cvtps_epi32(_mm256_round_ps::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(
-                    v[j], mul,
-                )))
-            });
-            if with_sums {
-                let sum = hsum_i32_8(_mm256_add_epi32(
-                    _mm256_add_epi32(i[0], i[1]),
-                    _mm256_add_epi32(i[2], i[3]),
-                ));
-                p.s[b * p.s_stride + a] = round_f16(scale * sum as f32);
-            }
-            let lo = _mm256_packs_epi32(i[0], i[1]);
-            let hi = _mm256_packs_epi32(i[2], i[3]);
-            let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), perm);
-            _mm256_storeu_si256(p.qs.as_mut_ptr().add(slot * QK).cast(), bytes);
-        }
-    }
-}
-
-#[inline(always)]
-fn round_f16(v: f32) -> f32 {
-    half::f16::from_f32(v).to_f32()
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum_i32_8(a: __m256i) -> i32 {
-    let sum128 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    let hi64 = _mm_unpackhi_epi64(sum128, sum128);
-    let sum64 = _mm_add_epi32(hi64, sum128);
-    let hi32 = _mm_shuffle_epi32(sum64, 0b10_11_00_01);
-    _mm_cvtsi128_si32(_mm_add_epi32(sum64, hi32))
 }
 
 /// ggml's `hsum_float_8`: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.

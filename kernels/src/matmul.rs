@@ -69,8 +69,9 @@ impl<'a> QMatrix<'a> {
             self.ty.check_cols(self.cols).is_ok(),
             "QMatrix cols not a block multiple"
         );
+        let needed = self.rows.checked_mul(self.row_bytes());
         assert!(
-            self.data.len() >= self.rows * self.row_bytes(),
+            needed.is_some_and(|n| self.data.len() >= n),
             "QMatrix data shorter than rows × row_bytes"
         );
     }

@@ -59,6 +59,24 @@ pub fn rope(
         &mut heap_cache
     };
     rope_cache(cache, head_dim, pos, freq_base);
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd_level() == crate::SimdLevel::Avx2 {
+        // SAFETY: the CPU supports FMA (checked by simd_level).
+        return unsafe { rotate_fma(x, head_dim, cache, mode) };
+    }
+    rotate(x, head_dim, cache, mode);
+}
+
+/// [`rotate`] compiled with FMA so that `mul_add` is one instruction instead of a libm call.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn rotate_fma(x: &mut [f32], head_dim: usize, cache: &[(f32, f32)], mode: RopeMode) {
+    rotate(x, head_dim, cache, mode);
+}
+
+#[inline(always)]
+fn rotate(x: &mut [f32], head_dim: usize, cache: &[(f32, f32)], mode: RopeMode) {
+    let pairs = head_dim / 2;
     for head in x.chunks_exact_mut(head_dim) {
         for (i, &(cos, sin)) in cache.iter().enumerate() {
             let (a, b) = match mode {
@@ -86,6 +104,18 @@ fn rope_cache(cache: &mut [(f32, f32)], n_dims: usize, pos: u32, freq_base: f32)
 
 /// `out = silu(gate) * up`, silu(x) = x / (1 + exp(-x)).
 pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert_eq!(gate.len(), up.len(), "swiglu: up length");
+    assert_eq!(gate.len(), out.len(), "swiglu: output length");
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd_level() == crate::SimdLevel::Avx2 {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked by simd_level).
+        return unsafe { crate::avx2::math::swiglu(gate, up, out) };
+    }
+    swiglu_reference(gate, up, out);
+}
+
+/// Portable [`swiglu`] (the oracle for the vector path; same results bit for bit).
+pub fn swiglu_reference(gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert_eq!(gate.len(), up.len(), "swiglu: up length");
     assert_eq!(gate.len(), out.len(), "swiglu: output length");
     let full = gate.len() / 8 * 8;

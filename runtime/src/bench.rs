@@ -78,7 +78,10 @@ pub(crate) struct Trace {
 
 /// Runs the whole benchmark on `runtime`'s engine.
 pub fn run_bench(runtime: &Runtime, options: &BenchOptions) -> Result<BenchReport, BenchError> {
-    if options.prompt_tokens == 0 || options.decode_tokens == 0 || options.concurrent_decode_tokens < 2 {
+    if options.prompt_tokens == 0
+        || options.decode_tokens == 0
+        || options.concurrent_decode_tokens < 2
+    {
         return Err(BenchError::InvalidOptions(
             "prompt and decode lengths must be at least 1 (2 for concurrent streams)".into(),
         ));
@@ -124,15 +127,29 @@ pub fn run_bench(runtime: &Runtime, options: &BenchOptions) -> Result<BenchRepor
 /// Tokens per second once every stream is decoding: tokens after the last first token, over
 /// the time from then to the last token.
 pub(crate) fn steady_decode_rate(traces: &[Trace]) -> f64 {
-    let Some(start) = traces.iter().filter_map(|t| t.tokens.first()).max().copied() else {
+    let Some(start) = traces
+        .iter()
+        .filter_map(|t| t.tokens.first())
+        .max()
+        .copied()
+    else {
         return 0.0;
     };
-    let end = traces.iter().filter_map(|t| t.tokens.last()).max().copied().unwrap_or(start);
+    let end = traces
+        .iter()
+        .filter_map(|t| t.tokens.last())
+        .max()
+        .copied()
+        .unwrap_or(start);
     let tokens = traces
         .iter()
         .map(|t| t.tokens.iter().filter(|&&at| at > start).count())
         .sum::<usize>();
-    if end <= start { 0.0 } else { tokens as f64 / secs(end - start) }
+    if end <= start {
+        0.0
+    } else {
+        tokens as f64 / secs(end - start)
+    }
 }
 
 /// Submits every `(prompt, max_tokens)` request at once (greedy, EOS ignored, so each yields
@@ -149,11 +166,17 @@ pub(crate) fn drive(
         let request = GenerationRequest {
             prompt,
             sampling: SamplingParams::default(),
-            stop: StopParams { max_tokens, stop_strings: Vec::new(), ignore_eos: true },
+            stop: StopParams {
+                max_tokens,
+                stop_strings: Vec::new(),
+                ignore_eos: true,
+            },
             reservation: None,
             label: format!("{label}-{i}"),
         };
-        let handle = engine.submit(request).map_err(|e| BenchError::Submit(e.to_string()))?;
+        let handle = engine
+            .submit(request)
+            .map_err(|e| BenchError::Submit(e.to_string()))?;
         handles.push((submitted, max_tokens, handle));
     }
     std::thread::scope(|scope| {
@@ -170,7 +193,10 @@ pub(crate) fn drive(
                         }
                     }
                     if tokens.len() != max_tokens {
-                        return Err(BenchError::ShortOutput { got: tokens.len(), expected: max_tokens });
+                        return Err(BenchError::ShortOutput {
+                            got: tokens.len(),
+                            expected: max_tokens,
+                        });
                     }
                     Ok(Trace { submitted, tokens })
                 })
@@ -178,7 +204,10 @@ pub(crate) fn drive(
             .collect();
         readers
             .into_iter()
-            .map(|r| r.join().unwrap_or_else(|_| Err(BenchError::Failed("reader thread panicked".into()))))
+            .map(|r| {
+                r.join()
+                    .unwrap_or_else(|_| Err(BenchError::Failed("reader thread panicked".into())))
+            })
             .collect()
     })
 }
@@ -234,8 +263,14 @@ mod tests {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         // Stream A starts decoding at 0 ms, stream B only at 100 ms; both end at 200 ms.
-        let a = Trace { submitted: t0, tokens: (0..=20).map(|i| at(i * 10)).collect() };
-        let b = Trace { submitted: t0, tokens: (10..=20).map(|i| at(i * 10)).collect() };
+        let a = Trace {
+            submitted: t0,
+            tokens: (0..=20).map(|i| at(i * 10)).collect(),
+        };
+        let b = Trace {
+            submitted: t0,
+            tokens: (10..=20).map(|i| at(i * 10)).collect(),
+        };
         // After 100 ms: A has 10 tokens, B has 10 → 20 tokens in 0.1 s.
         let rate = steady_decode_rate(&[a, b]);
         assert!((rate - 200.0).abs() < 1e-6, "{rate}");

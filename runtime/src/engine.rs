@@ -3,9 +3,11 @@
 //!
 //! Requests cross into the engine thread through a bounded command channel; tokens come back on
 //! a per-request bounded tokio channel sized so the engine never blocks on a slow reader
-//! (`max_tokens + 4` events at most are ever sent). Dropping the [`GenerationHandle`] closes that
-//! channel, which the engine treats as cancellation: the sequence is removed and its blocks are
-//! back in the pool by the next step.
+//! (capacity `max_tokens + 4`; at most `max_tokens + 1` events are ever sent). Dropping the
+//! [`GenerationHandle`] closes that channel, which the engine treats as cancellation: the
+//! sequence is removed and its blocks are back in the pool by the next step. A stream's final
+//! `Finished`/`Error` is sent only after the sequence's blocks and reservation are back in the
+//! pool and the stats count it.
 //!
 //! Shutdown (explicit, or when the last `Engine` handle is dropped) aborts: every waiting and
 //! running sequence receives `TokenEvent::Error("engine shut down")` and the thread exits. A

@@ -157,8 +157,13 @@ impl Runtime {
 
 /// `…/SmolLM2-135M-Instruct.Q4_1.gguf` → `SmolLM2-135M-Instruct.Q4_1`.
 fn model_name(path: &Path) -> String {
-    let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-    file.strip_suffix(".gguf").map(str::to_string).unwrap_or(file)
+    let file = path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    file.strip_suffix(".gguf")
+        .map(str::to_string)
+        .unwrap_or(file)
 }
 
 #[cfg(test)]

@@ -122,7 +122,11 @@ impl ModelConfig {
 
         let rope_freq_base = float_or(gguf, &key("rope.freq_base"), 10_000.0)?;
         let rms_eps = match gguf.get(&key("attention.layer_norm_rms_epsilon")) {
-            None => return Err(ModelError::MissingKey(key("attention.layer_norm_rms_epsilon"))),
+            None => {
+                return Err(ModelError::MissingKey(key(
+                    "attention.layer_norm_rms_epsilon",
+                )));
+            }
             Some(_) => float_or(gguf, &key("attention.layer_norm_rms_epsilon"), 0.0)?,
         };
 
@@ -134,7 +138,10 @@ impl ModelConfig {
             None => embd.dims.get(1).copied().unwrap_or(0) as usize,
         };
         if vocab_size == 0 {
-            return Err(invalid("tokenizer.ggml.tokens", "the vocabulary is empty".into()));
+            return Err(invalid(
+                "tokenizer.ggml.tokens",
+                "the vocabulary is empty".into(),
+            ));
         }
         Ok(ModelConfig {
             architecture: arch.to_string(),
@@ -194,7 +201,10 @@ fn float_or(gguf: &GgufFile, key: &str, default: f32) -> Result<f32, ModelError>
     };
     match v.as_f32() {
         Some(f) if f.is_finite() && f >= 0.0 => Ok(f),
-        _ => Err(invalid(key, format!("expected a finite non-negative float, found {v:?}"))),
+        _ => Err(invalid(
+            key,
+            format!("expected a finite non-negative float, found {v:?}"),
+        )),
     }
 }
 
@@ -207,7 +217,9 @@ fn check_no_rope_scaling(gguf: &GgufFile, arch: &str) -> Result<(), ModelError> 
     }
     let factor = gguf.get_f32(&format!("{arch}.rope.scaling.factor"));
     if factor.is_some_and(|f| f != 0.0 && f != 1.0) {
-        return Err(ModelError::Unsupported(format!("rope scaling factor {factor:?}")));
+        return Err(ModelError::Unsupported(format!(
+            "rope scaling factor {factor:?}"
+        )));
     }
     if gguf.tensor("rope_freqs.weight").is_some() {
         return Err(ModelError::Unsupported(
@@ -245,14 +257,22 @@ mod tests {
         assert!(config.tied_embeddings);
         let weights = ModelWeights::bind(&gguf, &config).expect("weights bind");
         assert_eq!(weights.layers.len(), 2);
-        assert_eq!((weights.layers[0].wk.rows, weights.layers[0].wk.cols), (32, 64));
+        assert_eq!(
+            (weights.layers[0].wk.rows, weights.layers[0].wk.cols),
+            (32, 64)
+        );
         assert_eq!(weights.output.info.name, "token_embd.weight");
         assert_eq!(weights.layers[1].ffn_norm.f32_values(&gguf).len(), 64);
     }
 
     #[test]
     fn unsupported_architecture_is_named() {
-        let gguf = open("qwen.gguf", tiny_llama(TINY, None).str("general.architecture", "qwen2").build());
+        let gguf = open(
+            "qwen.gguf",
+            tiny_llama(TINY, None)
+                .str("general.architecture", "qwen2")
+                .build(),
+        );
         let err = ModelConfig::from_gguf(&gguf).expect_err("qwen2 is not llama");
         assert_eq!(err, ModelError::UnsupportedArchitecture("qwen2".into()));
         assert!(err.to_string().contains("qwen2") && err.to_string().contains("llama"));
@@ -263,12 +283,17 @@ mod tests {
         // A key set to the wrong type reads as missing/invalid; drop one by renaming arch keys.
         let gguf = open(
             "nokey.gguf",
-            tiny_llama(TINY, None).str("llama.block_count", "thirty").build(),
+            tiny_llama(TINY, None)
+                .str("llama.block_count", "thirty")
+                .build(),
         );
         let err = ModelConfig::from_gguf(&gguf).expect_err("string block count");
         assert!(err.to_string().contains("llama.block_count"), "{err}");
 
-        let gguf = open("notensor.gguf", tiny_llama(TINY, Some("blk.1.ffn_up.weight")).build());
+        let gguf = open(
+            "notensor.gguf",
+            tiny_llama(TINY, Some("blk.1.ffn_up.weight")).build(),
+        );
         let config = ModelConfig::from_gguf(&gguf).expect("config does not need the tensor");
         let err = ModelWeights::bind(&gguf, &config).expect_err("tensor missing");
         assert_eq!(err, ModelError::MissingTensor("blk.1.ffn_up.weight".into()));
@@ -277,7 +302,12 @@ mod tests {
     #[test]
     fn shape_mismatch_is_reported() {
         // Claim a wider FFN than the tensors have.
-        let gguf = open("shape.gguf", tiny_llama(TINY, None).u32("llama.feed_forward_length", 128).build());
+        let gguf = open(
+            "shape.gguf",
+            tiny_llama(TINY, None)
+                .u32("llama.feed_forward_length", 128)
+                .build(),
+        );
         let config = ModelConfig::from_gguf(&gguf).expect("config parses");
         let err = ModelWeights::bind(&gguf, &config).expect_err("ffn shape differs");
         assert!(
@@ -288,16 +318,31 @@ mod tests {
 
     #[test]
     fn inconsistent_heads_are_rejected() {
-        let gguf = open("heads.gguf", tiny_llama(TINY, None).u32("llama.attention.head_count_kv", 3).build());
+        let gguf = open(
+            "heads.gguf",
+            tiny_llama(TINY, None)
+                .u32("llama.attention.head_count_kv", 3)
+                .build(),
+        );
         let err = ModelConfig::from_gguf(&gguf).expect_err("3 does not divide 2");
         assert!(err.to_string().contains("head_count_kv"), "{err}");
-        let gguf = open("zero.gguf", tiny_llama(TINY, None).u32("llama.attention.head_count", 0).build());
+        let gguf = open(
+            "zero.gguf",
+            tiny_llama(TINY, None)
+                .u32("llama.attention.head_count", 0)
+                .build(),
+        );
         assert!(ModelConfig::from_gguf(&gguf).is_err());
     }
 
     #[test]
     fn rope_scaling_is_refused_not_ignored() {
-        let gguf = open("yarn.gguf", tiny_llama(TINY, None).str("llama.rope.scaling.type", "yarn").build());
+        let gguf = open(
+            "yarn.gguf",
+            tiny_llama(TINY, None)
+                .str("llama.rope.scaling.type", "yarn")
+                .build(),
+        );
         let err = ModelConfig::from_gguf(&gguf).expect_err("yarn unsupported");
         assert!(err.to_string().contains("yarn"), "{err}");
     }

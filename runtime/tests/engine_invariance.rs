@@ -11,7 +11,11 @@ use kvgate_runtime::engine::{
 use kvgate_runtime::loader::{Runtime, RuntimeOptions};
 
 fn runtime(kv_memory_bytes: u64) -> Runtime {
-    let opts = RuntimeOptions { kv_memory_bytes, threads: Some(2), ..RuntimeOptions::default() };
+    let opts = RuntimeOptions {
+        kv_memory_bytes,
+        threads: Some(2),
+        ..RuntimeOptions::default()
+    };
     Runtime::start(&model_path(), opts).expect("runtime starts")
 }
 
@@ -19,19 +23,27 @@ fn request(prompt: Vec<u32>, max_tokens: usize, label: &str) -> GenerationReques
     GenerationRequest {
         prompt,
         sampling: SamplingParams::default(),
-        stop: StopParams { max_tokens, stop_strings: Vec::new(), ignore_eos: true },
+        stop: StopParams {
+            max_tokens,
+            stop_strings: Vec::new(),
+            ignore_eos: true,
+        },
         reservation: None,
         label: label.into(),
     }
 }
 
 fn observed_prompt(rt: &Runtime) -> Vec<u32> {
-    rt.tokenizer.encode("<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n", true)
+    rt.tokenizer.encode(
+        "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+        true,
+    )
 }
 
 /// Mixed-length filler prompts (5..120 tokens).
 fn filler(rt: &Runtime, i: usize) -> Vec<u32> {
-    let text = "The history of paged memory in operating systems begins with the Atlas computer. ".repeat(1 + i % 8);
+    let text = "The history of paged memory in operating systems begins with the Atlas computer. "
+        .repeat(1 + i % 8);
     let mut ids = rt.tokenizer.encode(&format!("{i}: {text}"), false);
     ids.truncate(5 + (i * 37) % 116);
     ids
@@ -54,13 +66,22 @@ fn collect(mut handle: kvgate_runtime::engine::GenerationHandle) -> Vec<u32> {
 fn greedy_tokens_do_not_depend_on_the_batch() {
     let rt = runtime(256 << 20);
     let prompt = observed_prompt(&rt);
-    let alone = generate_blocking(&rt.engine, request(prompt.clone(), 24, "alone")).expect("alone").tokens;
+    let alone = generate_blocking(&rt.engine, request(prompt.clone(), 24, "alone"))
+        .expect("alone")
+        .tokens;
     assert_eq!(alone.len(), 24);
 
     // The observed sequence first, then 15 others of mixed lengths, all submitted together.
-    let observed = rt.engine.submit(request(prompt.clone(), 24, "observed")).expect("submit");
+    let observed = rt
+        .engine
+        .submit(request(prompt.clone(), 24, "observed"))
+        .expect("submit");
     let others: Vec<_> = (0..15)
-        .map(|i| rt.engine.submit(request(filler(&rt, i), 8 + i * 2, "filler")).expect("submit"))
+        .map(|i| {
+            rt.engine
+                .submit(request(filler(&rt, i), 8 + i * 2, "filler"))
+                .expect("submit")
+        })
         .collect();
     let batched = collect(observed);
     for (i, h) in others.into_iter().enumerate() {
@@ -77,18 +98,26 @@ fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
     // cannot all fit and get preempted (recomputed later).
     let rt = runtime(40 * 16 * 23_040);
     let prompt = observed_prompt(&rt);
-    let alone = generate_blocking(&rt.engine, request(prompt.clone(), 40, "alone")).expect("alone").tokens;
+    let alone = generate_blocking(&rt.engine, request(prompt.clone(), 40, "alone"))
+        .expect("alone")
+        .tokens;
 
     let blocks = (prompt.len() + 40).div_ceil(16);
     let reservation = rt.engine.pool().try_reserve(blocks).expect("pool is empty");
     let mut observed_request = request(prompt.clone(), 40, "observed");
     observed_request.reservation = Some(reservation);
     let observed = rt.engine.submit(observed_request).expect("submit");
-    let long_text = "Paged attention stores the key and value vectors of each sequence in fixed-size blocks. ".repeat(20);
+    let long_text =
+        "Paged attention stores the key and value vectors of each sequence in fixed-size blocks. "
+            .repeat(20);
     let mut neighbours = (0..5).map(|i| {
-        let mut p = rt.tokenizer.encode(&format!("Neighbour {i}. {long_text}"), false);
+        let mut p = rt
+            .tokenizer
+            .encode(&format!("Neighbour {i}. {long_text}"), false);
         p.truncate(150);
-        rt.engine.submit(request(p, 100, "neighbour")).expect("submit")
+        rt.engine
+            .submit(request(p, 100, "neighbour"))
+            .expect("submit")
     });
     // Cancel one neighbour once it has produced a token.
     let mut cancelled = neighbours.next().expect("a neighbour");
@@ -104,8 +133,14 @@ fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
         assert_eq!(collect(h).len(), 100, "a preempted sequence still finishes");
     }
     let stats = rt.engine.stats();
-    assert!(stats.preemptions_total > 0, "the workload was meant to force preemption: {stats:?}");
+    assert!(
+        stats.preemptions_total > 0,
+        "the workload was meant to force preemption: {stats:?}"
+    );
     assert!(stats.cancellations_total > 0, "{stats:?}");
-    assert_eq!(got, alone, "preemption or cancellation of neighbours changed the greedy tokens");
+    assert_eq!(
+        got, alone,
+        "preemption or cancellation of neighbours changed the greedy tokens"
+    );
     rt.engine.shutdown();
 }

@@ -11,7 +11,10 @@ use common::{Part, argmax, backend, greedy, step};
 const MAX_MARGIN_FOR_DIVERGENCE: f64 = 0.1;
 
 fn fixtures() -> serde_json::Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/llama_cpp/greedy.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/llama_cpp/greedy.json"
+    );
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
     serde_json::from_str(&text).expect("greedy.json parses")
 }
@@ -31,7 +34,12 @@ fn greedy_tokens_match_llama_cpp() {
     let steps = fixtures["steps"].as_u64().expect("steps") as usize;
     let mut be = backend(64, 2);
     let mut report = Vec::new();
-    for (n, case) in fixtures["cases"].as_array().expect("cases").iter().enumerate() {
+    for (n, case) in fixtures["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .enumerate()
+    {
         let prompt = ids(&case["prompt_ids"]);
         let want = ids(&case["greedy_ids"]);
         let margins: Vec<f64> = case["top2_margins"]
@@ -44,7 +52,11 @@ fn greedy_tokens_match_llama_cpp() {
         let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
         match first_diff {
             None => {
-                assert_eq!(got.len(), want.len(), "case {n}: same tokens but a different length");
+                assert_eq!(
+                    got.len(),
+                    want.len(),
+                    "case {n}: same tokens but a different length"
+                );
                 report.push(format!("case {n}: identical ({} tokens)", got.len()));
             }
             Some(i) => {
@@ -54,7 +66,10 @@ fn greedy_tokens_match_llama_cpp() {
                      (only < {MAX_MARGIN_FOR_DIVERGENCE} is acceptable)\n  kvgate:    {got:?}\n  llama.cpp: {want:?}",
                     margins[i]
                 );
-                report.push(format!("case {n}: diverged at step {i} (margin {:.3})", margins[i]));
+                report.push(format!(
+                    "case {n}: diverged at step {i} (margin {:.3})",
+                    margins[i]
+                ));
             }
         }
     }
@@ -65,10 +80,22 @@ fn greedy_tokens_match_llama_cpp() {
 fn first_step_logits_are_close_to_llama_cpp() {
     let fixtures = fixtures();
     let mut be = backend(64, 2);
-    for (n, case) in fixtures["cases"].as_array().expect("cases").iter().enumerate() {
+    for (n, case) in fixtures["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .enumerate()
+    {
         let prompt = ids(&case["prompt_ids"]);
         let blocks: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
-        let logits = step(&mut be, &[Part { tokens: &prompt, start: 0, blocks: &blocks }]);
+        let logits = step(
+            &mut be,
+            &[Part {
+                tokens: &prompt,
+                start: 0,
+                blocks: &blocks,
+            }],
+        );
         let top = case["first_step_top10"].as_array().expect("top10");
         for pair in top {
             let id = pair[0].as_u64().expect("id") as usize;
@@ -79,6 +106,10 @@ fn first_step_logits_are_close_to_llama_cpp() {
                 "case {n}: logit of token {id} is {got}, llama.cpp has {want}"
             );
         }
-        assert_eq!(argmax(&logits[0]) as u64, top[0][0].as_u64().expect("id"), "case {n}");
+        assert_eq!(
+            argmax(&logits[0]) as u64,
+            top[0][0].as_u64().expect("id"),
+            "case {n}"
+        );
     }
 }

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use kvgate_gateway::metrics::exposition::Scrape;
 use kvgate_gateway::metrics::{
-    BUILD_INFO, ENGINE_STEPS_TOTAL, GENERATION_TOKENS_TOTAL, KV_BLOCK_SIZE_TOKENS, KV_BLOCKS, KV_CAPACITY_BYTES,
-    MEMORY_ALLOCATED_BYTES, MEMORY_BUDGET_BYTES, MEMORY_PEAK_ALLOCATED_BYTES, PREEMPTIONS_TOTAL,
-    PROCESS_RESIDENT_MEMORY_BYTES, QUEUED_TOKENS, REQUESTS_IN_FLIGHT, REQUESTS_QUEUED, REQUESTS_REJECTED_TOTAL,
-    REQUESTS_TOTAL, SEQUENCES,
+    BUILD_INFO, ENGINE_STEPS_TOTAL, GENERATION_TOKENS_TOTAL, KV_BLOCK_SIZE_TOKENS, KV_BLOCKS,
+    KV_CAPACITY_BYTES, MEMORY_ALLOCATED_BYTES, MEMORY_BUDGET_BYTES, MEMORY_PEAK_ALLOCATED_BYTES,
+    PREEMPTIONS_TOTAL, PROCESS_RESIDENT_MEMORY_BYTES, QUEUED_TOKENS, REQUESTS_IN_FLIGHT,
+    REQUESTS_QUEUED, REQUESTS_REJECTED_TOTAL, REQUESTS_TOTAL, SEQUENCES,
 };
 use kvgate_runtime::kv_math::HumanSize;
 
@@ -27,18 +27,35 @@ pub struct Frame {
 }
 
 /// Per-second increase of the counters `name{labels…}` (summed) between two frames.
-pub fn rate(current: &Frame, previous: Option<&Frame>, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+pub fn rate(
+    current: &Frame,
+    previous: Option<&Frame>,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Option<f64> {
     let previous = previous?;
-    let seconds = current.at.checked_duration_since(previous.at)?.as_secs_f64();
+    let seconds = current
+        .at
+        .checked_duration_since(previous.at)?
+        .as_secs_f64();
     if seconds <= 0.0 {
         return None;
     }
-    Some(increase(previous.scrape.sum(name, labels), current.scrape.sum(name, labels)) / seconds)
+    Some(
+        increase(
+            previous.scrape.sum(name, labels),
+            current.scrape.sum(name, labels),
+        ) / seconds,
+    )
 }
 
 /// Counter increase from `before` to `after`; a decrease means the counter restarted from 0.
 pub fn increase(before: f64, after: f64) -> f64 {
-    if after >= before { after - before } else { after }
+    if after >= before {
+        after - before
+    } else {
+        after
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -92,8 +109,19 @@ impl TopView {
             .series(BUILD_INFO)
             .next()
             .map(|b| {
-                let label = |k| b.label(k).unwrap_or("?");
-                format!("model {} ({}), kvgate {}", label("model"), label("backend"), label("version"))
+                [
+                    ("model", "model"),
+                    ("backend", "backend"),
+                    ("version", "kvgate"),
+                ]
+                .iter()
+                .filter_map(|(key, shown)| {
+                    b.label(key)
+                        .filter(|v| !v.is_empty())
+                        .map(|v| format!("{shown} {v}"))
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
             })
             .unwrap_or_default();
         TopView {
@@ -118,7 +146,12 @@ impl TopView {
 
     pub fn render(&self, url: &str, interval: Duration) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "kvgate top — {url} — every {:.1}s — {}\n", interval.as_secs_f64(), self.build);
+        let _ = writeln!(
+            out,
+            "kvgate top — {url} — every {:.1}s — {}\n",
+            interval.as_secs_f64(),
+            self.build
+        );
         let total = self.blocks_total.max(1.0);
         let (used, reserved) = (self.blocks_used / total, self.blocks_reserved / total);
         let _ = writeln!(
@@ -132,14 +165,25 @@ impl TopView {
             self.block_size,
             bytes(self.kv_bytes)
         );
-        let budget = if self.memory_budget > 0.0 { self.memory_budget } else { self.memory_peak.max(1.0) };
+        let budget = if self.memory_budget > 0.0 {
+            self.memory_budget
+        } else {
+            self.memory_peak.max(1.0)
+        };
         let _ = writeln!(
             out,
             "MEM  {}  allocated {}, peak {}, budget {}, rss {}",
-            bar(&[(self.memory_allocated / budget, '#'), ((self.memory_peak - self.memory_allocated) / budget, '^')]),
+            bar(&[
+                (self.memory_allocated / budget, '#'),
+                ((self.memory_peak - self.memory_allocated) / budget, '^')
+            ]),
             bytes(self.memory_allocated),
             bytes(self.memory_peak),
-            if self.memory_budget > 0.0 { bytes(self.memory_budget) } else { "none".into() },
+            if self.memory_budget > 0.0 {
+                bytes(self.memory_budget)
+            } else {
+                "none".into()
+            },
             self.resident.map_or("-".into(), bytes),
         );
         let _ = writeln!(
@@ -166,7 +210,8 @@ impl TopView {
                 t.queued_tokens,
                 per_sec(t.requests_per_sec),
                 per_sec(t.rejected_per_sec),
-                t.rejected_fraction().map_or("-".into(), |f| format!("{:.0}%", f * 100.0)),
+                t.rejected_fraction()
+                    .map_or("-".into(), |f| format!("{:.0}%", f * 100.0)),
                 t.top_reason.as_deref().unwrap_or("-")
             );
         }
@@ -176,10 +221,15 @@ impl TopView {
 
 fn tenant_rows(current: &Frame, previous: Option<&Frame>) -> Vec<TenantRow> {
     let s = &current.scrape;
-    let names: BTreeSet<String> = [REQUESTS_IN_FLIGHT, REQUESTS_QUEUED, REQUESTS_TOTAL, REQUESTS_REJECTED_TOTAL]
-        .iter()
-        .flat_map(|metric| s.label_values(metric, "tenant"))
-        .collect();
+    let names: BTreeSet<String> = [
+        REQUESTS_IN_FLIGHT,
+        REQUESTS_QUEUED,
+        REQUESTS_TOTAL,
+        REQUESTS_REJECTED_TOTAL,
+    ]
+    .iter()
+    .flat_map(|metric| s.label_values(metric, "tenant"))
+    .collect();
     names
         .into_iter()
         .map(|tenant| {
@@ -188,7 +238,12 @@ fn tenant_rows(current: &Frame, previous: Option<&Frame>) -> Vec<TenantRow> {
             let top_reason = reasons
                 .iter()
                 .filter_map(|r| {
-                    let per_sec = rate(current, previous, REQUESTS_REJECTED_TOTAL, &[t[0], ("reason", r)])?;
+                    let per_sec = rate(
+                        current,
+                        previous,
+                        REQUESTS_REJECTED_TOTAL,
+                        &[t[0], ("reason", r)],
+                    )?;
                     (per_sec > 0.0).then_some((per_sec, r))
                 })
                 .max_by(|a, b| a.0.total_cmp(&b.0))
@@ -212,7 +267,11 @@ pub fn bar(segments: &[(f64, char)]) -> String {
     cells.push('[');
     let mut filled = 0usize;
     for &(fraction, symbol) in segments {
-        let fraction = if fraction.is_finite() { fraction.clamp(0.0, 1.0) } else { 0.0 };
+        let fraction = if fraction.is_finite() {
+            fraction.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
         let n = ((fraction * BAR_WIDTH as f64).round() as usize).min(BAR_WIDTH - filled);
         cells.extend(std::iter::repeat_n(symbol, n));
         filled += n;
@@ -223,7 +282,11 @@ pub fn bar(segments: &[(f64, char)]) -> String {
 }
 
 fn bytes(value: f64) -> String {
-    if value.is_finite() && value >= 0.0 { HumanSize(value as usize).to_string() } else { "-".into() }
+    if value.is_finite() && value >= 0.0 {
+        HumanSize(value as usize).to_string()
+    } else {
+        "-".into()
+    }
 }
 
 fn per_sec(value: Option<f64>) -> String {

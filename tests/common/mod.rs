@@ -237,7 +237,7 @@ pub struct TenantSpec<'a> {
 pub fn policy(tenants: &[TenantSpec<'_>], tail: &str) -> String {
     let mut text = String::from(
         "[defaults]\n\
-         max_input_tokens = 1024\nmax_output_tokens = 256\nmax_total_tokens = 1536\n\
+         max_input_tokens = 1024\nmax_output_tokens = 512\nmax_total_tokens = 1536\n\
          max_messages = 32\nmax_concurrency = 8\nqueue_depth = 64\nqueue_tokens = 200000\n\
          max_queue_wait = \"60s\"\n",
     );

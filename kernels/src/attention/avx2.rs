@@ -3,6 +3,7 @@
 //! summation orders (tinyBLAS: 8 lanes, `vec_dot_f16`: 4×8 lanes) are the scalar code's.
 
 use super::{HeadArgs, ReductionOrder};
+use crate::avx2::math::v_expf;
 use std::arch::x86_64::*;
 
 /// The query heads `q` (`group × head_dim`) sharing `kv_head`, into `out`; head dims that are
@@ -42,7 +43,10 @@ pub(super) unsafe fn attention_group(
     // scratch buffers are sized above.
     unsafe {
         for c in (0..group * hd).step_by(8) {
-            _mm256_storeu_ps(q16.as_mut_ptr().add(c), round_f16(_mm256_loadu_ps(q.as_ptr().add(c))));
+            _mm256_storeu_ps(
+                q16.as_mut_ptr().add(c),
+                round_f16(_mm256_loadu_ps(q.as_ptr().add(c))),
+            );
         }
         let k_base = args.k_cache.as_ptr().cast::<u16>();
         for (pos, &r) in rows.iter().enumerate() {
@@ -234,91 +238,5 @@ fn softmax_probs_f16(scores: &mut [f32]) {
     }
     for v in chunks.into_remainder() {
         *v = half::f16::from_f32(*v * inv).to_f32();
-    }
-}
-
-/// ggml's AVX2 `ggml_v_expf`, instruction for instruction (see `ops::ggml_v_expf`).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn v_expf(x: __m256) -> __m256 {
-    let ps = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
-    let r = ps(0x4B40_0000);
-    let z = _mm256_fmadd_ps(x, ps(0x3FB8_AA3B), r);
-    let n = _mm256_sub_ps(z, r);
-    let b = _mm256_fnmadd_ps(n, ps(0x35BF_BE8E), _mm256_fnmadd_ps(n, ps(0x3F31_7200), x));
-    let e = _mm256_slli_epi32::<23>(_mm256_castps_si256(z));
-    let k = _mm256_castsi256_ps(_mm256_add_epi32(
-        e,
-        _mm256_castps_si256(_mm256_set1_ps(1.0)),
-    ));
-    let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
-    let c = _mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(126.0));
-    let u = _mm256_mul_ps(b, b);
-    let j = _mm256_fmadd_ps(
-        _mm256_fmadd_ps(
-            _mm256_fmadd_ps(ps(0x3C07_2010), b, ps(0x3D2B_9F17)),
-            u,
-            _mm256_fmadd_ps(ps(0x3E2A_AF33), b, ps(0x3EFF_FEDB)),
-        ),
-        u,
-        _mm256_mul_ps(ps(0x3F7F_FFF6), b),
-    );
-    if _mm256_movemask_ps(c) == 0 {
-        return _mm256_fmadd_ps(j, k, k);
-    }
-    let g = _mm256_and_si256(
-        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps())),
-        _mm256_set1_epi32(0x8200_0000u32 as i32),
-    );
-    let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7F00_0000)));
-    let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
-    let d = _mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(192.0));
-    _mm256_or_ps(
-        _mm256_and_ps(d, _mm256_mul_ps(s1, s1)),
-        _mm256_andnot_ps(
-            d,
-            _mm256_or_ps(
-                _mm256_and_ps(c, _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
-                _mm256_andnot_ps(c, _mm256_fmadd_ps(k, j, k)),
-            ),
-        ),
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn vector_exp_matches_scalar_port_bit_for_bit() {
-        if crate::simd_level() != crate::SimdLevel::Avx2 {
-            return;
-        }
-        let mut xs: Vec<f32> = (-2200..=1000).map(|i| i as f32 * 0.1 + 0.0137).collect();
-        xs.extend([
-            f32::NEG_INFINITY,
-            -0.0,
-            0.0,
-            88.7,
-            -87.5,
-            -103.9,
-            -126.5,
-            -150.0,
-            1e-30,
-        ]);
-        for chunk in xs.chunks(8) {
-            let mut lanes = [0.0f32; 8];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let mut got = [0.0f32; 8];
-            // SAFETY: AVX2/FMA/F16C checked above; arrays hold 8 floats.
-            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), v_expf(_mm256_loadu_ps(lanes.as_ptr()))) };
-            for (x, g) in lanes.iter().zip(got) {
-                assert_eq!(
-                    g.to_bits(),
-                    crate::ops::ggml_v_expf(*x).to_bits(),
-                    "exp({x})"
-                );
-            }
-        }
     }
 }

@@ -7,7 +7,13 @@ use crate::ops::ggml_v_expf;
 use half::f16;
 
 /// The query heads `q` (`group × head_dim`) sharing `kv_head`, into `out` (same shape).
-pub(super) fn attention_group(args: &HeadArgs, q: &[f32], kv_head: usize, out: &mut [f32], scratch: &mut Vec<f32>) {
+pub(super) fn attention_group(
+    args: &HeadArgs,
+    q: &[f32],
+    kv_head: usize,
+    out: &mut [f32],
+    scratch: &mut Vec<f32>,
+) {
     let hd = args.layout.head_dim;
     scratch.clear();
     scratch.resize(args.context_len + 33 * hd, 0.0);
@@ -137,4 +143,3 @@ fn weighted_values(
         };
     }
 }
-

@@ -207,54 +207,121 @@ fn batch_matches_per_row_calls() {
     let mut rng = StdRng::seed_from_u64(17);
     // Two sequences sharing one cache: write both through disjoint block tables.
     let f = fixture(&mut rng, 45, 40);
-    let other_table: Vec<u32> = (0..40u32).filter(|b| !f.block_table.contains(b)).take(3).collect();
+    let other_table: Vec<u32> = (0..40u32)
+        .filter(|b| !f.block_table.contains(b))
+        .take(3)
+        .collect();
     let mut k_cache = f.k_cache.clone();
     let mut v_cache = f.v_cache.clone();
     let n = LAYOUT.slot_elems();
     for pos in 0..10 {
         let k: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
         let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
-        write_kv(&LAYOUT, &mut k_cache, &mut v_cache, LAYOUT.slot_of(&other_table, pos), &k, &v);
+        write_kv(
+            &LAYOUT,
+            &mut k_cache,
+            &mut v_cache,
+            LAYOUT.slot_of(&other_table, pos),
+            &k,
+            &v,
+        );
     }
     let rows = [
-        AttentionRow { block_table: &f.block_table, context_len: 45 },
-        AttentionRow { block_table: &other_table, context_len: 10 },
-        AttentionRow { block_table: &f.block_table, context_len: 7 },
+        AttentionRow {
+            block_table: &f.block_table,
+            context_len: 45,
+        },
+        AttentionRow {
+            block_table: &other_table,
+            context_len: 10,
+        },
+        AttentionRow {
+            block_table: &f.block_table,
+            context_len: 7,
+        },
     ];
     let width = N_HEADS * LAYOUT.head_dim;
-    let q: Vec<f32> = (0..rows.len() * width).map(|_| rng.random_range(-1.0..1.0)).collect();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let q: Vec<f32> = (0..rows.len() * width)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
     for order in [ReductionOrder::VecDot, ReductionOrder::TinyBlas] {
         let mut out = vec![0.0; q.len()];
-        paged_attention_batch(&LAYOUT, &q, &rows, N_HEADS, &k_cache, &v_cache, 0.125, order, &mut out, &pool);
+        paged_attention_batch(
+            &LAYOUT, &q, &rows, N_HEADS, &k_cache, &v_cache, 0.125, order, &mut out, &pool,
+        );
         for (i, row) in rows.iter().enumerate() {
             let mut want = vec![0.0; width];
             let qi = &q[i * width..(i + 1) * width];
             let mut scratch = AttentionScratch::new();
             let (bt, ctx) = (row.block_table, row.context_len);
-            paged_attention(&LAYOUT, qi, N_HEADS, &k_cache, &v_cache, bt, ctx, 0.125, order, &mut want, &mut scratch);
-            assert_eq!(&out[i * width..(i + 1) * width], &want[..], "row {i} {order:?}");
+            paged_attention(
+                &LAYOUT,
+                qi,
+                N_HEADS,
+                &k_cache,
+                &v_cache,
+                bt,
+                ctx,
+                0.125,
+                order,
+                &mut want,
+                &mut scratch,
+            );
+            assert_eq!(
+                &out[i * width..(i + 1) * width],
+                &want[..],
+                "row {i} {order:?}"
+            );
         }
     }
 }
 
 #[test]
 fn small_head_dim_uses_portable_path_consistently() {
-    let layout = KvLayout { block_size: 2, num_kv_heads: 1, head_dim: 8 };
+    let layout = KvLayout {
+        block_size: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+    };
     let mut k_cache = vec![f16::ZERO; 4 * layout.block_elems()];
     let mut v_cache = k_cache.clone();
     let table = [3u32, 0, 2];
     for pos in 0..5 {
         let k: Vec<f32> = (0..8).map(|d| (pos * 8 + d) as f32 * 0.05 - 1.0).collect();
         let v: Vec<f32> = (0..8).map(|d| (d as f32 - pos as f32) * 0.1).collect();
-        write_kv(&layout, &mut k_cache, &mut v_cache, layout.slot_of(&table, pos), &k, &v);
+        write_kv(
+            &layout,
+            &mut k_cache,
+            &mut v_cache,
+            layout.slot_of(&table, pos),
+            &k,
+            &v,
+        );
     }
     let q: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.7).collect();
     for order in [ReductionOrder::VecDot, ReductionOrder::TinyBlas] {
         let (mut got, mut want) = (vec![0.0; 16], vec![0.0; 16]);
         let mut scratch = AttentionScratch::new();
-        paged_attention(&layout, &q, 2, &k_cache, &v_cache, &table, 5, 0.3, order, &mut got, &mut scratch);
-        paged_attention_reference(&layout, &q, 2, &k_cache, &v_cache, &table, 5, 0.3, order, &mut want);
+        paged_attention(
+            &layout,
+            &q,
+            2,
+            &k_cache,
+            &v_cache,
+            &table,
+            5,
+            0.3,
+            order,
+            &mut got,
+            &mut scratch,
+        );
+        paged_attention_reference(
+            &layout, &q, 2, &k_cache, &v_cache, &table, 5, 0.3, order, &mut want,
+        );
         assert_eq!(got, want);
         assert!(got.iter().all(|v| v.is_finite()));
     }
@@ -268,5 +335,17 @@ fn block_ids_beyond_the_cache_are_rejected() {
     let mut out = q.clone();
     let mut scratch = AttentionScratch::new();
     let order = ReductionOrder::VecDot;
-    paged_attention(&LAYOUT, &q, N_HEADS, &cache, &cache, &[1, 2], 5, 0.125, order, &mut out, &mut scratch);
+    paged_attention(
+        &LAYOUT,
+        &q,
+        N_HEADS,
+        &cache,
+        &cache,
+        &[1, 2],
+        5,
+        0.125,
+        order,
+        &mut out,
+        &mut scratch,
+    );
 }

@@ -4,7 +4,8 @@
 //! once in [`CpuBackend::new`], sized by the block count and the step token budget, so a
 //! forward pass allocates nothing once the first steps have grown the scratch vectors. The
 //! whole pass runs inside the backend's own rayon pool (one hand-off per step instead of one
-//! per matmul); matmuls split weight rows across the pool and attention splits query tokens.
+//! per matmul); matmuls split weight rows across the pool and attention splits (token, KV head)
+//! pairs.
 
 mod forward;
 mod kv_cache;
@@ -24,10 +25,6 @@ use kv_cache::PagedKvCache;
 use step_plan::{StepLimits, StepPlan};
 use weights::CpuModel;
 use workspace::Workspace;
-
-/// Attention work is cut into this many runs per thread so that runs of tokens with long
-/// contexts (the end of a prefill chunk) do not leave the other threads idle.
-const ATTENTION_RUNS_PER_THREAD: usize = 4;
 
 /// Sizes of a [`CpuBackend`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,11 +82,7 @@ impl CpuBackend {
                     options.num_blocks, options.block_size
                 ))
             })?;
-        let ws = Workspace::new(
-            &model.config,
-            options.max_batched_tokens,
-            threads * ATTENTION_RUNS_PER_THREAD,
-        );
+        let ws = Workspace::new(&model.config, options.max_batched_tokens);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kvgate-cpu-{i}"))

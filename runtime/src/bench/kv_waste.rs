@@ -55,7 +55,10 @@ pub struct KvWasteReport {
 }
 
 /// Runs the workload on `runtime` and samples its sequences until every request finished.
-pub fn measure_kv_waste(runtime: &Runtime, options: &KvWasteOptions) -> Result<KvWasteReport, BenchError> {
+pub fn measure_kv_waste(
+    runtime: &Runtime,
+    options: &KvWasteOptions,
+) -> Result<KvWasteReport, BenchError> {
     let engine = &runtime.engine;
     let vocab = runtime.config.vocab_size;
     let spread = |i: usize, (lo, hi): (usize, usize)| lo + (i * 7919) % (hi.saturating_sub(lo) + 1);
@@ -85,7 +88,13 @@ pub fn measure_kv_waste(runtime: &Runtime, options: &KvWasteOptions) -> Result<K
         (result, sampler.join().unwrap_or_default())
     });
     result?;
-    let ratio = |a: usize| if totals.used == 0 { 0.0 } else { a as f64 / totals.used as f64 };
+    let ratio = |a: usize| {
+        if totals.used == 0 {
+            0.0
+        } else {
+            a as f64 / totals.used as f64
+        }
+    };
     let pool_tokens = runtime.num_blocks * block_size;
     Ok(KvWasteReport {
         requests: options.requests,
@@ -114,8 +123,17 @@ struct Totals {
 }
 
 impl Totals {
-    fn sample(&mut self, seqs: &[crate::engine::SeqSnapshot], block_size: usize, max_context: usize, budgets: &[usize]) {
-        let running: Vec<_> = seqs.iter().filter(|s| s.state == SeqStatus::Running).collect();
+    fn sample(
+        &mut self,
+        seqs: &[crate::engine::SeqSnapshot],
+        block_size: usize,
+        max_context: usize,
+        budgets: &[usize],
+    ) {
+        let running: Vec<_> = seqs
+            .iter()
+            .filter(|s| s.state == SeqStatus::Running)
+            .collect();
         if running.is_empty() {
             return;
         }
@@ -125,8 +143,15 @@ impl Totals {
             self.used += s.computed_tokens;
             self.paged += s.blocks * block_size;
             self.max_context += max_context;
-            let index = s.label.rsplit('-').next().and_then(|i| i.parse::<usize>().ok());
-            self.reservation += index.and_then(|i| budgets.get(i)).copied().unwrap_or(max_context);
+            let index = s
+                .label
+                .rsplit('-')
+                .next()
+                .and_then(|i| i.parse::<usize>().ok());
+            self.reservation += index
+                .and_then(|i| budgets.get(i))
+                .copied()
+                .unwrap_or(max_context);
         }
     }
 }

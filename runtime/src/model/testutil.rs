@@ -27,7 +27,9 @@ pub const TINY: TinyShape = TinyShape {
 
 /// Deterministic pseudo-random values in [-scale, scale).
 pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
             state = state

@@ -156,9 +156,16 @@ fn reject_unsupported_extras(gguf: &GgufFile, config: &ModelConfig) -> Result<()
     {
         return Err(ModelError::Unsupported("mixture-of-experts layers".into()));
     }
-    for t in ["attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"] {
+    for t in [
+        "attn_q.bias",
+        "attn_k.bias",
+        "attn_v.bias",
+        "attn_output.bias",
+    ] {
         if gguf.tensor(&format!("blk.0.{t}")).is_some() {
-            return Err(ModelError::Unsupported(format!("attention bias `blk.0.{t}`")));
+            return Err(ModelError::Unsupported(format!(
+                "attention bias `blk.0.{t}`"
+            )));
         }
     }
     Ok(())

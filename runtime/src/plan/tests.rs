@@ -1,6 +1,8 @@
 use std::path::PathBuf;
 
 use super::*;
+use crate::kv_math::parse_size;
+use crate::loader::{Runtime, RuntimeOptions};
 
 /// `kvgate plan --layers 40 --hidden 5120 --dtype f16 --max-context 4096 --memory 40GiB`
 fn thirteen_b_example() -> PlanArgs {
@@ -90,19 +92,50 @@ fn json_output_carries_every_number() {
 #[test]
 fn gguf_plan_matches_the_pool_the_runtime_builds_for_the_same_kv_budget() {
     let path = smollm2_path();
-    let args = PlanArgs {
+    for (memory, block_size) in [("64MiB", 16), ("100MiB", 32), ("7MiB", 16)] {
+        let report = compute(&PlanArgs {
+            model: Some(path.clone()),
+            memory: memory.into(),
+            block_size,
+            ..PlanArgs::default()
+        });
+        // The real loader, as `kvgate serve --kv-memory MEMORY --block-size N` starts it.
+        let options = RuntimeOptions {
+            kv_memory_bytes: parse_size(memory).unwrap_or(0) as u64,
+            block_size,
+            threads: Some(1),
+            max_num_seqs: 4,
+            max_batched_tokens: 64,
+        };
+        let runtime = match Runtime::start(&path, options) {
+            Ok(runtime) => runtime,
+            Err(e) => panic!("runtime start: {e}"),
+        };
+        let pool = runtime.engine.pool().snapshot();
+        runtime.engine.shutdown();
+        assert_eq!(
+            report.num_blocks, runtime.num_blocks,
+            "{memory}, block size {block_size}"
+        );
+        assert_eq!(report.num_blocks, pool.total_blocks);
+        assert_eq!(report.kv_bytes_per_block, pool.bytes_per_block);
+        assert_eq!(
+            report.max_context, runtime.config.context_length,
+            "defaults to the model's context"
+        );
+    }
+}
+
+#[test]
+fn gguf_shape_is_the_models() {
+    let path = smollm2_path();
+    let report = compute(&PlanArgs {
         model: Some(path.clone()),
         memory: "64MiB".into(),
         ..PlanArgs::default()
-    };
-    let report = compute(&args);
-
+    });
     let gguf = match GgufFile::open(&path) {
         Ok(g) => g,
-        Err(e) => panic!("{e}"),
-    };
-    let config = match ModelConfig::from_gguf(&gguf) {
-        Ok(c) => c,
         Err(e) => panic!("{e}"),
     };
     // SmolLM2-135M: 30 layers × 3 KV heads × 64, f16 → 23 040 B per token.
@@ -110,21 +143,9 @@ fn gguf_plan_matches_the_pool_the_runtime_builds_for_the_same_kv_budget() {
         (report.layers, report.kv_heads, report.head_dim),
         (30, 3, 64)
     );
-    assert_eq!(
-        report.kv_bytes_per_token,
-        config.kv_shape().bytes_per_token()
-    );
     assert_eq!(report.kv_bytes_per_token, 23_040);
-    let runtime_blocks = config
-        .kv_shape()
-        .blocks_for_budget(64 << 20, DEFAULT_BLOCK_SIZE);
-    assert_eq!(report.num_blocks, runtime_blocks);
     assert_eq!(report.num_blocks, (64 << 20) / (23_040 * 16));
     assert_eq!(report.weights_bytes, Some(gguf.tensor_bytes()));
-    assert_eq!(
-        report.max_context, config.context_length,
-        "defaults to the model's context"
-    );
 }
 
 #[test]

@@ -95,9 +95,21 @@ pub fn argmax(row: &[f32]) -> u32 {
 
 /// Greedy decoding straight on the backend: the prompt as one prefill chunk, then one token
 /// per step, stopping after `eos` or `steps` tokens. Blocks 0.. are used.
-pub fn greedy(backend: &mut CpuBackend, prompt: &[u32], steps: usize, eos: Option<u32>) -> Vec<u32> {
+pub fn greedy(
+    backend: &mut CpuBackend,
+    prompt: &[u32],
+    steps: usize,
+    eos: Option<u32>,
+) -> Vec<u32> {
     let blocks: Vec<u32> = (0..(prompt.len() + steps).div_ceil(BLOCK) as u32).collect();
-    let mut logits = step(backend, &[Part { tokens: prompt, start: 0, blocks: &blocks }]);
+    let mut logits = step(
+        backend,
+        &[Part {
+            tokens: prompt,
+            start: 0,
+            blocks: &blocks,
+        }],
+    );
     let mut out = Vec::new();
     for i in 0..steps {
         let next = argmax(&logits[0]);
@@ -105,7 +117,14 @@ pub fn greedy(backend: &mut CpuBackend, prompt: &[u32], steps: usize, eos: Optio
         if Some(next) == eos || i + 1 == steps {
             break;
         }
-        logits = step(backend, &[Part { tokens: &[next], start: prompt.len() + i, blocks: &blocks }]);
+        logits = step(
+            backend,
+            &[Part {
+                tokens: &[next],
+                start: prompt.len() + i,
+                blocks: &blocks,
+            }],
+        );
     }
     out
 }

@@ -46,18 +46,39 @@ kvgate_build_info{version="0.1.0",backend="cpu",model="smol"} 1
 
 fn two_frames() -> (Frame, Frame) {
     let start = Instant::now();
-    (frame(BEFORE, start), frame(AFTER, start + Duration::from_secs(2)))
+    (
+        frame(BEFORE, start),
+        frame(AFTER, start + Duration::from_secs(2)),
+    )
 }
 
 #[test]
 fn rates_are_increase_over_elapsed_time() {
     let (before, after) = two_frames();
-    assert_eq!(rate(&after, Some(&before), ENGINE_STEPS_TOTAL, &[]), Some(200.0));
+    assert_eq!(
+        rate(&after, Some(&before), ENGINE_STEPS_TOTAL, &[]),
+        Some(200.0)
+    );
     // 20 new requests (16 admitted + 4 rejected) in 2 s, summed over outcomes.
-    assert_eq!(rate(&after, Some(&before), REQUESTS_TOTAL, &[("tenant", "acme")]), Some(10.0));
-    assert_eq!(rate(&after, None, ENGINE_STEPS_TOTAL, &[]), None, "no previous scrape, no rate");
-    assert_eq!(rate(&after, Some(&after), ENGINE_STEPS_TOTAL, &[]), None, "no elapsed time, no rate");
-    assert_eq!(rate(&before, Some(&after), ENGINE_STEPS_TOTAL, &[]), None, "frames out of order");
+    assert_eq!(
+        rate(&after, Some(&before), REQUESTS_TOTAL, &[("tenant", "acme")]),
+        Some(10.0)
+    );
+    assert_eq!(
+        rate(&after, None, ENGINE_STEPS_TOTAL, &[]),
+        None,
+        "no previous scrape, no rate"
+    );
+    assert_eq!(
+        rate(&after, Some(&after), ENGINE_STEPS_TOTAL, &[]),
+        None,
+        "no elapsed time, no rate"
+    );
+    assert_eq!(
+        rate(&before, Some(&after), ENGINE_STEPS_TOTAL, &[]),
+        None,
+        "frames out of order"
+    );
 }
 
 #[test]
@@ -67,7 +88,10 @@ fn a_counter_that_went_down_restarted_from_zero() {
     assert_eq!(increase(1000.0, 3.0), 3.0);
     let (before, after) = two_frames();
     // preemptions 5 → 2: a restart, so the increase is 2 over 2 s.
-    assert_eq!(rate(&after, Some(&before), PREEMPTIONS_TOTAL, &[]), Some(1.0));
+    assert_eq!(
+        rate(&after, Some(&before), PREEMPTIONS_TOTAL, &[]),
+        Some(1.0)
+    );
 }
 
 #[test]
@@ -77,33 +101,81 @@ fn tenant_rows_show_queue_and_rejection_rate_with_its_main_reason() {
     let names: Vec<_> = view.tenants.iter().map(|t| t.tenant.as_str()).collect();
     assert_eq!(names, ["acme", "idle"]);
     let acme = &view.tenants[0];
-    assert_eq!((acme.in_flight, acme.queued, acme.queued_tokens), (2.0, 5.0, 900.0));
+    assert_eq!(
+        (acme.in_flight, acme.queued, acme.queued_tokens),
+        (2.0, 5.0, 900.0)
+    );
     assert_eq!(acme.requests_per_sec, Some(10.0));
     assert_eq!(acme.rejected_per_sec, Some(2.0));
     assert_eq!(acme.rejected_fraction(), Some(0.2));
-    assert_eq!(acme.top_reason.as_deref(), Some("queue_full"), "3 queue_full vs 1 rate this interval");
+    assert_eq!(
+        acme.top_reason.as_deref(),
+        Some("queue_full"),
+        "3 queue_full vs 1 rate this interval"
+    );
     let idle = &view.tenants[1];
-    assert_eq!((idle.requests_per_sec, idle.rejected_fraction(), idle.top_reason.clone()), (Some(0.0), None, None));
+    assert_eq!(
+        (
+            idle.requests_per_sec,
+            idle.rejected_fraction(),
+            idle.top_reason.clone()
+        ),
+        (Some(0.0), None, None)
+    );
 }
 
 #[test]
 fn gauges_and_first_frame_render_without_rates() {
     let (_, after) = two_frames();
     let view = TopView::build(&after, None);
-    assert_eq!((view.blocks_used, view.blocks_reserved, view.blocks_total), (50.0, 20.0, 200.0));
+    assert_eq!(
+        (view.blocks_used, view.blocks_reserved, view.blocks_total),
+        (50.0, 20.0, 200.0)
+    );
     assert_eq!(view.memory_allocated, 3_145_728.0);
     let screen = view.render("http://127.0.0.1:8080", Duration::from_secs(1));
-    assert!(screen.contains("model smol (cpu), kvgate 0.1.0"), "{screen}");
-    assert!(screen.contains(&format!("KV   [{}{}{}]  25.0% used, 10.0% reserved", "#".repeat(10), "+".repeat(4), ".".repeat(26))), "{screen}");
-    assert!(screen.contains("allocated 3MiB, peak 4MiB, budget 8MiB, rss -"), "{screen}");
-    assert!(screen.contains("running 3, waiting 1, - steps/s"), "{screen}");
-    assert!(screen.lines().any(|l| l.starts_with("acme") && l.ends_with("  -")), "{screen}");
+    assert!(
+        screen.contains("model smol, backend cpu, kvgate 0.1.0"),
+        "{screen}"
+    );
+    assert!(
+        screen.contains(&format!(
+            "KV   [{}{}{}]  25.0% used, 10.0% reserved",
+            "#".repeat(10),
+            "+".repeat(4),
+            ".".repeat(26)
+        )),
+        "{screen}"
+    );
+    assert!(
+        screen.contains("allocated 3MiB, peak 4MiB, budget 8MiB, rss -"),
+        "{screen}"
+    );
+    assert!(
+        screen.contains("running 3, waiting 1, - steps/s"),
+        "{screen}"
+    );
+    assert!(
+        screen
+            .lines()
+            .any(|l| l.starts_with("acme") && l.ends_with("  -")),
+        "{screen}"
+    );
 }
 
 #[test]
 fn bars_never_overflow_and_ignore_nonsense() {
-    assert_eq!(bar(&[(0.5, '#')]), format!("[{}{}]", "#".repeat(20), ".".repeat(20)));
-    assert_eq!(bar(&[(0.9, '#'), (0.5, '+')]), format!("[{}{}]", "#".repeat(36), "+".repeat(4)));
-    assert_eq!(bar(&[(f64::NAN, '#'), (-1.0, '+')]), format!("[{}]", ".".repeat(40)));
+    assert_eq!(
+        bar(&[(0.5, '#')]),
+        format!("[{}{}]", "#".repeat(20), ".".repeat(20))
+    );
+    assert_eq!(
+        bar(&[(0.9, '#'), (0.5, '+')]),
+        format!("[{}{}]", "#".repeat(36), "+".repeat(4))
+    );
+    assert_eq!(
+        bar(&[(f64::NAN, '#'), (-1.0, '+')]),
+        format!("[{}]", ".".repeat(40))
+    );
     assert_eq!(bar(&[(7.0, '#')]).chars().count(), 42);
 }

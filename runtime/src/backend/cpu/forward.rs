@@ -6,12 +6,11 @@
 //! Seam 1). Like llama.cpp, the last layer only computes queries, attention and the FFN for the
 //! rows that need logits; the other rows only contribute their K and V.
 
-use kvgate_kernels::attention::AttentionScratch;
+use kvgate_kernels::attention::{AttentionRow, paged_attention_batch};
 use kvgate_kernels::quant::dequantize_row;
 use kvgate_kernels::{
-    KvLayout, ReductionOrder, RopeMode, matmul, paged_attention, rms_norm, rope, swiglu, write_kv,
+    KvLayout, ReductionOrder, RopeMode, matmul, rms_norm, rope, swiglu, write_kv,
 };
-use rayon::prelude::*;
 
 use super::kv_cache::LayerKv;
 use super::step_plan::StepPlan;
@@ -28,14 +27,36 @@ pub struct Step<'a> {
     pub pool: &'a rayon::ThreadPool,
 }
 
-impl Step<'_> {
-    /// Token index of query row `row`: all tokens, or in the last layer only the logit rows.
-    fn query_token(&self, row: usize, outputs_only: bool) -> usize {
-        if outputs_only {
-            self.plan.logit_rows[row]
-        } else {
-            row
+/// What attention needs per query row: the row's sequence (block table, visible positions)
+/// and the summation order to use.
+pub struct QueryRows<'a> {
+    /// Token index (into the step) of each query row.
+    tokens: Vec<usize>,
+    rows: Vec<AttentionRow<'a>>,
+    orders: Vec<ReductionOrder>,
+}
+
+impl<'a> QueryRows<'a> {
+    /// Query rows for `tokens` of the step.
+    fn new(inputs: &'a BatchInputs, plan: &StepPlan, tokens: impl Iterator<Item = usize>) -> Self {
+        let mut q = QueryRows {
+            tokens: Vec::new(),
+            rows: Vec::new(),
+            orders: Vec::new(),
+        };
+        for t in tokens {
+            let seq = &inputs.seqs[plan.token_seq[t]];
+            q.tokens.push(t);
+            q.rows.push(AttentionRow {
+                block_table: &seq.block_table,
+                context_len: inputs.positions[t] as usize + 1,
+            });
+            // A sequence's own step size picks the summation order llama.cpp would use running
+            // it alone (tinyBLAS for a chunk of 2+ tokens, vec_dot for a single token), so its
+            // result does not depend on what it is batched with.
+            q.orders.push(ReductionOrder::for_step(seq.num_tokens));
         }
+        q
     }
 }
 
@@ -52,26 +73,42 @@ pub fn run(
     let n = step.inputs.token_ids.len();
     embed(step, &mut ws.x[..n * d])?;
 
+    let every_token = QueryRows::new(step.inputs, step.plan, 0..n);
+    let logit_tokens = QueryRows::new(step.inputs, step.plan, step.plan.logit_rows.iter().copied());
     let last = model.layers.len().saturating_sub(1);
     let mut rows = n;
     for (l, (layer, layer_kv)) in model.layers.iter().zip(kv.iter_mut()).enumerate() {
-        rows = attention_block(step, layer, layer_kv, ws, l == last);
+        // Like llama.cpp, the last layer carries on only with the rows that need logits; the
+        // other rows only had to leave their K and V in the cache.
+        let queries = if l == last && logit_tokens.tokens.len() < n {
+            &logit_tokens
+        } else {
+            &every_token
+        };
+        rows = attention_block(step, layer, layer_kv, ws, queries);
         ffn_block(step, layer, ws, rows);
     }
 
-    let r = rows;
-    for j in 0..r {
+    for j in 0..rows {
+        let r = j * d..(j + 1) * d;
         rms_norm(
-            &ws.x[j * d..(j + 1) * d],
+            &ws.x[r.clone()],
             &model.output_norm,
             cfg.rms_eps,
-            &mut ws.xn[j * d..(j + 1) * d],
+            &mut ws.xn[r],
         );
     }
     logits.clear();
-    logits.resize(r * cfg.vocab_size, 0.0);
+    logits.resize(rows * cfg.vocab_size, 0.0);
     let head = model.output.view(&model.gguf);
-    matmul(&head, &ws.xn[..r * d], r, logits, &mut ws.matmul, step.pool);
+    matmul(
+        &head,
+        &ws.xn[..rows * d],
+        rows,
+        logits,
+        &mut ws.matmul,
+        step.pool,
+    );
     Ok(())
 }
 
@@ -87,48 +124,54 @@ fn embed(step: &Step, x: &mut [f32]) -> Result<(), BackendError> {
     Ok(())
 }
 
-/// Pre-norm attention with residual. Returns how many rows continue (all tokens, or the logit
-/// rows compacted to the front in the last layer).
+/// Pre-norm attention with residual: K and V of every token into the cache, then queries,
+/// attention and the output projection for `queries` (compacted to the first rows when they
+/// are not all tokens). Returns the number of rows that continue.
 fn attention_block(
     step: &Step,
     layer: &LayerMats,
     kv: &mut LayerKv,
     ws: &mut Workspace,
-    last: bool,
+    queries: &QueryRows,
 ) -> usize {
     let cfg = &step.model.config;
     let gguf = &*step.model.gguf;
+    let pool = step.pool;
     let (d, kvd, hd) = (cfg.hidden_size, cfg.kv_dim(), cfg.head_dim);
     let n = step.inputs.token_ids.len();
     let positions = &step.inputs.positions;
 
     for t in 0..n {
+        let r = t * d..(t + 1) * d;
         rms_norm(
-            &ws.x[t * d..(t + 1) * d],
+            &ws.x[r.clone()],
             &layer.attn_norm,
             cfg.rms_eps,
-            &mut ws.xn[t * d..(t + 1) * d],
+            &mut ws.xn[r],
         );
     }
-    // Every token's K and V go into the cache, including rows that need no output.
+    let xn = &ws.xn[..n * d];
     matmul(
         &layer.wk.view(gguf),
-        &ws.xn[..n * d],
+        xn,
         n,
         &mut ws.k[..n * kvd],
         &mut ws.matmul,
-        step.pool,
+        pool,
     );
     matmul(
         &layer.wv.view(gguf),
-        &ws.xn[..n * d],
+        xn,
         n,
         &mut ws.v[..n * kvd],
         &mut ws.matmul,
-        step.pool,
+        pool,
     );
     for t in 0..n {
-        let k_row = &mut ws.k[t * kvd..(t + 1) * kvd];
+        let (k_row, v_row) = (
+            &mut ws.k[t * kvd..(t + 1) * kvd],
+            &ws.v[t * kvd..(t + 1) * kvd],
+        );
         rope(
             k_row,
             cfg.num_kv_heads,
@@ -138,111 +181,76 @@ fn attention_block(
             RopeMode::Norm,
         );
         let slot = step.inputs.slot_mapping[t] as usize;
-        write_kv(
-            &step.layout,
-            &mut kv.k,
-            &mut kv.v,
-            slot,
-            k_row,
-            &ws.v[t * kvd..(t + 1) * kvd],
-        );
+        write_kv(&step.layout, &mut kv.k, &mut kv.v, slot, k_row, v_row);
     }
 
-    let outputs_only = last && step.plan.logit_rows.len() < n;
-    let m = if outputs_only {
-        for (j, &t) in step.plan.logit_rows.iter().enumerate() {
+    let m = queries.tokens.len();
+    if m < n {
+        // Rows only move towards the front (query tokens are ascending), so in place is safe.
+        for (j, &t) in queries.tokens.iter().enumerate() {
             ws.xn.copy_within(t * d..(t + 1) * d, j * d);
             ws.x.copy_within(t * d..(t + 1) * d, j * d);
         }
-        step.plan.logit_rows.len()
-    } else {
-        n
-    };
+    }
     matmul(
         &layer.wq.view(gguf),
         &ws.xn[..m * d],
         m,
         &mut ws.q[..m * d],
         &mut ws.matmul,
-        step.pool,
+        pool,
     );
-    for j in 0..m {
-        let pos = positions[step.query_token(j, outputs_only)];
+    for (j, &t) in queries.tokens.iter().enumerate() {
+        let q_row = &mut ws.q[j * d..(j + 1) * d];
         rope(
-            &mut ws.q[j * d..(j + 1) * d],
+            q_row,
             cfg.num_heads,
             hd,
-            pos,
+            positions[t],
             cfg.rope_freq_base,
             RopeMode::Norm,
         );
     }
-    attend(
-        step,
-        kv,
-        &ws.q[..m * d],
-        &mut ws.att[..m * d],
-        &mut ws.attn_scratch,
-        outputs_only,
-    );
+    attend(step, kv, &ws.q[..m * d], &mut ws.att[..m * d], queries);
     matmul(
         &layer.wo.view(gguf),
         &ws.att[..m * d],
         m,
         &mut ws.proj[..m * d],
         &mut ws.matmul,
-        step.pool,
+        pool,
     );
     add_in_place(&mut ws.x[..m * d], &ws.proj[..m * d]);
     m
 }
 
-/// Attention of every query row, split into contiguous runs of rows over the pool (one scratch
-/// buffer per run). Each token sees positions `0..=pos` of its own sequence.
-fn attend(
-    step: &Step,
-    kv: &LayerKv,
-    q: &[f32],
-    att: &mut [f32],
-    scratch: &mut [AttentionScratch],
-    outputs_only: bool,
-) {
+/// Attention of every query row over its own sequence's blocks, spread over the pool by
+/// (row, KV head); one kernel call per run of rows sharing a summation order.
+fn attend(step: &Step, kv: &LayerKv, q: &[f32], att: &mut [f32], queries: &QueryRows) {
     let cfg = &step.model.config;
     let d = cfg.hidden_size;
-    let m = q.len() / d.max(1);
-    if m == 0 {
-        return;
-    }
-    let runs = scratch.len().clamp(1, m);
-    let rows_per_run = m.div_ceil(runs);
+    let m = queries.tokens.len();
     let scale = 1.0f32 / (cfg.head_dim as f32).sqrt();
-    att.par_chunks_mut(rows_per_run * d)
-        .zip(scratch.par_iter_mut())
-        .enumerate()
-        .for_each(|(run, (out_rows, scratch))| {
-            for (i, out) in out_rows.chunks_exact_mut(d).enumerate() {
-                let row = run * rows_per_run + i;
-                let t = step.query_token(row, outputs_only);
-                let seq = &step.inputs.seqs[step.plan.token_seq[t]];
-                // A sequence's own step size picks the summation order llama.cpp would use when
-                // running it alone, so its result does not depend on what it is batched with.
-                let order = ReductionOrder::for_step(seq.num_tokens);
-                let context = step.inputs.positions[t] as usize + 1;
-                paged_attention(
-                    &step.layout,
-                    &q[row * d..(row + 1) * d],
-                    cfg.num_heads,
-                    &kv.k,
-                    &kv.v,
-                    &seq.block_table,
-                    context,
-                    scale,
-                    order,
-                    out,
-                    scratch,
-                );
-            }
-        });
+    let mut start = 0;
+    while start < m {
+        let order = queries.orders[start];
+        let end = (start..m)
+            .find(|&j| queries.orders[j] != order)
+            .unwrap_or(m);
+        paged_attention_batch(
+            &step.layout,
+            &q[start * d..end * d],
+            &queries.rows[start..end],
+            cfg.num_heads,
+            &kv.k,
+            &kv.v,
+            scale,
+            order,
+            &mut att[start * d..end * d],
+            step.pool,
+        );
+        start = end;
+    }
 }
 
 /// Pre-norm SwiGLU feed-forward with residual, over the first `m` rows.

@@ -2,7 +2,6 @@
 //! (`max_batched_tokens` rows) and reused, so the hot path never allocates.
 
 use kvgate_kernels::MatmulScratch;
-use kvgate_kernels::attention::AttentionScratch;
 
 use crate::model::ModelConfig;
 
@@ -22,15 +21,13 @@ pub struct Workspace {
     pub gate: Vec<f32>,
     pub up: Vec<f32>,
     pub act: Vec<f32>,
-    /// Per-thread attention scratch (scores, f16 q, value accumulators).
-    pub attn_scratch: Vec<AttentionScratch>,
     pub matmul: MatmulScratch,
     max_tokens: usize,
 }
 
 impl Workspace {
-    /// Buffers for up to `max_tokens` tokens per step and `threads` attention workers.
-    pub fn new(config: &ModelConfig, max_tokens: usize, threads: usize) -> Workspace {
+    /// Buffers for up to `max_tokens` tokens per step.
+    pub fn new(config: &ModelConfig, max_tokens: usize) -> Workspace {
         let rows = |width: usize| vec![0.0f32; max_tokens * width];
         let (d, kv, ff) = (config.hidden_size, config.kv_dim(), config.ffn_size);
         Workspace {
@@ -44,7 +41,6 @@ impl Workspace {
             gate: rows(ff),
             up: rows(ff),
             act: rows(ff),
-            attn_scratch: (0..threads.max(1)).map(|_| AttentionScratch::new()).collect(),
             matmul: MatmulScratch::new(),
             max_tokens,
         }
@@ -54,8 +50,8 @@ impl Workspace {
         self.max_tokens
     }
 
-    /// Bytes held by the activation buffers (the kernels' scratch buffers, a few KB per
-    /// thread, are not counted).
+    /// Bytes held by the activation buffers (the kernels' own scratch, a few KB per thread
+    /// plus the quantized activations of one matmul, is not counted).
     pub fn bytes(&self) -> u64 {
         let f32s = [
             &self.x, &self.xn, &self.q, &self.k, &self.v, &self.att, &self.proj, &self.gate,
