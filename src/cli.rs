@@ -73,6 +73,10 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Plain)]
     pub log_format: LogFormat,
+    /// Memory budget of the whole runtime (weights + KV + workspace), e.g. 1GiB: exported as
+    /// kvgate_memory_budget_bytes so the peak-memory alert can fire at 90% of it.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub shutdown_grace: u64,

@@ -5,23 +5,40 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kvgate_gateway::admission::Admission;
+use kvgate_gateway::metrics::{Compat, MetricsConfig};
 use kvgate_gateway::reload::PolicyStore;
 use kvgate_gateway::server::{self, ServeConfig};
 use kvgate_gateway::shutdown;
 use tracing_subscriber::EnvFilter;
 
-use crate::cli::{LogFormat, ServeArgs};
+use kvgate_runtime::kv_math::parse_size;
+
+use crate::cli::{LogFormat, MetricsCompat, ServeArgs};
 use crate::commands::start_runtime;
 
 pub fn run(args: ServeArgs) -> Result<()> {
     init_logging(args.log_format);
     // Check the policy before spending time on the model: a typo should fail in milliseconds.
     let store = PolicyStore::load(&args.policy)?;
+    let memory_budget_bytes = match &args.memory_budget {
+        Some(text) => Some(parse_size(text).context("--memory-budget")? as u64),
+        None => None,
+    };
     let runtime = start_runtime(&args.model)?;
     let config = ServeConfig {
         listen: args.listen,
         model_name: runtime.model_name.clone(),
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        metrics: MetricsConfig {
+            compat: match args.metrics_compat {
+                Some(MetricsCompat::Vllm) => Compat::Vllm,
+                None => Compat::None,
+            },
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            backend: "cpu".to_owned(),
+            model: runtime.model_name.clone(),
+            memory_budget_bytes,
+        },
         ..ServeConfig::default()
     };
     let engine = runtime.engine.clone();

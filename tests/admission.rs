@@ -225,7 +225,7 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
         num_blocks: 48,
         ..Options::default()
     };
-    let extra = "max_input_tokens = 400\nmax_output_tokens = 600\nmax_total_tokens = 1000\n\
+    let extra = "max_input_tokens = 400\nmax_output_tokens = 700\nmax_total_tokens = 1100\n\
                  max_queue_wait = \"100ms\"";
     let server = TestServer::start_with(
         &policy(
@@ -242,7 +242,7 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
     let client = server.client();
 
     // Never fits: ~30 prompt + 700 > 43 blocks.
-    let never = client.post(CHAT, Some("sk-a"), &chat("hi", 600)).await;
+    let never = client.post(CHAT, Some("sk-a"), &chat("hi", 700)).await;
     assert_eq!(never.status, StatusCode::BAD_REQUEST);
     assert_eq!(never.error_code(), "context_length_exceeded");
 
@@ -336,4 +336,52 @@ async fn a_flooding_tenant_does_not_starve_a_quiet_one() {
         assert_eq!(request.await.unwrap(), StatusCode::OK);
     }
     server.wait_for_idle_kv(WAIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_oldest_drops_old_turns_and_reject_refuses() {
+    let tenants = [
+        TenantSpec {
+            name: "trim",
+            key: "sk-trim",
+            extra: "max_input_tokens = 120\noverflow = \"truncate_oldest\"",
+        },
+        TenantSpec {
+            name: "strict",
+            key: "sk-strict",
+            extra: "max_input_tokens = 120",
+        },
+    ];
+    let server = TestServer::start(&policy(&tenants, "")).await;
+    let client = server.client();
+    let filler = "The quick brown fox jumps over the lazy dog. ".repeat(4);
+    let body = serde_json::json!({
+        "model": common::MODEL,
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": filler},
+            {"role": "assistant", "content": filler},
+            {"role": "user", "content": filler},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Say hi."},
+        ],
+        "max_tokens": 4,
+        "temperature": 0,
+    });
+    let trimmed = client.post(CHAT, Some("sk-trim"), &body).await;
+    assert_eq!(trimmed.status, StatusCode::OK, "{:?}", trimmed.json());
+    let dropped: usize = trimmed
+        .header("x-kvgate-dropped-messages")
+        .expect("header")
+        .parse()
+        .unwrap();
+    assert!(
+        dropped >= 2 && dropped % 2 == 0,
+        "whole turns are dropped: {dropped}"
+    );
+    assert!(trimmed.json()["usage"]["prompt_tokens"].as_u64().unwrap() <= 120);
+
+    let refused = client.post(CHAT, Some("sk-strict"), &body).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    assert_eq!(refused.error_code(), "context_length_exceeded");
 }

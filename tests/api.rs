@@ -209,7 +209,10 @@ async fn client_mistakes_are_json_4xx() {
     let mut oversized = raw_connect(server.addr, head.as_bytes()).await;
     let answer = read_to_close(&mut oversized).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
-    assert!(answer.contains("request_too_large") && answer.contains("x-request-id"), "{answer}");
+    assert!(
+        answer.contains("request_too_large") && answer.contains("x-request-id"),
+        "{answer}"
+    );
 
     let mut unknown_model = chat("hi", 4);
     unknown_model["model"] = json!("gpt-4o");
@@ -273,4 +276,35 @@ async fn slow_clients_are_cut_off() {
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(text.contains("request_timeout"), "{text}");
     let _ = stalled.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_sheds_api_requests_but_not_health_checks() {
+    let mut options = Options::default();
+    options.serve.max_in_flight = 1;
+    let server = TestServer::start_with(&one_tenant(), options).await;
+    let client = server.client();
+    // A non-streamed request holds the only in-flight permit until its answer is complete.
+    let body = chat(common::LONG_ANSWER, 200).to_string();
+    let busy = raw_connect(
+        server.addr,
+        &common::client::raw_post("/v1/chat/completions", KEY, &body),
+    )
+    .await;
+    common::wait_until("the request runs", Duration::from_secs(60), || {
+        server.kv().used_blocks > 0
+    })
+    .await;
+
+    let shed = client
+        .post("/v1/chat/completions", Some(KEY), &chat("hi", 1))
+        .await;
+    assert_openai_error(&shed, 503, "overloaded");
+    assert_eq!(shed.header("retry-after"), Some("1"));
+    assert_eq!(shed.header("retry-after-ms"), Some("1000"));
+    assert_eq!(client.get("/healthz", None).await.status, StatusCode::OK);
+    assert_eq!(client.get("/readyz", None).await.status, StatusCode::OK);
+
+    drop(busy);
+    server.wait_for_idle_kv(Duration::from_secs(60)).await;
 }

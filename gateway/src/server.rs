@@ -39,7 +39,7 @@ pub struct ServeConfig {
     pub body_limit_bytes: usize,
     /// How long in-flight requests (streams included) may take to finish after shutdown.
     pub shutdown_grace: Duration,
-    /// Requests handled at once before load shedding (503).
+    /// API requests handled at once (until their response headers) before load shedding (503).
     pub max_in_flight: usize,
     pub max_connections: usize,
     /// Blocking threads that render templates and tokenize at once.
@@ -119,10 +119,9 @@ pub async fn bind(
         validation_workers: config.validation_workers,
     });
     let service = stack::build(
-        routes(state.clone()),
+        routes(state.clone(), config.max_in_flight),
         StackConfig {
             request_timeout: config.request_timeout,
-            max_in_flight: config.max_in_flight,
             body_limit_bytes: config.body_limit_bytes,
         },
     );
@@ -182,12 +181,13 @@ pub async fn serve(
     Ok(())
 }
 
-/// The route table.
-fn routes(state: AppState) -> Router {
+/// The route table. Only the API routes are load-shed (see [`stack::api_limit`]).
+fn routes(state: AppState, max_in_flight: usize) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/completions", post(generate::completions))
         .route("/v1/models", get(handlers::list_models))
+        .route_layer(stack::api_limit(max_in_flight))
         .route("/healthz", get(handlers::healthz))
         .route("/readyz", get(handlers::readyz))
         .route("/metrics", get(handlers::metrics))

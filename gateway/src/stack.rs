@@ -1,14 +1,15 @@
 //! The middleware stack around the router, in a fixed order. The first layer listed is the
 //! outermost: it sees the request first and the response last (tower's `ServiceBuilder` rule).
 //!
-//! The stack wraps the *whole* router once (not each route, as `Router::layer` would), so the
-//! in-flight limit is one global semaphore. Auth is not here: it is the `Tenant` extractor,
+//! The stack wraps the *whole* router once (not each route, as `Router::layer` would). Load
+//! shedding sits on the API routes only ([`api_limit`], one semaphore shared by all of them). Auth is not here: it is the `Tenant` extractor,
 //! because it needs the live policy and must run before the body is read but after routing
 //! (health probes and 404s need no key). Admission (per-tenant concurrency, queues, KV) is not
 //! here either: its guard must live in the response body, which a tower layer cannot do.
 
 use std::any::Any;
 use std::convert::Infallible;
+use std::future::{Ready, ready};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +24,7 @@ use hyper::body::Incoming;
 use rand::Rng;
 use rand::distr::Alphanumeric;
 use tokio::sync::Semaphore;
+use tower::layer::util::{Identity, Stack};
 use tower::limit::GlobalConcurrencyLimitLayer;
 use tower::load_shed::LoadShedLayer;
 use tower::load_shed::error::Overloaded;
@@ -44,19 +46,16 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// The service hyper runs for every connection.
 pub type GatewayService = BoxCloneSyncService<Request<Incoming>, Response, Infallible>;
 
-/// Settings of the layers.
+/// Settings of the outer layers.
 #[derive(Debug, Clone, Copy)]
 pub struct StackConfig {
     /// Time until the response *headers*; a stream may run longer.
     pub request_timeout: Duration,
-    /// Requests inside the stack at once; beyond it, 503 at once.
-    pub max_in_flight: usize,
     pub body_limit_bytes: usize,
 }
 
-/// Wraps `router` (already given its state) in the stack.
+/// Wraps `router` (already given its state, and [`api_limit`] on its API routes) in the stack.
 pub fn build(router: Router, config: StackConfig) -> GatewayService {
-    let in_flight = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let request_id = HeaderName::from_static(REQUEST_ID_HEADER);
     let timeout = config.request_timeout;
     let service = ServiceBuilder::new()
@@ -71,24 +70,47 @@ pub fn build(router: Router, config: StackConfig) -> GatewayService {
         .layer(TraceLayer::new_for_http().make_span_with(request_span))
         // 5. A panic anywhere below becomes a 500 JSON error, never a dropped connection.
         .layer(CatchPanicLayer::custom(panic_response))
-        // 6. Rescue: the errors of the layers below (shed, timeout) become OpenAI JSON here.
+        // 6. Rescue: the timeout's error becomes OpenAI JSON here.
         .layer(HandleErrorLayer::new(move |error: BoxError| async move {
             rescue(error, timeout)
         }))
-        // 7. Load shedding outside the limit: at the limit, answer 503 at once instead of
-        //    queueing in front of admission, which has its own fair, bounded queues.
-        .layer(LoadShedLayer::new())
-        .layer(GlobalConcurrencyLimitLayer::with_semaphore(in_flight))
-        // 8. Timeout, inside the limit so waiting time is not counted twice. Bounds body upload,
-        //    validation, queueing and non-streamed generation; dropping the handler cancels.
+        // 7. Timeout: bounds body upload, validation, queueing and non-streamed generation
+        //    (dropping the handler cancels its sequence); a stream's body may run longer.
         .layer(TimeoutLayer::new(timeout))
-        // 9. Body limit, innermost: by Content-Length at once, and as a cap on chunked bodies.
+        // 8. Body limit: by Content-Length at once, and as a cap on chunked bodies.
         .layer(axum::middleware::from_fn_with_state(
             config.body_limit_bytes,
             limit_body,
         ))
+        // 9. Routing; the API routes carry the load-shedding limit below ([`api_limit`]).
         .service(router);
     BoxCloneSyncService::new(service)
+}
+
+/// The layer stack [`api_limit`] returns.
+pub type ApiLimit = ServiceBuilder<
+    Stack<
+        GlobalConcurrencyLimitLayer,
+        Stack<LoadShedLayer, Stack<HandleErrorLayer<ShedRescue, ()>, Identity>>,
+    >,
+>;
+
+/// The rescue function of [`api_limit`].
+pub type ShedRescue = fn(BoxError) -> Ready<GatewayError>;
+
+/// Load shedding for the API routes only (`Router::route_layer`), around one semaphore shared
+/// by all of them. At `max_in_flight` it answers 503 + Retry-After at once instead of queueing
+/// in front of admission, which has its own fair, bounded queues. Health probes and `/metrics`
+/// are never shed: a liveness probe failing under load would get a busy server restarted.
+/// The permit is held until response headers (tower's rule): it bounds request handling, not
+/// streams, whose capacity the admission guard in the body accounts for.
+pub fn api_limit(max_in_flight: usize) -> ApiLimit {
+    let in_flight = Arc::new(Semaphore::new(max_in_flight.max(1)));
+    let rescue: ShedRescue = |error| ready(rescue(error, Duration::ZERO));
+    ServiceBuilder::new()
+        .layer(HandleErrorLayer::new(rescue))
+        .layer(LoadShedLayer::new())
+        .layer(GlobalConcurrencyLimitLayer::with_semaphore(in_flight))
 }
 
 /// Turns the errors of the load-shed and timeout layers into responses.
@@ -148,5 +170,48 @@ impl MakeRequestId for RandomRequestId {
         HeaderValue::try_from(format!("req_{suffix}"))
             .ok()
             .map(RequestId::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn error_json(response: Response) -> serde_json::Value {
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_panic_becomes_a_500_openai_error() {
+        let response = panic_response(Box::new("index out of bounds"));
+        assert_eq!(response.status(), 500);
+        let json = error_json(response).await;
+        assert_eq!(json["error"]["code"], "internal_error");
+        assert_eq!(json["error"]["type"], "server_error");
+    }
+
+    #[test]
+    fn shed_and_timeout_errors_are_rescued_with_their_own_codes() {
+        let shed = rescue(Box::new(Overloaded::new()), Duration::ZERO);
+        assert_eq!(
+            (shed.status().as_u16(), shed.code()),
+            (503, Some("overloaded"))
+        );
+        assert!(shed.retry_after().is_some());
+        let late = rescue(Box::new(Elapsed::new()), Duration::from_secs(3));
+        assert_eq!(
+            (late.status().as_u16(), late.code()),
+            (504, Some("timeout"))
+        );
+    }
+
+    #[test]
+    fn request_ids_look_like_openai_ones() {
+        let request = http::Request::new(());
+        let id = RandomRequestId.make_request_id(&request).unwrap();
+        let text = id.header_value().to_str().unwrap();
+        assert!(text.starts_with("req_") && text.len() == 28, "{text}");
     }
 }

@@ -6,35 +6,18 @@
 //! names the offending field and, for length limits, states both the limit and the value given.
 //! The tokenizer is reached through [`PromptCodec`] so these rules can be tested with a fake.
 
-use kvgate_runtime::chat_template::ChatMessage;
-use kvgate_runtime::tokenizer::Tokenizer;
-
 use crate::openai::{
     ChatCompletionRequest, ChatMessage as WireMessage, CompletionRequest, MessageContent,
     StreamOptions,
 };
 use crate::policy::Overflow;
+pub use codec::{PromptCodec, TemplateTurn};
 use truncate::fit_conversation;
 
 /// At most this many stop sequences, as OpenAI allows.
 pub const MAX_STOP_SEQUENCES: usize = 4;
 /// A stop sequence longer than this is certainly a mistake (and costs the engine per token).
 pub const MAX_STOP_BYTES: usize = 256;
-
-/// What validation needs from the model's tokenizer.
-pub trait PromptCodec: Send + Sync {
-    /// Renders a conversation with the model's chat template, ending with the assistant prompt.
-    fn render_chat(&self, turns: &[TemplateTurn]) -> Result<String, String>;
-    /// Token ids of `text`; special-token markup (`<|im_start|>`) becomes control tokens.
-    fn encode(&self, text: &str) -> Vec<u32>;
-}
-
-/// One message as the chat template sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TemplateTurn {
-    pub role: &'static str,
-    pub content: String,
-}
 
 /// The limits one request is validated against: the tenant's policy clipped by the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -432,24 +415,7 @@ fn finish_length_rules(
     Ok(max_tokens)
 }
 
-// === impl PromptCodec for the model's tokenizer ===
-
-impl PromptCodec for Tokenizer {
-    fn render_chat(&self, turns: &[TemplateTurn]) -> Result<String, String> {
-        let messages: Vec<ChatMessage> = turns
-            .iter()
-            .map(|turn| ChatMessage::new(turn.role, turn.content.as_str()))
-            .collect();
-        self.apply_chat_template(&messages, true)
-            .map_err(|error| error.to_string())
-    }
-
-    fn encode(&self, text: &str) -> Vec<u32> {
-        // `true`: the rendered template's `<|im_start|>` markup must become control tokens.
-        Tokenizer::encode(self, text, true)
-    }
-}
-
+mod codec;
 #[cfg(test)]
 mod tests;
 mod truncate;

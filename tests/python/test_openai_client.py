@@ -78,13 +78,13 @@ def test_retry_honours_retry_after(server):
     def record(response):
         seen.append((response.status_code, time.monotonic(), response.headers.get("retry-after-ms")))
 
-    retrying = _client(server, "solo", max_retries=5, http_client=httpx.Client(event_hooks={"response": [record]}))
+    retrying = _client(server, "solo", max_retries=10, http_client=httpx.Client(event_hooks={"response": [record]}))
     others = _client(server, "solo", max_retries=0)
     # 1. Hold the running slot with a long stream, read in the background.
     stream = others.chat.completions.create(
         model=server["model"],
         messages=[{"role": "user", "content": "Count from 1 to 500, separated by commas."}],
-        max_tokens=256,
+        max_tokens=160,
         temperature=0,
         stream=True,
     )
