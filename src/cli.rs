@@ -135,6 +135,9 @@ pub struct BenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Instead of throughput, measure KV waste (allocated ÷ used KV) on a mixed-length workload.
+    #[arg(long)]
+    pub kv_waste: bool,
 }
 
 #[derive(Debug, Args)]

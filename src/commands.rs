@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kvgate_gateway::{auth, policy};
-use kvgate_runtime::bench::BenchOptions;
+use kvgate_runtime::bench::{BenchOptions, KvWasteOptions, measure_kv_waste};
 use kvgate_runtime::chat_template::ChatMessage;
 use kvgate_runtime::engine::{GenerationRequest, TokenEvent};
 use kvgate_runtime::gguf::GgufFile;
@@ -93,6 +93,11 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
 
 pub fn bench(args: BenchArgs) -> Result<()> {
     let runtime = start_runtime(&args.model)?;
+    if args.kv_waste {
+        let report = measure_kv_waste(&runtime, &KvWasteOptions::default())?;
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
     let report = kvgate_runtime::bench::run_bench(&runtime, &BenchOptions::default())?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

@@ -376,7 +376,7 @@ async fn truncate_oldest_drops_old_turns_and_reject_refuses() {
         .parse()
         .unwrap();
     assert!(
-        dropped >= 2 && dropped % 2 == 0,
+        dropped >= 2 && dropped.is_multiple_of(2),
         "whole turns are dropped: {dropped}"
     );
     assert!(trimmed.json()["usage"]["prompt_tokens"].as_u64().unwrap() <= 120);

@@ -1,3 +1,4 @@
+#![allow(clippy::needless_range_loop)]
 // Temporary profiling harness (backend only).
 use std::sync::Arc;
 use std::time::Instant;

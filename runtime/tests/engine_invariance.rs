@@ -94,7 +94,7 @@ fn greedy_tokens_do_not_depend_on_the_batch() {
 #[test]
 fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
     // 40 blocks of 16 tokens. The observed sequence holds a reservation for all it needs (as
-    // the gateway's admission gives it), so it is never the victim; five ~250-token neighbours
+    // the gateway's admission gives it), so it is never the victim; five ~214-token neighbours (150 prompt + 64)
     // cannot all fit and get preempted (recomputed later).
     let rt = runtime(40 * 16 * 23_040);
     let prompt = observed_prompt(&rt);
@@ -116,7 +116,7 @@ fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
             .encode(&format!("Neighbour {i}. {long_text}"), false);
         p.truncate(150);
         rt.engine
-            .submit(request(p, 100, "neighbour"))
+            .submit(request(p, 64, "neighbour"))
             .expect("submit")
     });
     // Cancel one neighbour once it has produced a token.
@@ -130,7 +130,7 @@ fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
     let neighbours: Vec<_> = neighbours.collect();
     let got = collect(observed);
     for h in neighbours {
-        assert_eq!(collect(h).len(), 100, "a preempted sequence still finishes");
+        assert_eq!(collect(h).len(), 64, "a preempted sequence still finishes");
     }
     let stats = rt.engine.stats();
     assert!(

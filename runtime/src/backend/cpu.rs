@@ -46,6 +46,8 @@ pub struct CpuBackend {
     ws: Workspace,
     plan: StepPlan,
     pool: rayon::ThreadPool,
+    /// Tensor bytes of the model file, computed once (the engine asks every step).
+    weights_bytes: u64,
 }
 
 impl CpuBackend {
@@ -89,11 +91,12 @@ impl CpuBackend {
             .build()
             .map_err(|e| BackendError::Other(format!("cannot start {threads} CPU threads: {e}")))?;
         Ok(CpuBackend {
-            model,
             kv,
             ws,
             plan: StepPlan::default(),
             pool,
+            weights_bytes: model.gguf.tensor_bytes(),
+            model,
         })
     }
 
@@ -142,6 +145,7 @@ impl Backend for CpuBackend {
             ws,
             plan,
             pool,
+            ..
         } = self;
         let step = Step {
             model,
@@ -156,7 +160,7 @@ impl Backend for CpuBackend {
 
     fn memory(&self) -> MemoryUsage {
         MemoryUsage {
-            weights_bytes: self.model.gguf.tensor_bytes(),
+            weights_bytes: self.weights_bytes,
             kv_bytes: self.kv.bytes(),
             workspace_bytes: self.ws.bytes(),
         }

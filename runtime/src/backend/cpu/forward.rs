@@ -167,21 +167,27 @@ fn attention_block(
         &mut ws.matmul,
         pool,
     );
-    for t in 0..n {
-        let (k_row, v_row) = (
-            &mut ws.k[t * kvd..(t + 1) * kvd],
-            &ws.v[t * kvd..(t + 1) * kvd],
-        );
+    let rows = ws.k[..n * kvd]
+        .chunks_exact_mut(kvd)
+        .zip(ws.v.chunks_exact(kvd));
+    for ((k_row, v_row), (&pos, &slot)) in rows.zip(positions.iter().zip(&step.inputs.slot_mapping))
+    {
         rope(
             k_row,
             cfg.num_kv_heads,
             hd,
-            positions[t],
+            pos,
             cfg.rope_freq_base,
             RopeMode::Norm,
         );
-        let slot = step.inputs.slot_mapping[t] as usize;
-        write_kv(&step.layout, &mut kv.k, &mut kv.v, slot, k_row, v_row);
+        write_kv(
+            &step.layout,
+            &mut kv.k,
+            &mut kv.v,
+            slot as usize,
+            k_row,
+            v_row,
+        );
     }
 
     let m = queries.tokens.len();

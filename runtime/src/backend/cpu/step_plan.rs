@@ -183,7 +183,8 @@ mod tests {
 
     #[test]
     fn each_contract_violation_is_rejected() {
-        let cases: Vec<(&str, fn(&mut BatchInputs))> = vec![
+        type Corruption = (&'static str, fn(&mut BatchInputs));
+        let cases: Vec<Corruption> = vec![
             ("ragged", |b| {
                 b.positions.pop();
             }),
