@@ -7,7 +7,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(name = "kvgate", version, about = "LLM admission gateway with an embedded paged-KV runtime")]
+#[command(
+    name = "kvgate",
+    version,
+    about = "LLM admission gateway with an embedded paged-KV runtime"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

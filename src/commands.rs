@@ -16,7 +16,9 @@ use kvgate_runtime::provision;
 use kvgate_runtime::sequence::{SamplingParams, StopParams};
 use kvgate_runtime::tokenizer::Tokenizer;
 
-use crate::cli::{BenchArgs, GenerateArgs, ModelArgs, PlanCliArgs, PolicyCommand, TokenizeArgs, TopArgs};
+use crate::cli::{
+    BenchArgs, GenerateArgs, ModelArgs, PlanCliArgs, PolicyCommand, TokenizeArgs, TopArgs,
+};
 
 /// Loads the model named by `args` (fetching the default one if needed) and starts the engine.
 pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
@@ -34,7 +36,10 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
 
 pub fn generate(args: GenerateArgs) -> Result<()> {
     if !(0.0..=2.0).contains(&args.temperature) {
-        bail!("--temperature must be within [0, 2], got {}", args.temperature);
+        bail!(
+            "--temperature must be within [0, 2], got {}",
+            args.temperature
+        );
     }
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p must be within (0, 1], got {}", args.top_p);
@@ -103,8 +108,14 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!("threads                     {}", report.threads);
-        println!("prefill                     {:8.1} tok/s", report.prefill_tok_s);
-        println!("decode (single stream)      {:8.1} tok/s", report.decode_tok_s);
+        println!(
+            "prefill                     {:8.1} tok/s",
+            report.prefill_tok_s
+        );
+        println!(
+            "decode (single stream)      {:8.1} tok/s",
+            report.decode_tok_s
+        );
         for (seqs, rate) in &report.aggregate_decode_tok_s {
             println!("aggregate decode, {seqs:>2} seqs   {rate:8.1} tok/s");
         }
@@ -162,7 +173,9 @@ pub fn top(args: TopArgs) -> Result<()> {
     if !(args.interval.is_finite() && args.interval > 0.0) {
         bail!("--interval must be a positive number of seconds");
     }
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(crate::top::run(
         args.url,
         Duration::from_secs_f64(args.interval),

@@ -2,22 +2,22 @@
 //! admission by live KV occupancy, and the HTTP server.
 #![forbid(unsafe_code)]
 
-pub mod openai;
-pub mod validate;
 pub mod admission;
 pub mod auth;
-pub mod policy;
-pub mod queue;
-pub mod ratelimit;
-pub mod reload;
-pub mod metrics;
 pub mod error;
 pub mod extract;
 pub mod generate;
 pub mod handlers;
+pub mod inspect;
+pub mod metrics;
+pub mod openai;
+pub mod policy;
+pub mod queue;
+pub mod ratelimit;
+pub mod reload;
 pub mod server;
 pub mod shutdown;
 pub mod stack;
 pub mod stream;
 pub mod telemetry;
-pub mod inspect;
+pub mod validate;

@@ -16,12 +16,9 @@ pub mod mmap;
 pub mod ops;
 pub mod quant;
 
-#[cfg(feature = "cuda")]
-pub mod cuda;
-
 pub use attention::{
-    AttentionRow, AttentionScratch, KvLayout, ReductionOrder, paged_attention, paged_attention_batch,
-    write_kv,
+    AttentionRow, AttentionScratch, KvLayout, ReductionOrder, paged_attention,
+    paged_attention_batch, write_kv,
 };
 pub use matmul::{MatmulScratch, QMatrix, matmul};
 pub use ops::{RopeMode, rms_norm, rope, swiglu};
@@ -33,9 +30,19 @@ pub use quant::{QK, WeightType};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
     #[error("{ty:?} rows need a multiple of {block} columns, got {cols}")]
-    ColsNotBlockMultiple { ty: WeightType, cols: usize, block: usize },
+    ColsNotBlockMultiple {
+        ty: WeightType,
+        cols: usize,
+        block: usize,
+    },
     #[error("{ty:?} matrix of {rows}x{cols} needs {expected} bytes, got {actual}")]
-    DataSize { ty: WeightType, rows: usize, cols: usize, expected: usize, actual: usize },
+    DataSize {
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        expected: usize,
+        actual: usize,
+    },
     #[error("matrix dimensions {rows}x{cols} overflow")]
     Overflow { rows: usize, cols: usize },
 }

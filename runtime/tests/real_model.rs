@@ -162,7 +162,10 @@ fn prefill_in_one_chunk_several_chunks_or_token_by_token_agrees() {
     // the 8-bit activation quantization of 30 layers (about 0.8 logits on this prompt; forcing
     // one order makes the two runs bit-identical), but they must not change the prediction.
     assert_eq!(argmax(&one), argmax(&last));
-    assert!(diff < 2.0, "token-by-token logits differ by up to {diff}: more than rounding");
+    assert!(
+        diff < 2.0,
+        "token-by-token logits differ by up to {diff}: more than rounding"
+    );
 }
 
 #[test]

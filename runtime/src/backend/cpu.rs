@@ -135,8 +135,8 @@ impl Backend for CpuBackend {
             block_size: self.kv.layout.block_size,
         };
         self.plan.build(inputs, limits)?;
-        logits.clear();
         if inputs.token_ids.is_empty() {
+            logits.clear();
             return Ok(());
         }
         let Self {

@@ -98,7 +98,8 @@ pub fn run(
             &mut ws.xn[r],
         );
     }
-    logits.clear();
+    // Every element is overwritten by the matmul; resizing (not clearing) skips re-zeroing
+    // the part of the buffer the previous step already sized.
     logits.resize(rows * cfg.vocab_size, 0.0);
     let head = model.output.view(&model.gguf);
     matmul(
