@@ -24,6 +24,10 @@ const CHAT: &str = "/v1/chat/completions";
 const WAIT: Duration = Duration::from_secs(120);
 const ADMIN_KEY: &str = "sk-metrics-admin";
 
+/// The Prometheus recorder is process-wide: counters such as the `unauthenticated` tenant's auth
+/// rejections are shared by every server in this test binary, so the tests run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn scrape(server: &TestServer) -> Scrape {
     let reply = server.client().get("/metrics", None).await;
     assert_eq!(reply.status, StatusCode::OK);
@@ -43,6 +47,7 @@ fn with_admin_key(policy: String) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops() {
+    let _serial = SERIAL.lock().await;
     let tenants = [TenantSpec {
         name: "m-occ",
         key: "sk-occ",
@@ -187,6 +192,7 @@ fn assert_counted(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_rejection_is_counted_once_under_its_reason() {
+    let _serial = SERIAL.lock().await;
     let tenants = [
         TenantSpec {
             name: "m-len",
@@ -394,10 +400,12 @@ async fn assert_promtool_accepts(compat: Compat) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn promtool_accepts_a_real_scrape_without_compat_names() {
+    let _serial = SERIAL.lock().await;
     assert_promtool_accepts(Compat::None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn promtool_accepts_a_real_scrape_with_vllm_compat_filtered() {
+    let _serial = SERIAL.lock().await;
     assert_promtool_accepts(Compat::Vllm).await;
 }
