@@ -117,29 +117,18 @@ pub fn paged_attention(
     out: &mut [f32],
     scratch: &mut AttentionScratch,
 ) {
-    let group = check_heads(layout, n_heads);
-    let width = n_heads * layout.head_dim;
-    assert_eq!(
-        q.len(),
-        width,
-        "paged_attention: q must be n_heads × head_dim"
-    );
-    assert_eq!(
-        out.len(),
-        width,
-        "paged_attention: out must be n_heads × head_dim"
-    );
-    check_row(layout, k_cache, v_cache, block_table, context_len);
-    let args = HeadArgs {
+    let (args, gw) = one_row_args(
         layout,
+        q,
+        n_heads,
         k_cache,
         v_cache,
         block_table,
         context_len,
         scale,
         order,
-    };
-    let gw = group * layout.head_dim;
+        out,
+    );
     for (kv_head, (qg, og)) in q.chunks_exact(gw).zip(out.chunks_exact_mut(gw)).enumerate() {
         attention_group(&args, qg, kv_head, og, scratch);
     }
@@ -223,9 +212,51 @@ pub fn paged_attention_reference(
     order: ReductionOrder,
     out: &mut [f32],
 ) {
+    let (args, gw) = one_row_args(
+        layout,
+        q,
+        n_heads,
+        k_cache,
+        v_cache,
+        block_table,
+        context_len,
+        scale,
+        order,
+        out,
+    );
+    let mut scratch = AttentionScratch::new();
+    for (kv_head, (qg, og)) in q.chunks_exact(gw).zip(out.chunks_exact_mut(gw)).enumerate() {
+        scalar::attention_group(&args, qg, kv_head, og, &mut scratch.floats);
+    }
+}
+
+/// Checks the arguments of a one-row attention call (shared by [`paged_attention`] and its
+/// reference) and returns the per-head arguments plus the width of one KV head's query group.
+#[allow(clippy::too_many_arguments)]
+fn one_row_args<'a>(
+    layout: &'a KvLayout,
+    q: &[f32],
+    n_heads: usize,
+    k_cache: &'a [f16],
+    v_cache: &'a [f16],
+    block_table: &'a [u32],
+    context_len: usize,
+    scale: f32,
+    order: ReductionOrder,
+    out: &[f32],
+) -> (HeadArgs<'a>, usize) {
     let group = check_heads(layout, n_heads);
-    assert_eq!(q.len(), n_heads * layout.head_dim);
-    assert_eq!(out.len(), n_heads * layout.head_dim);
+    let width = n_heads * layout.head_dim;
+    assert_eq!(
+        q.len(),
+        width,
+        "paged_attention: q must be n_heads × head_dim"
+    );
+    assert_eq!(
+        out.len(),
+        width,
+        "paged_attention: out must be n_heads × head_dim"
+    );
     check_row(layout, k_cache, v_cache, block_table, context_len);
     let args = HeadArgs {
         layout,
@@ -236,11 +267,7 @@ pub fn paged_attention_reference(
         scale,
         order,
     };
-    let gw = group * layout.head_dim;
-    let mut scratch = AttentionScratch::new();
-    for (kv_head, (qg, og)) in q.chunks_exact(gw).zip(out.chunks_exact_mut(gw)).enumerate() {
-        scalar::attention_group(&args, qg, kv_head, og, &mut scratch.floats);
-    }
+    (args, group * layout.head_dim)
 }
 
 /// Returns the number of query heads per KV head.
