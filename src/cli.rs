@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvgate_gateway::upstream::UpstreamSpec;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -84,6 +85,15 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub shutdown_grace: u64,
+    /// Also serve model NAME by proxying it to another OpenAI-compatible engine at URL (plain
+    /// http; the root URL, without /v1). Options: model=ID (the id sent upstream; default
+    /// NAME), capacity=TOKENS (its KV capacity, the admission gate; default 65536),
+    /// timeout=DURATION (longest wait for its response headers; default 120s). Repeatable.
+    #[arg(
+        long = "upstream",
+        value_name = "NAME=URL[,model=ID][,capacity=TOKENS][,timeout=DURATION]"
+    )]
+    pub upstreams: Vec<UpstreamSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

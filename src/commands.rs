@@ -48,10 +48,10 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     let prompt = if args.raw {
         runtime.tokenizer.encode_with_bos(&args.prompt, false)
     } else {
-        let text = runtime
+        // The prompt is message content: only the template's markup becomes control tokens.
+        runtime
             .tokenizer
-            .apply_chat_template(&[ChatMessage::new("user", args.prompt.as_str())], true)?;
-        runtime.tokenizer.encode(&text, true)
+            .encode_chat(&[ChatMessage::new("user", args.prompt.as_str())], true)?
     };
     let mut handle = runtime.engine.submit(GenerationRequest {
         prompt,

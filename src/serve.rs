@@ -1,5 +1,6 @@
-//! `kvgate serve`: load the model, start the engine, load the policy, serve the OpenAI API until
-//! SIGTERM/SIGINT, drain in-flight requests within the grace period, exit 0.
+//! `kvgate serve`: load the model, start the engine, load the policy, serve the OpenAI API (and
+//! proxy the `--upstream` models) until SIGTERM/SIGINT, drain in-flight requests within the
+//! grace period, exit 0.
 
 use std::time::Duration;
 
@@ -9,6 +10,7 @@ use kvgate_gateway::metrics::{Compat, MetricsConfig};
 use kvgate_gateway::reload::PolicyStore;
 use kvgate_gateway::server::{self, ServeConfig};
 use kvgate_gateway::shutdown;
+use kvgate_gateway::upstream::Upstreams;
 use tracing_subscriber::EnvFilter;
 
 use kvgate_runtime::kv_math::parse_size;
@@ -24,6 +26,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Some(text) => Some(parse_size(text).context("--memory-budget")? as u64),
         None => None,
     };
+    // Also before the model: builds the upstreams' tiktoken encodings once, up front.
+    let upstreams = Upstreams::new(args.upstreams.clone())?;
     let runtime = start_runtime(&args.model)?;
     let config = ServeConfig {
         listen: args.listen,
@@ -50,7 +54,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let _reload = store
             .watch()
             .context("watching the policy file for changes")?;
-        let admission = Admission::new(store.clone(), engine.pool().clone());
+        let admission =
+            Admission::with_pools(store.clone(), engine.pool().clone(), upstreams.pools());
         tracing::info!(listen = %config.listen, policy = %args.policy.display(), "kvgate ready");
         server::serve(
             config,
@@ -58,6 +63,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             runtime.tokenizer.clone(),
             store,
             admission,
+            upstreams,
             shutdown::signal(),
         )
         .await

@@ -308,3 +308,170 @@ async fn overload_sheds_api_requests_but_not_health_checks() {
     drop(busy);
     server.wait_for_idle_kv(Duration::from_secs(60)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_once_the_engine_thread_has_stopped() {
+    let server = TestServer::start(&one_tenant()).await;
+    let client = server.client();
+    assert_eq!(client.get("/readyz", None).await.status, StatusCode::OK);
+    assert!(server.engine.is_running());
+
+    let engine = server.engine.clone();
+    tokio::task::spawn_blocking(move || engine.shutdown())
+        .await
+        .expect("engine stops");
+    let ready = client.get("/readyz", None).await;
+    assert_openai_error(&ready, 503, "not_ready");
+    let message = ready.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(message.contains("engine"), "{message}");
+    // Liveness is about the process, not the engine: a restart is the orchestrator's call.
+    assert_eq!(client.get("/healthz", None).await.status, StatusCode::OK);
+}
+
+/// The six `x-ratelimit-*` headers of a response, as (name suffix, value).
+fn rate_headers(headers: &hyper::HeaderMap) -> Vec<(String, String)> {
+    ["limit", "remaining", "reset"]
+        .iter()
+        .flat_map(|what| ["requests", "tokens"].map(|kind| format!("x-ratelimit-{what}-{kind}")))
+        .map(|name| {
+            let value = headers
+                .get(&name)
+                .unwrap_or_else(|| panic!("`{name}` missing in {headers:?}"))
+                .to_str()
+                .unwrap()
+                .to_owned();
+            (name, value)
+        })
+        .collect()
+}
+
+fn header_value(pairs: &[(String, String)], name: &str) -> String {
+    pairs
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_response_carries_the_rate_limit_headers() {
+    // Defaults: 100 requests and 50000 tokens per minute; alpha overrides the request rate.
+    let text = policy(
+        &[TenantSpec {
+            name: "alpha",
+            key: KEY,
+            extra: "requests_per_minute = 60",
+        }],
+        "",
+    )
+    .replacen(
+        "[defaults]\n",
+        "[defaults]\nrequests_per_minute = 100\ntokens_per_minute = 50000\n",
+        1,
+    );
+    let server = TestServer::start(&text).await;
+    let client = server.client();
+    let chat_path = "/v1/chat/completions";
+
+    // 401: no tenant is known, so the [defaults] limits with nothing spent.
+    for key in [None, Some("sk-wrong")] {
+        let refused = client.post(chat_path, key, &chat("hi", 4)).await;
+        assert_openai_error(&refused, 401, "invalid_api_key");
+        let headers = rate_headers(&refused.headers);
+        assert_eq!(header_value(&headers, "x-ratelimit-limit-requests"), "100");
+        assert_eq!(
+            header_value(&headers, "x-ratelimit-remaining-requests"),
+            "100"
+        );
+        assert_eq!(header_value(&headers, "x-ratelimit-reset-requests"), "0ms");
+        assert_eq!(header_value(&headers, "x-ratelimit-limit-tokens"), "50000");
+        assert_eq!(
+            header_value(&headers, "x-ratelimit-remaining-tokens"),
+            "50000"
+        );
+    }
+
+    // 404 and 405 (the router's fallbacks) and a validation 400: the caller's tenant.
+    let not_found = client.get("/v1/nope", Some(KEY)).await;
+    assert_openai_error(&not_found, 404, "unknown_url");
+    let headers = rate_headers(&not_found.headers);
+    assert_eq!(header_value(&headers, "x-ratelimit-limit-requests"), "60");
+    assert_eq!(
+        header_value(&headers, "x-ratelimit-remaining-requests"),
+        "60"
+    );
+    assert_eq!(header_value(&headers, "x-ratelimit-limit-tokens"), "50000");
+    let anonymous_404 = client.get("/v1/nope", None).await;
+    let headers = rate_headers(&anonymous_404.headers);
+    assert_eq!(header_value(&headers, "x-ratelimit-limit-requests"), "100");
+    let wrong_method = client.send_method(Method::GET, chat_path, Some(KEY)).await;
+    assert_openai_error(&wrong_method, 405, "method_not_allowed");
+    rate_headers(&wrong_method.headers);
+    let mut invalid = chat("hi", 4);
+    invalid["temperature"] = json!(3);
+    let invalid = client.post(chat_path, Some(KEY), &invalid).await;
+    assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        header_value(
+            &rate_headers(&invalid.headers),
+            "x-ratelimit-limit-requests"
+        ),
+        "60"
+    );
+    // Probes too.
+    rate_headers(&client.get("/healthz", None).await.headers);
+
+    // 413 from the body-limit layer, before routing and authentication.
+    let head = format!(
+        "POST {chat_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        5 * 1024 * 1024
+    );
+    let mut oversized = raw_connect(server.addr, head.as_bytes()).await;
+    let answer = read_to_close(&mut oversized).await.to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 413"), "{answer}");
+    for name in [
+        "x-ratelimit-limit-requests: 60",
+        "x-ratelimit-remaining-requests: 60",
+        "x-ratelimit-reset-requests: 0ms",
+        "x-ratelimit-limit-tokens: 50000",
+        "x-ratelimit-remaining-tokens: 50000",
+        "x-ratelimit-reset-tokens: 0ms",
+    ] {
+        assert!(answer.contains(name), "`{name}` missing in {answer}");
+    }
+
+    // 200: the state right after this request's debit.
+    let ok = client.post(chat_path, Some(KEY), &chat("hi", 4)).await;
+    assert_eq!(ok.status, StatusCode::OK);
+    let headers = rate_headers(&ok.headers);
+    assert_eq!(header_value(&headers, "x-ratelimit-limit-requests"), "60");
+    assert_eq!(
+        header_value(&headers, "x-ratelimit-remaining-requests"),
+        "59"
+    );
+    let remaining_tokens: u32 = header_value(&headers, "x-ratelimit-remaining-tokens")
+        .parse()
+        .unwrap();
+    assert!(remaining_tokens < 50000, "prompt + max_tokens were debited");
+    server.wait_for_idle_kv(Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_completions_default_to_sixteen_tokens() {
+    let server = TestServer::start(&one_tenant()).await;
+    let body = json!({"model": MODEL, "prompt": "Count from 1 to 100: 1, 2, 3,", "temperature": 0});
+    let reply = server
+        .client()
+        .post("/v1/completions", Some(KEY), &body)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    let answer = reply.json();
+    // The tenant allows 512 tokens; OpenAI's legacy default is 16.
+    assert_eq!(answer["usage"]["completion_tokens"], 16, "{answer}");
+    assert_eq!(answer["choices"][0]["finish_reason"], "length", "{answer}");
+    server.wait_for_idle_kv(Duration::from_secs(30)).await;
+}

@@ -25,8 +25,9 @@ fn prompt_of(tokens: usize) -> String {
             role: "user",
             content: "apple ".repeat(words),
         };
-        let text = tokenizer.render_chat(&[turn]).expect("template renders");
-        PromptCodec::encode(tokenizer.as_ref(), &text).len()
+        PromptCodec::encode_chat(tokenizer.as_ref(), &[turn])
+            .expect("template renders")
+            .len()
     };
     let words = (1..400)
         .find(|&w| length(w) >= tokens)

@@ -1,7 +1,8 @@
 //! `/metrics` and `/admin/kv` through the real server and model: occupancy follows the load and
-//! returns to baseline, the memory peak never decreases, every refused request is counted once
-//! under its reason, and a real scrape passes `promtool check metrics` with and without the vLLM
-//! compatibility names.
+//! returns to baseline, memory is reported from the first scrape and its peak never decreases,
+//! the batch histograms count every engine step, every refused request is counted once under
+//! its reason (KV saturation and a request larger than the pool included), and a real scrape
+//! passes `promtool check metrics` with and without the vLLM compatibility names.
 //!
 //! Request-path counters live in one process-wide recorder shared by the tests of this binary,
 //! so each test uses its own tenant names and compares scrapes before and after.
@@ -16,7 +17,8 @@ use hyper::StatusCode;
 use kvgate_gateway::auth::hash_key;
 use kvgate_gateway::metrics::exposition::Scrape;
 use kvgate_gateway::metrics::{
-    Compat, KV_BLOCKS, KV_USAGE_RATIO, MEMORY_PEAK_ALLOCATED_BYTES, REQUESTS_IN_FLIGHT,
+    Compat, ENGINE_STEPS_TOTAL, KV_BLOCKS, KV_USAGE_RATIO, MEMORY_ALLOCATED_BYTES,
+    MEMORY_BUDGET_BYTES, MEMORY_PEAK_ALLOCATED_BYTES, MEMORY_RESERVED_BYTES, REQUESTS_IN_FLIGHT,
     REQUESTS_REJECTED_TOTAL, REQUESTS_TOTAL, RejectReason, SEQUENCES,
 };
 
@@ -129,6 +131,27 @@ async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops
     assert!(
         peaks.windows(2).all(|w| w[0] <= w[1]),
         "the peak never decreases: {peaks:?}"
+    );
+    // Every step the engine took is in the batch histograms, once: their counts are the step
+    // counter of the same scrape, and the buckets are cumulative.
+    let last = scrape(&server).await;
+    if let Err(problem) = last.check_histograms() {
+        panic!("malformed histogram: {problem}");
+    }
+    let steps = gauge(&last, ENGINE_STEPS_TOTAL, &[]);
+    assert!(steps >= 2.0, "two prefills at least, saw {steps} steps");
+    for family in ["kvgate_batch_size", "kvgate_batch_tokens"] {
+        let count = gauge(&last, &format!("{family}_count"), &[]);
+        assert_eq!(count, steps, "{family} counts every step");
+        assert_eq!(
+            gauge(&last, &format!("{family}_bucket"), &[("le", "+Inf")]),
+            count
+        );
+    }
+    let sequences = gauge(&last, "kvgate_batch_size_sum", &[]);
+    assert!(
+        sequences >= steps && sequences <= 2.0 * steps,
+        "1 or 2 sequences per step: {sequences} over {steps} steps"
     );
     assert!(
         peaks[peaks.len() - 1] > 0.0,
@@ -247,6 +270,12 @@ async fn each_rejection_is_counted_once_under_its_reason() {
         .post_bytes(CHAT, Some("sk-bad"), "{\"model\": ")
         .await;
     assert_eq!(broken.status, StatusCode::BAD_REQUEST);
+    let mut no_messages = chat("hi", 1);
+    no_messages["messages"] = serde_json::json!([]);
+    assert_eq!(
+        client.post(CHAT, Some("sk-bad"), &no_messages).await.status,
+        StatusCode::BAD_REQUEST
+    );
     assert_eq!(
         client
             .post(CHAT, Some("sk-rate"), &chat("hi", 1))
@@ -302,7 +331,7 @@ async fn each_rejection_is_counted_once_under_its_reason() {
     let after = scrape(&server).await;
     assert_counted(&before, &after, "unauthenticated", RejectReason::Auth, 2.0);
     assert_counted(&before, &after, "m-len", RejectReason::Length, 1.0);
-    assert_counted(&before, &after, "m-bad", RejectReason::BadRequest, 1.0);
+    assert_counted(&before, &after, "m-bad", RejectReason::BadRequest, 2.0);
     assert_counted(&before, &after, "m-rate", RejectReason::Rate, 1.0);
     assert_counted(&before, &after, "m-quota", RejectReason::Quota, 1.0);
     assert_counted(&before, &after, "m-full", RejectReason::QueueFull, 1.0);
@@ -318,6 +347,145 @@ async fn each_rejection_is_counted_once_under_its_reason() {
         1.0,
         "the admitted request is not a rejection"
     );
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_is_reported_from_the_first_scrape_before_any_request() {
+    let _serial = SERIAL.lock().await;
+    let budget = 3u64 << 30;
+    let mut options = Options::default();
+    options.serve.metrics.memory_budget_bytes = Some(budget);
+    let tenants = [TenantSpec {
+        name: "m-mem",
+        key: "sk-mem",
+        extra: "",
+    }];
+    let server = TestServer::start_with(&policy(&tenants, ""), options).await;
+
+    // Nothing has run yet: the engine published its memory when it started.
+    let first = scrape(&server).await;
+    assert_eq!(gauge(&first, ENGINE_STEPS_TOTAL, &[]), 0.0, "no step yet");
+    let weights = gauge(&first, MEMORY_ALLOCATED_BYTES, &[("kind", "weights")]);
+    let kv = gauge(&first, MEMORY_ALLOCATED_BYTES, &[("kind", "kv")]);
+    let workspace = gauge(&first, MEMORY_ALLOCATED_BYTES, &[("kind", "workspace")]);
+    assert!(
+        weights > 50e6,
+        "a 135M-parameter Q4_1 model: {weights} bytes of weights"
+    );
+    assert!(kv > 0.0, "the KV cache is allocated at start: {kv}");
+    let allocated = weights + kv + workspace;
+    assert_eq!(gauge(&first, MEMORY_RESERVED_BYTES, &[]), allocated);
+    let peak = gauge(&first, MEMORY_PEAK_ALLOCATED_BYTES, &[]);
+    assert!(peak >= allocated, "peak {peak} < allocated {allocated}");
+    assert_eq!(gauge(&first, MEMORY_BUDGET_BYTES, &[]), budget as f64);
+    assert_eq!(gauge(&first, "kvgate_batch_size_count", &[]), 0.0);
+    if let Err(problem) = first.check_histograms() {
+        panic!("malformed histogram: {problem}");
+    }
+
+    // After a request the peak covers at least what is allocated then, and never went down.
+    assert_eq!(
+        server
+            .client()
+            .post(CHAT, Some("sk-mem"), &chat("hi", 2))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let after = scrape(&server).await;
+    let allocated_after: f64 = ["weights", "kv", "workspace"]
+        .iter()
+        .map(|kind| gauge(&after, MEMORY_ALLOCATED_BYTES, &[("kind", kind)]))
+        .sum();
+    let peak_after = gauge(&after, MEMORY_PEAK_ALLOCATED_BYTES, &[]);
+    assert!(peak_after >= peak && peak_after >= allocated_after);
+    assert!(
+        gauge(&after, ENGINE_STEPS_TOTAL, &[]) >= 2.0,
+        "prefill + decode"
+    );
+    server.shutdown().await;
+}
+
+/// KV refusals through a real server with a 64-block pool (1024 tokens): a request that can
+/// never fit under the watermark is a `length` refusal (400); a request that must wait for
+/// blocks longer than its tenant's `max_queue_wait`, by the measured drain rate, is a
+/// `kv_saturation` refusal (429). Each is counted once per refused request, under its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_refusals_are_counted_once_under_their_reason() {
+    let _serial = SERIAL.lock().await;
+    let tenants = [
+        TenantSpec {
+            name: "m-kvhold",
+            key: "sk-kvhold",
+            extra: "",
+        },
+        TenantSpec {
+            name: "m-kvsat",
+            key: "sk-kvsat",
+            extra: "max_queue_wait = \"2s\"",
+        },
+        TenantSpec {
+            name: "m-kvlen",
+            key: "sk-kvlen",
+            extra: "",
+        },
+    ];
+    let options = Options {
+        num_blocks: 64,
+        ..Options::default()
+    };
+    let server = TestServer::start_with(&policy(&tenants, ""), options).await;
+    let client = server.client();
+    let before = scrape(&server).await;
+
+    // ~600 prompt tokens + 500 = ~70 blocks: over the 57 the 0.9 watermark allows, and over the
+    // whole pool. The tenant's limits (1024 in, 1536 in total) allow it: only KV refuses it.
+    let long = "word ".repeat(600);
+    let too_big = client.post(CHAT, Some("sk-kvlen"), &chat(&long, 500)).await;
+    assert_eq!(
+        too_big.status,
+        StatusCode::BAD_REQUEST,
+        "{:?}",
+        too_big.json()
+    );
+    assert_eq!(too_big.error_code(), "context_length_exceeded");
+
+    // Teach admission the drain rate: two completions more than a second apart. The second
+    // returns at most 2-3 blocks (~48 tokens) over ≥ 1.2 s: under 40 tokens/s.
+    for pause in [true, false] {
+        let reply = client.post(CHAT, Some("sk-kvhold"), &chat("hi", 1)).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        if pause {
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+        }
+    }
+    // A running request holds ~35 blocks (prompt + 500), leaving ~22 of the 57 allowed.
+    let holder = hold_slot(&client, "sk-kvhold", 500).await;
+    // Each of these needs ~35 blocks: ~13 blocks (~208 tokens) must drain first, > 5 s at the
+    // learned rate, more than m-kvsat's 2 s max_queue_wait: refused at once, not queued.
+    for _ in 0..2 {
+        let refused = client
+            .post(CHAT, Some("sk-kvsat"), &chat(common::LONG_ANSWER, 500))
+            .await;
+        assert_eq!(
+            (refused.status, refused.error_code().as_str()),
+            (StatusCode::TOO_MANY_REQUESTS, "kv_cache_saturated"),
+            "{:?}",
+            refused.json()
+        );
+        assert!(
+            refused.header("retry-after").is_some(),
+            "429 says when to retry"
+        );
+    }
+    drop(holder);
+    server.wait_for_idle_kv(WAIT).await;
+
+    let after = scrape(&server).await;
+    assert_counted(&before, &after, "m-kvlen", RejectReason::Length, 1.0);
+    assert_counted(&before, &after, "m-kvsat", RejectReason::KvSaturation, 2.0);
+    assert_counted(&before, &after, "m-kvhold", RejectReason::KvSaturation, 0.0);
     server.shutdown().await;
 }
 

@@ -11,6 +11,13 @@
 //!
 //! [`Admission::admit`] is cancel-safe: if the client goes away and the future is dropped, the
 //! queued entry is removed (and nothing it did not get is released).
+//!
+//! Admission may gate several block pools ([`Admission::with_pools`]): the embedded engine's
+//! KV pool ([`PoolId::LOCAL`]) and one pool per upstream engine, sized from the capacity the
+//! upstream declares (see `upstream.rs`). Each ticket names its pool. Rate limits, tenant
+//! concurrency and the fair queue are shared by all pools; KV reservations, the watermark, the
+//! long lane's cap and the drain-rate estimate are per pool, so a saturated upstream never
+//! holds back requests for the embedded engine (or the other way round).
 
 mod dispatcher;
 mod ledger;
@@ -20,13 +27,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use http::HeaderMap;
 use kvgate_runtime::block_pool::{BlockPool, Reservation};
+use kvgate_runtime::engine::EngineStats;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 pub use ledger::TenantQueueSnapshot;
 pub use rejection::{MAX_RETRY_AFTER, MIN_CAPACITY_RETRY_AFTER, Rejection};
 
+use crate::auth::authenticate;
 use crate::policy::{KvPolicy, ReservationMode, TenantPolicy};
 use crate::queue::Lane;
 use crate::ratelimit::{Debit, RateLimitError, RateLimitHeaders, RateLimits};
@@ -37,12 +47,22 @@ use ledger::Ledger;
 /// Commands waiting for the dispatcher; senders wait when it is full (backpressure).
 const COMMAND_CAPACITY: usize = 1024;
 
+/// Which block pool a request reserves its capacity from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(pub(crate) usize);
+
+impl PoolId {
+    /// The embedded engine's KV pool.
+    pub const LOCAL: PoolId = PoolId(0);
+}
+
 /// The admission handle that handlers use. Cheap to clone.
 #[derive(Clone)]
 pub struct Admission {
     commands: mpsc::Sender<Command>,
     store: PolicyStore,
-    pool: Arc<BlockPool>,
+    /// Indexed by [`PoolId`]; the first is [`PoolId::LOCAL`].
+    pools: Arc<[Arc<BlockPool>]>,
     limits: Arc<RateLimits>,
     ledger: Arc<Ledger>,
     next_key: Arc<AtomicU64>,
@@ -55,18 +75,33 @@ pub struct AdmissionTicket {
     pub prompt_tokens: usize,
     pub max_output_tokens: usize,
     pub request_id: String,
+    /// The pool to reserve from ([`PoolId::LOCAL`] for the embedded engine).
+    pub pool: PoolId,
 }
 
 impl Admission {
-    /// Starts the dispatcher task; must be called inside a tokio runtime.
+    /// Admission over the embedded engine's pool alone. Starts the dispatcher task; must be
+    /// called inside a tokio runtime.
     pub fn new(store: PolicyStore, pool: Arc<BlockPool>) -> Admission {
+        Admission::with_pools(store, pool, Vec::new())
+    }
+
+    /// Admission over the embedded engine's pool (`local`) and `others` (one per upstream);
+    /// [`Admission::pool_id`] says which id each got. Starts the dispatcher task; must be
+    /// called inside a tokio runtime.
+    pub fn with_pools(
+        store: PolicyStore,
+        local: Arc<BlockPool>,
+        others: Vec<Arc<BlockPool>>,
+    ) -> Admission {
+        let pools: Arc<[Arc<BlockPool>]> = std::iter::once(local).chain(others).collect();
         let (commands, receiver) = mpsc::channel(COMMAND_CAPACITY);
         let limits = Arc::new(RateLimits::new());
         let ledger = Arc::new(Ledger::default());
         let dispatcher = Dispatcher::new(
             receiver,
             store.clone(),
-            Arc::clone(&pool),
+            Arc::clone(&pools),
             Arc::clone(&limits),
             Arc::clone(&ledger),
         );
@@ -74,18 +109,34 @@ impl Admission {
         Admission {
             commands,
             store,
-            pool,
+            pools,
             limits,
             ledger,
             next_key: Arc::new(AtomicU64::new(0)),
         }
     }
 
+    /// The id of `pool` if admission gates it (the same `Arc`), else `None`.
+    pub fn pool_id(&self, pool: &Arc<BlockPool>) -> Option<PoolId> {
+        self.pools
+            .iter()
+            .position(|known| Arc::ptr_eq(known, pool))
+            .map(PoolId)
+    }
+
     /// Waits until the request may start, or says why it may not.
     pub async fn admit(&self, ticket: AdmissionTicket) -> Result<Admitted, Rejection> {
         let policy = self.store.current();
         let tenant = Arc::clone(&ticket.tenant);
-        let occupancy = self.pool.snapshot();
+        let Some(pool) = self.pools.get(ticket.pool.0) else {
+            // Tickets only name pools that `pool_id` returned: this is a wiring bug.
+            tracing::error!(
+                pool = ticket.pool.0,
+                "admission ticket names an unknown pool"
+            );
+            return Err(Rejection::Unavailable);
+        };
+        let occupancy = pool.snapshot();
         let needed_blocks = blocks_needed(
             &policy.kv,
             occupancy.block_size,
@@ -152,6 +203,15 @@ impl Admission {
         answer.unwrap_or(Err(Rejection::Unavailable))
     }
 
+    /// Gives admission the engine's per-token service time (see [`per_token_service_time`]):
+    /// the prior its Retry-After estimates use until completions have measured a drain rate.
+    pub fn set_service_time_probe(
+        &self,
+        probe: impl Fn() -> Option<Duration> + Send + Sync + 'static,
+    ) {
+        self.ledger.set_service_time_probe(Arc::new(probe));
+    }
+
     /// Queue and in-flight state per tenant (last dispatcher step), sorted by tenant.
     pub fn queue_snapshot(&self) -> Vec<TenantQueueSnapshot> {
         self.ledger.snapshot()
@@ -160,6 +220,26 @@ impl Admission {
     /// The tenant's rate-limit headers, for responses that never reached admission.
     pub fn rate_headers(&self, tenant: &TenantPolicy) -> RateLimitHeaders {
         self.limits.headers(tenant)
+    }
+
+    /// The rate-limit state to report on a response to a request with these headers, when no
+    /// handler reported one (refused keys, unknown routes, body-limit and timeout errors, the
+    /// probes): the live state of the tenant the request's key maps to (the anonymous tenant
+    /// when it has no key and the policy names one).
+    ///
+    /// A request whose key maps to no tenant gets the `[defaults]` limits with nothing spent.
+    /// It has touched no bucket, and an unauthenticated caller must not learn any tenant's
+    /// live usage; `[defaults]` is what every key gets unless its tenant overrides it, so it
+    /// is the one true statement about limits that needs no identity.
+    pub fn rate_headers_for_request(&self, request: &HeaderMap) -> RateLimitHeaders {
+        let policy = self.store.current();
+        match authenticate(&policy, request) {
+            Ok(tenant) => self.limits.headers(&tenant),
+            Err(_) => {
+                let defaults = policy.default_rates();
+                RateLimitHeaders::full(defaults.requests_per_minute, defaults.tokens_per_minute)
+            }
+        }
     }
 
     /// The policy store admission reads limits from.
@@ -182,6 +262,17 @@ impl Drop for CancelOnDrop {
             let _ = self.commands.try_send(Command::Cancel(self.key));
         }
     }
+}
+
+/// The engine's per-token service time as of its last step: the step's wall time divided by
+/// the sequences in it (each running sequence gains one token per step). `None` before the
+/// first step. A prefill-heavy step makes it pessimistic, never optimistic.
+pub fn per_token_service_time(stats: &EngineStats) -> Option<Duration> {
+    let sequences = u32::try_from(stats.last_batch_seqs)
+        .ok()
+        .filter(|n| *n > 0)?;
+    let step = Duration::from_micros(stats.last_step_micros);
+    (!step.is_zero()).then(|| step / sequences)
 }
 
 /// KV blocks a request reserves before it starts.
@@ -245,6 +336,7 @@ fn rate_rejection(tenant: &str, error: RateLimitError) -> Rejection {
 #[derive(Debug)]
 pub struct Admitted {
     tenant: Arc<TenantPolicy>,
+    pool: PoolId,
     lane: Lane,
     request_id: String,
     prompt_tokens: usize,
@@ -253,6 +345,8 @@ pub struct Admitted {
     queue_wait: Duration,
     headers: RateLimitHeaders,
     completion_tokens: Option<usize>,
+    /// Handed to an engine that holds no reservation of ours (an upstream).
+    started_elsewhere: bool,
     reservation: Option<Reservation>,
     debit: Option<Debit>,
     ledger: Arc<Ledger>,
@@ -271,9 +365,22 @@ impl Admitted {
     pub fn record_completion(&mut self, completion_tokens: usize) {
         if self.completion_tokens.is_none() {
             self.ledger
-                .record_drained(self.reserved_tokens, Instant::now());
+                .record_drained(self.pool, self.reserved_tokens, Instant::now());
         }
         self.completion_tokens = Some(completion_tokens);
+    }
+
+    /// Records that the request was handed to an engine that takes no reservation from us (an
+    /// upstream): it ran, so unless [`Admitted::record_completion`] says how far, the full
+    /// up-front token charge stays. The reservation stays with this guard, which holds the
+    /// upstream's capacity until it drops (keep it in the response body).
+    pub fn mark_started(&mut self) {
+        self.started_elsewhere = true;
+    }
+
+    /// The pool this request's capacity was reserved from.
+    pub fn pool(&self) -> PoolId {
+        self.pool
     }
 
     /// Time spent queued before admission.
@@ -309,16 +416,20 @@ impl Drop for Admitted {
         if let Some(debit) = self.debit.take() {
             match self.completion_tokens {
                 Some(completion) => debit.settle(self.prompt_tokens.saturating_add(completion)),
-                // Still holding its reservation: never handed to the engine, so it never ran.
-                None if self.reservation.is_some() => debit.cancel(),
+                // Still holding its reservation: never handed to an engine, so it never ran.
+                None if self.reservation.is_some() && !self.started_elsewhere => debit.cancel(),
                 // Ran, but how far is unknown: keep the full up-front charge.
                 None => debit.settle(usize::MAX),
             }
         }
         // Blocks first, then the slot: the dispatcher woken by the slot sees the blocks free.
         drop(self.reservation.take());
-        self.ledger
-            .finish(&self.tenant.name, self.lane, self.reserved_tokens);
+        self.ledger.finish(
+            &self.tenant.name,
+            self.pool,
+            self.lane,
+            self.reserved_tokens,
+        );
     }
 }
 

@@ -59,6 +59,9 @@ pub enum GatewayError {
     /// Generation failed after it was accepted.
     #[error("Generation failed: {0}")]
     Generation(String),
+    /// An upstream engine could not be reached, or sent no response headers in time.
+    #[error("The upstream serving `{upstream}` is unavailable: {detail}")]
+    UpstreamUnavailable { upstream: String, detail: String },
     /// A bug: a panic caught by the rescue layer, or an invariant that did not hold.
     #[error("The server had an internal error: {0}")]
     Internal(String),
@@ -85,6 +88,7 @@ impl GatewayError {
             NotFound { .. } => 404,
             MethodNotAllowed { .. } => 405,
             RequestTimeout { .. } => 504,
+            UpstreamUnavailable { .. } => 502,
             Overloaded | ShuttingDown | NotReady(_) | EngineUnavailable(_) => 503,
             Generation(_) | Internal(_) => 500,
         };
@@ -103,6 +107,7 @@ impl GatewayError {
             NotFound { .. } | MethodNotAllowed { .. } => "invalid_request_error",
             RequestTimeout { .. } | Overloaded | ShuttingDown | NotReady(_) => "server_error",
             EngineUnavailable(_) | Generation(_) | Internal(_) => "server_error",
+            UpstreamUnavailable { .. } => "server_error",
         }
     }
 
@@ -124,6 +129,7 @@ impl GatewayError {
             NotReady(_) => "not_ready",
             EngineUnavailable(_) => "engine_unavailable",
             Generation(_) => "generation_failed",
+            UpstreamUnavailable { .. } => "upstream_unavailable",
             Internal(_) => "internal_error",
         })
     }
@@ -144,7 +150,8 @@ impl GatewayError {
             GatewayError::Rejected(rejection) => rejection.retry_after(),
             GatewayError::Overloaded
             | GatewayError::ShuttingDown
-            | GatewayError::EngineUnavailable(_) => Some(TRANSIENT_RETRY_AFTER),
+            | GatewayError::EngineUnavailable(_)
+            | GatewayError::UpstreamUnavailable { .. } => Some(TRANSIENT_RETRY_AFTER),
             _ => None,
         }
     }
@@ -298,6 +305,13 @@ mod tests {
             ),
             (GatewayError::Overloaded, 503),
             (GatewayError::Generation("x".into()), 500),
+            (
+                GatewayError::UpstreamUnavailable {
+                    upstream: "remote".into(),
+                    detail: "connection refused".into(),
+                },
+                502,
+            ),
         ];
         for (error, status) in cases {
             assert_eq!(error.status().as_u16(), status, "{error:?}");

@@ -1,5 +1,6 @@
-//! Request extractors whose every failure is a [`GatewayError`]: [`OpenAiJson`] (the body) and
-//! [`Tenant`] (the API key).
+//! Request extractors whose every failure is a [`GatewayError`]: [`OpenAiJson`] (the body),
+//! [`OpenAiBody`] (the body, keeping its bytes for the upstream proxy) and [`Tenant`] (the API
+//! key).
 //!
 //! axum's own `Json` answers malformed input with plain-text bodies and 415/422 statuses; these
 //! answer with OpenAI's JSON error and 400, naming the offending field (`messages[0].role`)
@@ -10,7 +11,7 @@ use std::error::Error as StdError;
 use std::sync::Arc;
 
 use axum::extract::{FromRequest, FromRequestParts, Request};
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use http::request::Parts;
 use http_body_util::{BodyExt, LengthLimitError};
 use serde::de::DeserializeOwned;
@@ -32,6 +33,28 @@ impl<T: DeserializeOwned> FromRequest<AppState> for OpenAiJson<T> {
         let limits = state.body_limits();
         let bytes = read_body(req, limits.max_bytes, limits.idle_timeout).await?;
         parse_json(&bytes).map(OpenAiJson)
+    }
+}
+
+/// Like [`OpenAiJson`], also keeping the body's bytes (no copy): a request for an upstream model
+/// is forwarded as the client wrote it, not re-serialized from `T`, which drops the fields
+/// kvgate does not model.
+#[derive(Debug)]
+pub struct OpenAiBody<T> {
+    pub request: T,
+    pub raw: Bytes,
+}
+
+impl<T: DeserializeOwned> FromRequest<AppState> for OpenAiBody<T> {
+    type Rejection = GatewayError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+        let limits = state.body_limits();
+        let raw = read_body(req, limits.max_bytes, limits.idle_timeout)
+            .await?
+            .freeze();
+        let request = parse_json(&raw)?;
+        Ok(OpenAiBody { request, raw })
     }
 }
 

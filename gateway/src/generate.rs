@@ -2,24 +2,30 @@
 //! validate → admit → submit → respond. Each step is one call into the module that owns it;
 //! this file wires them together, decides which headers a response carries, and makes sure
 //! everything a request holds is owned by something that dies with the client's connection.
+//!
+//! A request for an upstream model (`--upstream`) takes the same steps, with tiktoken counting
+//! its prompt, the upstream's capacity pool in admission, and a forward to the upstream instead
+//! of the engine ([`proxy`]).
 
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use kvgate_runtime::engine::{GenerationRequest, SamplingParams, StopParams, SubmitError};
 use tokio::time::Instant;
 
-use crate::admission::{AdmissionTicket, Admitted};
+use crate::admission::{AdmissionTicket, Admitted, PoolId};
 use crate::error::GatewayError;
-use crate::extract::{OpenAiJson, RequestId, Tenant};
+use crate::extract::{OpenAiBody, RequestId, Tenant};
 use crate::handlers::AppState;
 use crate::metrics::{RejectReason, record_queue_wait, record_rejection, record_request};
 use crate::openai::{ChatCompletionRequest, CompletionRequest};
 use crate::policy::TenantPolicy;
 use crate::stream::{ResponseMeta, collect, full_response, sse_body};
 use crate::telemetry::GenerationTelemetry;
+use crate::upstream::{self, UpstreamRoute};
 use crate::validate::{
     Limits, PromptCodec, ValidRequest, ValidationError, validate_chat, validate_completion,
 };
@@ -36,18 +42,22 @@ pub async fn chat_completions(
     State(state): State<AppState>,
     RequestId(request_id): RequestId,
     Tenant(tenant): Tenant,
-    body: Result<OpenAiJson<ChatCompletionRequest>, GatewayError>,
+    body: Result<OpenAiBody<ChatCompletionRequest>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
     let outcome = match body {
-        Ok(OpenAiJson(request)) => {
+        Ok(OpenAiBody { request, raw }) => {
+            let upstream = state.upstream(&request.model).cloned();
             let validate: Validator =
                 Box::new(move |limits, codec, model| validate_chat(&request, model, limits, codec));
-            generate(&state, &tenant, request_id, arrived, validate).await
+            match upstream {
+                Some(route) => proxy(&state, &tenant, request_id, &route, validate, raw).await,
+                None => generate(&state, &tenant, request_id, arrived, validate).await,
+            }
         }
         Err(error) => Err(error),
     };
-    respond(&state, &tenant, "chat", outcome)
+    respond(&tenant, "chat", outcome)
 }
 
 /// `POST /v1/completions`.
@@ -55,19 +65,23 @@ pub async fn completions(
     State(state): State<AppState>,
     RequestId(request_id): RequestId,
     Tenant(tenant): Tenant,
-    body: Result<OpenAiJson<CompletionRequest>, GatewayError>,
+    body: Result<OpenAiBody<CompletionRequest>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
     let outcome = match body {
-        Ok(OpenAiJson(request)) => {
+        Ok(OpenAiBody { request, raw }) => {
+            let upstream = state.upstream(&request.model).cloned();
             let validate: Validator = Box::new(move |limits, codec, model| {
                 validate_completion(&request, model, limits, codec)
             });
-            generate(&state, &tenant, request_id, arrived, validate).await
+            match upstream {
+                Some(route) => proxy(&state, &tenant, request_id, &route, validate, raw).await,
+                None => generate(&state, &tenant, request_id, arrived, validate).await,
+            }
         }
         Err(error) => Err(error),
     };
-    respond(&state, &tenant, "completions", outcome)
+    respond(&tenant, "completions", outcome)
 }
 
 /// Validation → admission → engine → response, for both endpoints.
@@ -81,7 +95,10 @@ async fn generate(
     if state.is_draining() {
         return Err(GatewayError::ShuttingDown);
     }
-    let valid = validate_off_thread(state, tenant, validate).await?;
+    let limits = tenant_limits(tenant, state.engine().config().max_model_len);
+    let codec = Arc::clone(&state.inner.codec);
+    let model = state.inner.model_name.clone();
+    let valid = validate_off_thread(state, limits, codec, model, validate).await?;
     // If the client leaves while this waits, the future is dropped and admission unqueues it.
     let mut admitted = state
         .admission()
@@ -90,6 +107,7 @@ async fn generate(
             prompt_tokens: valid.prompt_ids.len(),
             max_output_tokens: valid.max_tokens as usize,
             request_id,
+            pool: PoolId::LOCAL,
         })
         .await?;
     record_queue_wait(&tenant.name, admitted.queue_wait());
@@ -117,11 +135,64 @@ async fn generate(
     Ok(response)
 }
 
+/// Validation → admission (the upstream's capacity pool) → forward → relay, for a model served
+/// by an upstream engine. The upstream's context window is unknown here: the tenant's limits
+/// apply to the tiktoken count, and the upstream enforces its own window (its 400 is relayed).
+async fn proxy(
+    state: &AppState,
+    tenant: &Arc<TenantPolicy>,
+    request_id: String,
+    route: &UpstreamRoute,
+    validate: Validator,
+    raw: Bytes,
+) -> Result<Response, GatewayError> {
+    if state.is_draining() {
+        return Err(GatewayError::ShuttingDown);
+    }
+    let upstream = route.upstream();
+    let limits = tenant_limits(tenant, usize::MAX);
+    let codec: Arc<dyn PromptCodec> = Arc::clone(upstream.counter()) as _;
+    let model = upstream.name().to_owned();
+    let valid = validate_off_thread(state, limits, codec, model, validate).await?;
+    let body = upstream::forwarded_body(&raw, &valid, &upstream.spec().model)?;
+    // If the client leaves while this waits, the future is dropped and admission unqueues it.
+    let mut admitted = state
+        .admission()
+        .admit(AdmissionTicket {
+            tenant: Arc::clone(tenant),
+            prompt_tokens: valid.prompt_ids.len(),
+            max_output_tokens: valid.max_tokens as usize,
+            request_id: request_id.clone(),
+            pool: route.pool(),
+        })
+        .await?;
+    record_queue_wait(&tenant.name, admitted.queue_wait());
+    let rate_headers = admitted.rate_headers();
+    // Owned by this future until the headers arrive: a client that leaves drops the request.
+    // On failure `admitted` drops here unstarted: slot, capacity and debit all come back.
+    let answer = upstream.send(valid.endpoint, body, &request_id).await?;
+    if answer.status().is_success() {
+        admitted.mark_started();
+    }
+    // The relayed body now owns the admission guard: capacity is held until it ends.
+    let mut response = upstream::relay(answer, admitted);
+    rate_headers.apply(response.headers_mut());
+    if valid.dropped_messages > 0 {
+        response.headers_mut().insert(
+            DROPPED_MESSAGES_HEADER,
+            HeaderValue::from(valid.dropped_messages),
+        );
+    }
+    Ok(response)
+}
+
 /// Runs validation (template rendering and tokenization) on a blocking thread, a bounded
 /// number at once, so the async workers never stall on CPU work.
 async fn validate_off_thread(
     state: &AppState,
-    tenant: &Arc<TenantPolicy>,
+    limits: Limits,
+    codec: Arc<dyn PromptCodec>,
+    model: String,
     validate: Validator,
 ) -> Result<ValidRequest, GatewayError> {
     let _slot = state
@@ -130,9 +201,6 @@ async fn validate_off_thread(
         .acquire()
         .await
         .map_err(|_| GatewayError::ShuttingDown)?;
-    let limits = tenant_limits(tenant, state.engine().config().max_model_len);
-    let codec = Arc::clone(&state.inner.codec);
-    let model = state.inner.model_name.clone();
     let outcome = tokio::task::spawn_blocking(move || validate(&limits, codec.as_ref(), &model))
         .await
         .map_err(|error| GatewayError::Internal(format!("validation task failed: {error}")))?;
@@ -187,10 +255,10 @@ fn submit_error(error: SubmitError) -> GatewayError {
     }
 }
 
-/// Turns the outcome into a response and counts it. Errors that never reached admission still
-/// carry the tenant's rate-limit headers (a rejection carries its own).
+/// Turns the outcome into a response and counts it. A rejection by the rate limits or the
+/// queues carries that moment's `x-ratelimit-*` headers; every other error gets the tenant's
+/// live state from the stack's rate-limit layer.
 fn respond(
-    state: &AppState,
     tenant: &TenantPolicy,
     route: &'static str,
     outcome: Result<Response, GatewayError>,
@@ -211,21 +279,13 @@ fn respond(
         GatewayError::PayloadTooLarge { .. } | GatewayError::BodyTimeout { .. } => {
             Some(RejectReason::BadRequest)
         }
-        GatewayError::ShuttingDown | GatewayError::EngineUnavailable(_) => {
-            Some(RejectReason::Unavailable)
-        }
+        GatewayError::ShuttingDown
+        | GatewayError::EngineUnavailable(_)
+        | GatewayError::UpstreamUnavailable { .. } => Some(RejectReason::Unavailable),
         _ => None,
     };
     if let Some(reason) = reason {
         record_rejection(&tenant.name, reason);
     }
-    let carries_own_headers = matches!(error, GatewayError::Rejected(_));
-    let mut response = error.into_response();
-    if !carries_own_headers {
-        state
-            .admission()
-            .rate_headers(tenant)
-            .apply(response.headers_mut());
-    }
-    response
+    error.into_response()
 }

@@ -19,6 +19,7 @@ use crate::inspect;
 use crate::metrics::Metrics;
 use crate::openai::{ModelCard, ModelList};
 use crate::reload::PolicyStore;
+use crate::upstream::UpstreamRoute;
 use crate::validate::PromptCodec;
 
 /// Everything the handlers share. Cheap to clone.
@@ -34,6 +35,8 @@ pub(crate) struct StateInner {
     pub(crate) admission: Admission,
     pub(crate) metrics: Metrics,
     pub(crate) model_name: String,
+    /// Models served by other engines, proxied (see `upstream.rs`).
+    pub(crate) upstreams: Vec<UpstreamRoute>,
     created: u64,
     body: BodyLimits,
     /// Tokenizing is CPU work on blocking threads; this bounds how many run at once.
@@ -58,6 +61,8 @@ pub struct StateParts {
     pub admission: Admission,
     pub metrics: Metrics,
     pub model_name: String,
+    /// [`crate::upstream::Upstreams::routes`]; empty when this server fronts no other engine.
+    pub upstreams: Vec<UpstreamRoute>,
     pub body: BodyLimits,
     pub validation_workers: usize,
 }
@@ -75,6 +80,7 @@ impl AppState {
                 admission: parts.admission,
                 metrics: parts.metrics,
                 model_name: parts.model_name,
+                upstreams: parts.upstreams,
                 created,
                 body: parts.body,
                 validation_slots: Semaphore::new(parts.validation_workers.max(1)),
@@ -103,6 +109,14 @@ impl AppState {
         &self.inner.metrics
     }
 
+    /// The upstream serving model `name`, if it is not the embedded model.
+    pub fn upstream(&self, name: &str) -> Option<&UpstreamRoute> {
+        self.inner
+            .upstreams
+            .iter()
+            .find(|route| route.upstream().name() == name)
+    }
+
     /// Marks the server as draining (called once shutdown begins).
     pub fn start_draining(&self) {
         self.inner.draining.store(true, Ordering::Release);
@@ -113,24 +127,25 @@ impl AppState {
     }
 }
 
-/// `GET /v1/models`: the one model this server runs.
-pub async fn list_models(State(state): State<AppState>, Tenant(tenant): Tenant) -> Response {
-    let mut response = axum::Json(ModelList {
+/// `GET /v1/models`: the model this server runs, then every upstream model it proxies
+/// (`owned_by: "upstream"`). The key must be valid (the `Tenant` extractor); the stack's
+/// rate-limit layer adds the tenant's `x-ratelimit-*` headers.
+pub async fn list_models(State(state): State<AppState>, Tenant(_tenant): Tenant) -> Response {
+    let card = |id: &str, owned_by: &str| ModelCard {
+        id: id.to_owned(),
+        object: "model".to_owned(),
+        created: state.inner.created,
+        owned_by: owned_by.to_owned(),
+    };
+    let mut data = vec![card(&state.inner.model_name, "kvgate")];
+    for route in &state.inner.upstreams {
+        data.push(card(route.upstream().name(), "upstream"));
+    }
+    axum::Json(ModelList {
         object: "list".to_owned(),
-        data: vec![ModelCard {
-            id: state.inner.model_name.clone(),
-            object: "model".to_owned(),
-            created: state.inner.created,
-            owned_by: "kvgate".to_owned(),
-        }],
+        data,
     })
-    .into_response();
-    state
-        .inner
-        .admission
-        .rate_headers(&tenant)
-        .apply(response.headers_mut());
-    response
+    .into_response()
 }
 
 /// `GET /healthz`: the process is up and serving HTTP.
@@ -138,11 +153,16 @@ pub async fn healthz() -> Response {
     axum::Json(serde_json::json!({"status": "ok"})).into_response()
 }
 
-/// `GET /readyz`: a policy is loaded, the engine takes requests, and the server is not
-/// draining. Load balancers stop sending here as soon as shutdown begins.
+/// `GET /readyz`: a policy is loaded, the engine thread is alive, and the server is not
+/// draining. Load balancers stop sending here as soon as shutdown begins, and when the engine
+/// thread has stopped (shut down or panicked): every generation would fail there.
 pub async fn readyz(State(state): State<AppState>) -> Response {
     if state.is_draining() {
         return GatewayError::NotReady("shutting down".to_owned()).into_response();
+    }
+    if !state.inner.engine.is_running() {
+        return GatewayError::NotReady("the inference engine is not running".to_owned())
+            .into_response();
     }
     let policy = state.inner.store.current();
     let stats = state.inner.engine.stats();

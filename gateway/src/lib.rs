@@ -20,4 +20,5 @@ pub mod shutdown;
 pub mod stack;
 pub mod stream;
 pub mod telemetry;
+pub mod upstream;
 pub mod validate;

@@ -6,12 +6,14 @@
 //! * **Events** (requests, rejections, latencies, token counts) are recorded where they happen
 //!   through the `metrics` facade into one process-wide `metrics-exporter-prometheus` recorder,
 //!   installed by [`install_recorder`] with per-metric histogram buckets.
-//! * **State** (KV blocks, memory, sequences, queues, engine counters) belongs to one engine and
-//!   one admission instance. [`Metrics::render`] reads it fresh from `Engine::stats()`,
-//!   `pool().snapshot()` and `Admission::queue_snapshot()` at scrape time and writes it
-//!   directly ([`state`]), so a scrape is never stale and two servers in one test process never
-//!   overwrite each other's gauges. Engine counters are the engine's cumulative totals, hence
-//!   monotonic.
+//! * **State** (KV blocks, memory, sequences, queues, engine counters, per-step batch
+//!   histograms) belongs to one engine and one admission instance. [`Metrics::render`] reads it
+//!   fresh from `Engine::stats()`, `pool().snapshot()` and `Admission::queue_snapshot()` at
+//!   scrape time and writes it directly ([`state`]), so a scrape is never stale and two servers
+//!   in one test process never overwrite each other's gauges. Engine counters and the batch
+//!   histograms ([`BATCH_SIZE`], [`BATCH_TOKENS`]) are the engine's cumulative totals over every
+//!   step, hence monotonic and exact. The engine publishes its memory at spawn, so memory
+//!   gauges are real from the first scrape.
 //!
 //! With `--metrics-compat vllm` the renderer also writes the vLLM names routers scrape
 //! (`vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`, ...), see [`vllm`].
@@ -271,9 +273,10 @@ impl Metrics {
         text
     }
 
-    /// Samples the engine every `interval`: records the batch size of steps taken since the
-    /// last sample, keeps the memory peak, and runs the recorder's upkeep (which bounds the
-    /// memory histograms use between scrapes). Stops when the returned handle is aborted.
+    /// Samples the engine every `interval`: keeps the memory peak between scrapes and runs the
+    /// recorder's upkeep (which bounds the memory histograms use between scrapes). Batch sizes
+    /// need no sampling: the engine counts every step itself. Stops when the returned handle is
+    /// aborted.
     pub fn spawn_sampler(&self, interval: Duration) -> tokio::task::JoinHandle<()> {
         let metrics = self.clone();
         tokio::spawn(async move {

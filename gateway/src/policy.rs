@@ -14,6 +14,10 @@ mod source;
 #[cfg(test)]
 mod tests;
 
+/// Durations as the policy file writes them (`"30s"`, `"500ms"`, `"1m30s"`); also used by
+/// `--upstream ...,timeout=`.
+pub(crate) use raw::parse_duration;
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::num::NonZeroU32;
@@ -32,6 +36,8 @@ pub struct Policy {
     anonymous_tenant: Option<Arc<TenantPolicy>>,
     tenant_keys: Vec<(KeyDigest, Arc<TenantPolicy>)>,
     admin_keys: Vec<KeyDigest>,
+    /// The `[defaults]` rate limits: what a newly added tenant would get.
+    default_rates: DefaultRates,
     /// How admission reserves KV blocks.
     pub kv: KvPolicy,
     /// The long-prompt lane.
@@ -64,6 +70,14 @@ pub struct TenantPolicy {
     pub max_queue_wait: Duration,
     /// Fair-share weight: under contention a tenant gets tokens in proportion to it.
     pub weight: NonZeroU32,
+}
+
+/// The request and token rates of `[defaults]` (`None`: unlimited). Reported in the
+/// `x-ratelimit-*` headers of responses that belong to no tenant (a refused key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DefaultRates {
+    pub requests_per_minute: Option<NonZeroU32>,
+    pub tokens_per_minute: Option<NonZeroU32>,
 }
 
 /// What validation does with a prompt that is too long.
@@ -164,6 +178,11 @@ impl Policy {
     /// Digests of keys that may call `/admin/*`.
     pub fn admin_key_digests(&self) -> &[KeyDigest] {
         &self.admin_keys
+    }
+
+    /// The `[defaults]` rate limits.
+    pub fn default_rates(&self) -> DefaultRates {
+        self.default_rates
     }
 
     /// The file this policy was loaded from.

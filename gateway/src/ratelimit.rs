@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 pub use clock::{TokioClock, TokioInstant};
-pub use headers::{BucketStatus, RateLimitHeaders, format_reset};
+pub use headers::{BucketStatus, HEADER_NAMES, RateLimitHeaders, UNLIMITED, format_reset};
 
 use crate::policy::TenantPolicy;
 

@@ -2,6 +2,7 @@
 //!
 //! Binding and running are separate so callers (main, the end-to-end tests) can listen on
 //! port 0 and learn the real address from [`Server::local_addr`] before traffic starts.
+//! [`bind_with_upstreams`] also serves the models of other engines (see `upstream.rs`).
 
 use std::future::Future;
 use std::io;
@@ -15,13 +16,14 @@ use kvgate_runtime::engine::Engine;
 use kvgate_runtime::tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 
-use crate::admission::Admission;
+use crate::admission::{Admission, per_token_service_time};
 use crate::generate;
 use crate::handlers::{self, AppState, BodyLimits, StateParts};
 use crate::metrics::{Metrics, MetricsConfig, MetricsError};
 use crate::reload::PolicyStore;
 use crate::shutdown::{self, ConnectionLimits};
 use crate::stack::{self, GatewayService, StackConfig};
+use crate::upstream::{UpstreamError, Upstreams};
 use crate::validate::PromptCodec;
 
 /// Everything about how the server listens and treats connections.
@@ -73,9 +75,12 @@ pub enum ServeError {
     Bind { addr: SocketAddr, source: io::Error },
     #[error("cannot set up metrics: {0}")]
     Metrics(#[from] MetricsError),
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
 }
 
-/// How often `/metrics` state (batch sizes, memory peak) is sampled from the engine.
+/// How often the memory peak is sampled from the engine between scrapes (batch sizes need no
+/// sampling: the engine counts every step).
 const METRICS_SAMPLE_INTERVAL: Duration = Duration::from_millis(500);
 
 /// A bound, not yet running server.
@@ -94,6 +99,28 @@ pub async fn bind(
     store: PolicyStore,
     admission: Admission,
 ) -> Result<Server, ServeError> {
+    bind_with_upstreams(
+        config,
+        engine,
+        codec,
+        store,
+        admission,
+        Upstreams::default(),
+    )
+    .await
+}
+
+/// [`bind`], also proxying the models of `upstreams`. `admission` must gate their capacity
+/// pools ([`Admission::with_pools`] with [`Upstreams::pools`]).
+pub async fn bind_with_upstreams(
+    config: &ServeConfig,
+    engine: Engine,
+    codec: Arc<dyn PromptCodec>,
+    store: PolicyStore,
+    admission: Admission,
+    upstreams: Upstreams,
+) -> Result<Server, ServeError> {
+    let upstream_routes = upstreams.routes(&config.model_name, |pool| admission.pool_id(pool))?;
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| ServeError::Bind {
@@ -105,6 +132,11 @@ pub async fn bind(
         metrics_config.model = config.model_name.clone();
     }
     let metrics = Metrics::new(metrics_config, engine.clone(), Some(admission.clone()))?;
+    let rate_view = admission.clone();
+    // Until completions have measured a drain rate, Retry-After estimates use the engine's
+    // per-token service time.
+    let probed = engine.clone();
+    admission.set_service_time_probe(move || per_token_service_time(&probed.stats()));
     let state = AppState::new(StateParts {
         engine,
         codec,
@@ -112,6 +144,7 @@ pub async fn bind(
         admission,
         metrics,
         model_name: config.model_name.clone(),
+        upstreams: upstream_routes,
         body: BodyLimits {
             max_bytes: config.body_limit_bytes,
             idle_timeout: config.idle_timeout,
@@ -124,6 +157,7 @@ pub async fn bind(
             request_timeout: config.request_timeout,
             body_limit_bytes: config.body_limit_bytes,
         },
+        rate_view,
     );
     let limits = ConnectionLimits {
         header_read_timeout: config.header_read_timeout,
@@ -167,16 +201,18 @@ impl Server {
 }
 
 /// Binds and serves until `shutdown` resolves (e.g. [`shutdown::signal`]), then drains.
+/// `upstreams` may be empty; see [`bind_with_upstreams`].
 pub async fn serve(
     config: ServeConfig,
     engine: Engine,
     tokenizer: Arc<Tokenizer>,
     store: PolicyStore,
     admission: Admission,
+    upstreams: Upstreams,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let codec: Arc<dyn PromptCodec> = tokenizer;
-    let server = bind(&config, engine, codec, store, admission).await?;
+    let server = bind_with_upstreams(&config, engine, codec, store, admission, upstreams).await?;
     server.run(shutdown).await;
     Ok(())
 }

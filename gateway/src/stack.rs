@@ -6,6 +6,8 @@
 //! because it needs the live policy and must run before the body is read but after routing
 //! (health probes and 404s need no key). Admission (per-tenant concurrency, queues, KV) is not
 //! here either: its guard must live in the response body, which a tower layer cannot do.
+//! (The rate-limit header layer looks the key up again, but only to pick whose limits a
+//! response reports; it never refuses anything.)
 
 use std::any::Any;
 use std::convert::Infallible;
@@ -19,7 +21,8 @@ use axum::error_handling::HandleErrorLayer;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use http::{HeaderName, HeaderValue};
+use http::header::AUTHORIZATION;
+use http::{HeaderMap, HeaderName, HeaderValue};
 use hyper::body::Incoming;
 use rand::Rng;
 use rand::distr::Alphanumeric;
@@ -38,7 +41,9 @@ use tower_http::request_id::{
 };
 use tower_http::trace::TraceLayer;
 
+use crate::admission::Admission;
 use crate::error::GatewayError;
+use crate::ratelimit::RateLimitHeaders;
 
 /// Every response carries this header; a client-supplied value is kept.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -55,7 +60,8 @@ pub struct StackConfig {
 }
 
 /// Wraps `router` (already given its state, and [`api_limit`] on its API routes) in the stack.
-pub fn build(router: Router, config: StackConfig) -> GatewayService {
+/// `admission` answers the `x-ratelimit-*` headers of responses no handler gave them.
+pub fn build(router: Router, config: StackConfig, admission: Admission) -> GatewayService {
     let request_id = HeaderName::from_static(REQUEST_ID_HEADER);
     let timeout = config.request_timeout;
     let service = ServiceBuilder::new()
@@ -68,21 +74,27 @@ pub fn build(router: Router, config: StackConfig) -> GatewayService {
         .layer(PropagateRequestIdLayer::new(request_id))
         // 4. Tracing: one span per request, inside the id so the span can name it.
         .layer(TraceLayer::new_for_http().make_span_with(request_span))
-        // 5. A panic anywhere below becomes a 500 JSON error, never a dropped connection.
+        // 5. Rate-limit headers on every response, including those of the layers below (413,
+        //    504, panics, load shedding) and of the router (401, 404, 405, probes).
+        .layer(axum::middleware::from_fn_with_state(
+            admission,
+            rate_limit_headers,
+        ))
+        // 6. A panic anywhere below becomes a 500 JSON error, never a dropped connection.
         .layer(CatchPanicLayer::custom(panic_response))
-        // 6. Rescue: the timeout's error becomes OpenAI JSON here.
+        // 7. Rescue: the timeout's error becomes OpenAI JSON here.
         .layer(HandleErrorLayer::new(move |error: BoxError| async move {
             rescue(error, timeout)
         }))
-        // 7. Timeout: bounds body upload, validation, queueing and non-streamed generation
+        // 8. Timeout: bounds body upload, validation, queueing and non-streamed generation
         //    (dropping the handler cancels its sequence); a stream's body may run longer.
         .layer(TimeoutLayer::new(timeout))
-        // 8. Body limit: by Content-Length at once, and as a cap on chunked bodies.
+        // 9. Body limit: by Content-Length at once, and as a cap on chunked bodies.
         .layer(axum::middleware::from_fn_with_state(
             config.body_limit_bytes,
             limit_body,
         ))
-        // 9. Routing; the API routes carry the load-shedding limit below ([`api_limit`]).
+        // 10. Routing; the API routes carry the load-shedding limit below ([`api_limit`]).
         .service(router);
     BoxCloneSyncService::new(service)
 }
@@ -132,6 +144,29 @@ fn panic_response(panic: Box<dyn Any + Send + 'static>) -> Response {
         .unwrap_or("unknown panic");
     tracing::error!(panic = detail, "handler panicked");
     GatewayError::Internal("the request handler panicked".to_owned()).into_response()
+}
+
+/// Adds the `x-ratelimit-*` headers to a response that does not carry them. Handlers that
+/// debited a bucket (or were refused by one) set them from that moment's state; everything
+/// else gets [`Admission::rate_headers_for_request`]: the live state of the caller's tenant,
+/// or the `[defaults]` limits untouched when the key maps to no tenant.
+async fn rate_limit_headers(
+    State(admission): State<Admission>,
+    request: Request,
+    next: Next,
+) -> Response {
+    // Only the credentials are needed afterwards; the request itself moves on.
+    let mut credentials = HeaderMap::new();
+    if let Some(value) = request.headers().get(AUTHORIZATION) {
+        credentials.insert(AUTHORIZATION, value.clone());
+    }
+    let mut response = next.run(request).await;
+    if !RateLimitHeaders::present_in(response.headers()) {
+        admission
+            .rate_headers_for_request(&credentials)
+            .apply(response.headers_mut());
+    }
+    response
 }
 
 async fn limit_body(State(limit): State<usize>, request: Request, next: Next) -> Response {

@@ -18,6 +18,9 @@ use truncate::fit_conversation;
 pub const MAX_STOP_SEQUENCES: usize = 4;
 /// A stop sequence longer than this is certainly a mistake (and costs the engine per token).
 pub const MAX_STOP_BYTES: usize = 256;
+/// `max_tokens` of a `/v1/completions` request that sets none: OpenAI's documented default for
+/// the legacy completions API (chat has no fixed default; see [`finish_length_rules`]).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 
 /// The limits one request is validated against: the tenant's policy clipped by the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,7 +198,8 @@ pub fn validate_chat(
     let turns = template_turns(&req.messages)?;
 
     let fit = fit_conversation(&turns, requested, limits, codec)?;
-    let max_tokens = finish_length_rules(fit.prompt_ids.len(), requested, limits, "messages")?;
+    let max_tokens =
+        finish_length_rules(fit.prompt_ids.len(), requested, None, limits, "messages")?;
     Ok(ValidRequest {
         endpoint: Endpoint::Chat,
         prompt_ids: fit.prompt_ids,
@@ -274,7 +278,13 @@ pub fn validate_completion(
     let stop = check_stop(req.stop.as_ref().map(|s| s.0.as_slice()))?;
 
     let prompt_ids = codec.encode(prompt);
-    let max_tokens = finish_length_rules(prompt_ids.len(), requested, limits, "prompt")?;
+    let max_tokens = finish_length_rules(
+        prompt_ids.len(),
+        requested,
+        Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+        limits,
+        "prompt",
+    )?;
     Ok(ValidRequest {
         endpoint: Endpoint::Completion,
         prompt_ids,
@@ -385,10 +395,12 @@ fn prompt_fits(prompt_len: usize, requested: Option<u32>, limits: &Limits) -> bo
 }
 
 /// Applies the length limits to the final prompt and returns the completion budget: the
-/// requested one, or by default the tenant's output cap clipped to the room left.
+/// requested one, or by default the tenant's output cap (further capped by `default_cap`, the
+/// API's own default, where it has one) clipped to the room left.
 fn finish_length_rules(
     prompt_len: usize,
     requested: Option<u32>,
+    default_cap: Option<u32>,
     limits: &Limits,
     what: &'static str,
 ) -> Result<u32, ValidationError> {
@@ -402,7 +414,12 @@ fn finish_length_rules(
     }
     let (limit, limit_name) = total_limit(limits);
     let room = limit.saturating_sub(prompt_tokens);
-    let max_tokens = requested.unwrap_or_else(|| limits.max_output_tokens.min(room));
+    let max_tokens = requested.unwrap_or_else(|| {
+        let cap = default_cap.map_or(limits.max_output_tokens, |cap| {
+            cap.min(limits.max_output_tokens)
+        });
+        cap.min(room)
+    });
     if max_tokens == 0 || max_tokens > room {
         return Err(ValidationError::ContextLengthExceeded {
             prompt_tokens,

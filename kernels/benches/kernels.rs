@@ -6,7 +6,7 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
 use kvgate_kernels::attention::{KvLayout, ReductionOrder, paged_attention};
-use kvgate_kernels::matmul::{MatmulScratch, QMatrix, matmul};
+use kvgate_kernels::matmul::{MatmulScratch, QMatrix, matmul, matmul_fused};
 use kvgate_kernels::quant::WeightType;
 use std::hint::black_box;
 
@@ -61,6 +61,7 @@ fn bench_matmul(c: &mut Criterion) {
                 Throughput::Elements(m as u64)
             });
             group.bench_with_input(BenchmarkId::new(name, m), &m, |b, &m| {
+                // Inside the pool, as the CPU backend runs a whole forward pass.
                 pool.install(|| {
                     b.iter(|| matmul(&w, black_box(&x), m, &mut out, &mut scratch, &pool))
                 });
@@ -108,5 +109,111 @@ fn bench_attention(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_matmul, bench_attention);
+/// The matrix products of one whole decode step of SmolLM2-135M (30 layers of Q4_1 attention
+/// and FFN weights, the Q8_0 output head): 96.4 MB of distinct weights, more than the last-level
+/// cache, so this is the DRAM-streaming rate a single-sequence decode can reach. `separate` runs
+/// the 211 products one by one, `fused` shares Q/K/V and gate/up passes (121 fork/joins). The
+/// `read_only` line is the same bytes merely summed by the same threads: the bandwidth bound.
+fn bench_decode_pass(c: &mut Criterion) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("thread pool");
+    let (d, kv, ff, vocab) = (576, 192, 1536, 49152);
+    let layer_shapes = [(d, d), (kv, d), (kv, d), (d, d), (ff, d), (ff, d), (d, ff)];
+    let layers: Vec<Vec<Vec<u8>>> = (0..30)
+        .map(|_| {
+            layer_shapes
+                .iter()
+                .map(|&(rows, cols)| weights(WeightType::Q4_1, rows, cols))
+                .collect()
+        })
+        .collect();
+    let head = weights(WeightType::Q8_0, vocab, d);
+    let total_bytes: usize = head.len() + layers.iter().flatten().map(Vec::len).sum::<usize>();
+    let mats: Vec<Vec<QMatrix>> = layers
+        .iter()
+        .map(|l| {
+            l.iter()
+                .zip(layer_shapes)
+                .map(|(data, (rows, cols))| {
+                    QMatrix::new(WeightType::Q4_1, data, rows, cols).expect("valid matrix")
+                })
+                .collect()
+        })
+        .collect();
+    let head = QMatrix::new(WeightType::Q8_0, &head, vocab, d).expect("valid matrix");
+    let x: Vec<f32> = (0..ff)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let (mut q, mut k, mut v, mut o) = (vec![0.0; d], vec![0.0; kv], vec![0.0; kv], vec![0.0; d]);
+    let (mut g, mut u, mut dn) = (vec![0.0; ff], vec![0.0; ff], vec![0.0; d]);
+    let mut logits = vec![0.0; vocab];
+    let mut scratch = MatmulScratch::new();
+    let mut group = c.benchmark_group("decode_pass");
+    group.throughput(Throughput::Bytes(total_bytes as u64));
+    group.sample_size(20);
+    group.bench_function("separate", |b| {
+        pool.install(|| {
+            b.iter(|| {
+                for m in &mats {
+                    let s = &mut scratch;
+                    matmul(&m[0], &x[..d], 1, &mut q, s, &pool);
+                    matmul(&m[1], &x[..d], 1, &mut k, s, &pool);
+                    matmul(&m[2], &x[..d], 1, &mut v, s, &pool);
+                    matmul(&m[3], &x[..d], 1, &mut o, s, &pool);
+                    matmul(&m[4], &x[..d], 1, &mut g, s, &pool);
+                    matmul(&m[5], &x[..d], 1, &mut u, s, &pool);
+                    matmul(&m[6], &x[..ff], 1, &mut dn, s, &pool);
+                }
+                matmul(&head, &x[..d], 1, &mut logits, &mut scratch, &pool);
+            })
+        })
+    });
+    group.bench_function("fused", |b| {
+        pool.install(|| {
+            b.iter(|| {
+                for m in &mats {
+                    let s = &mut scratch;
+                    let xd = &x[..d];
+                    matmul_fused(
+                        [(&m[0], &mut q[..]), (&m[1], &mut k), (&m[2], &mut v)],
+                        xd,
+                        1,
+                        s,
+                        &pool,
+                    );
+                    matmul(&m[3], xd, 1, &mut o, s, &pool);
+                    matmul_fused([(&m[4], &mut g[..]), (&m[5], &mut u)], xd, 1, s, &pool);
+                    matmul(&m[6], &x[..ff], 1, &mut dn, s, &pool);
+                }
+                matmul(&head, &x[..d], 1, &mut logits, &mut scratch, &pool);
+            })
+        })
+    });
+    let all: Vec<&[u8]> = layers
+        .iter()
+        .flatten()
+        .map(Vec::as_slice)
+        .chain(std::iter::once(head.data))
+        .collect();
+    group.bench_function("read_only", |b| {
+        b.iter(|| {
+            // Each thread reads one half of every matrix, as the matmuls split rows.
+            let sum = |second: bool| {
+                all.iter()
+                    .map(|p| {
+                        let (a, b) = p.split_at(p.len() / 2);
+                        let part = if second { b } else { a };
+                        part.chunks_exact(32).fold(0u8, |acc, c| acc ^ c[0] ^ c[31])
+                    })
+                    .fold(0u8, |a, b| a ^ b)
+            };
+            pool.install(|| black_box(rayon::join(|| sum(false), || sum(true))))
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_matmul, bench_attention, bench_decode_pass);
 criterion_main!(benches);

@@ -11,7 +11,7 @@
 pub(crate) mod math;
 mod pack;
 
-use crate::matmul::{MatmulScratch, OutPtr, QMatrix, for_each_row_chunk};
+use crate::matmul::{MatmulScratch, OutPtr, QMatrix};
 use crate::quant::{
     ActivationType, Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType,
 };
@@ -19,35 +19,45 @@ pub(crate) use pack::PackedActs;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-pub(crate) fn matmul(
-    w: &QMatrix,
+/// Whether these kernels handle `ty` (float weights take the scalar path: they do not occur in
+/// the supported llama GGUFs' matmuls, and the reference compiled with FMA is fast enough).
+pub(crate) fn supports(ty: WeightType) -> bool {
+    !matches!(ty, WeightType::F32 | WeightType::F16)
+}
+
+/// Quantizes the `m × cols` activations into the packed layout for `ty`'s kernels.
+pub(crate) fn prepare_acts(
+    ty: WeightType,
     x: &[f32],
     m: usize,
-    out: &mut [f32],
+    cols: usize,
     scratch: &mut MatmulScratch,
-    pool: &rayon::ThreadPool,
 ) {
-    if matches!(w.ty, WeightType::F32 | WeightType::F16) {
-        // Float weights do not occur in the supported llama GGUFs' matmuls; the reference
-        // code compiled with FMA is fast enough for them.
-        return crate::matmul::matmul_scalar(w, x, m, out, scratch, pool);
-    }
-    let with_sums = w.ty.vec_dot_type() == ActivationType::Q8_1;
-    pack::pack_acts(x, m, w.cols, with_sums, &mut scratch.packed);
+    let with_sums = ty.vec_dot_type() == ActivationType::Q8_1;
+    pack::pack_acts(x, m, cols, with_sums, &mut scratch.packed);
+}
+
+/// Weight rows `rows` of `w` × the `m` activation rows packed by [`prepare_acts`].
+pub(crate) fn compute_rows(
+    w: &QMatrix,
+    m: usize,
+    scratch: &MatmulScratch,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
     let acts = &scratch.packed;
-    let out = OutPtr::new(out);
-    let work = |rows: Range<usize>| {
-        // SAFETY: AVX2/FMA/F16C were detected by `simd_level`; `w` was validated by `matmul`.
-        unsafe {
-            match w.ty {
-                WeightType::Q4_1 => rows_kernel::<Q4_1>(w, acts, m, rows, out),
-                WeightType::Q4_0 => rows_kernel::<Q4_0>(w, acts, m, rows, out),
-                WeightType::Q8_0 => rows_kernel::<Q8_0>(w, acts, m, rows, out),
-                WeightType::F32 | WeightType::F16 => unreachable!("handled above"),
+    // SAFETY: AVX2/FMA/F16C were detected by `simd_level` before this path was chosen; `w`
+    // was validated by the caller and `rows_kernel` checks the shapes it indexes with.
+    unsafe {
+        match w.ty {
+            WeightType::Q4_1 => rows_kernel::<Q4_1>(w, acts, m, rows, out),
+            WeightType::Q4_0 => rows_kernel::<Q4_0>(w, acts, m, rows, out),
+            WeightType::Q8_0 => rows_kernel::<Q8_0>(w, acts, m, rows, out),
+            WeightType::F32 | WeightType::F16 => {
+                unreachable!("float weights never take the AVX2 path (see `supports`)")
             }
         }
-    };
-    for_each_row_chunk(pool, w.rows, WR, &work);
+    }
 }
 
 /// ggml's `hsum_float_8`: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
@@ -150,6 +160,7 @@ impl WeightBlock for Q8_0 {
 
 /// Weight rows per decode tile (also the row-chunk alignment between threads).
 const WR: usize = 4;
+pub(crate) const ROW_TILE: usize = WR;
 /// Weight rows whose bytes are reused from L1 across all activation groups (prefill).
 const ROW_BLOCK: usize = 16;
 

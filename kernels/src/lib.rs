@@ -20,7 +20,7 @@ pub use attention::{
     AttentionRow, AttentionScratch, KvLayout, ReductionOrder, paged_attention,
     paged_attention_batch, write_kv,
 };
-pub use matmul::{MatmulScratch, QMatrix, matmul};
+pub use matmul::{MatmulScratch, QMatrix, matmul, matmul_fused};
 pub use ops::{RopeMode, rms_norm, rope, swiglu};
 pub use quant::{QK, WeightType};
 

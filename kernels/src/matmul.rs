@@ -138,16 +138,111 @@ pub fn matmul(
     scratch: &mut MatmulScratch,
     pool: &rayon::ThreadPool,
 ) {
-    w.assert_valid();
-    assert_eq!(x.len(), m * w.cols, "matmul: x must be m × cols");
-    assert_eq!(out.len(), m * w.rows, "matmul: out must be m × rows");
-    if m == 0 || w.rows == 0 {
+    matmul_fused([(w, out)], x, m, scratch, pool);
+}
+
+/// Several matrices applied to the same activations (a layer's Q, K and V; gate and up), as
+/// one product: `x` is quantized once and the rows of all matrices are split over the pool in
+/// a single fork/join. A decode step issues a few hundred small matmuls, so halving their
+/// count and their activation passes is measurable; every output is bit-identical to
+/// [`matmul`] on that matrix alone. Matrices of differing type or width (possible in a GGUF)
+/// are simply run one after another.
+pub fn matmul_fused<const N: usize>(
+    parts: [(&QMatrix, &mut [f32]); N],
+    x: &[f32],
+    m: usize,
+    scratch: &mut MatmulScratch,
+    pool: &rayon::ThreadPool,
+) {
+    let Some((first, _)) = parts.first() else {
+        return;
+    };
+    let (ty, cols) = (first.ty, first.cols);
+    if parts.iter().any(|(w, _)| w.ty != ty || w.cols != cols) {
+        for (w, out) in parts {
+            matmul_fused([(w, out)], x, m, scratch, pool);
+        }
         return;
     }
-    match simd_level() {
+    assert_eq!(x.len(), m * cols, "matmul: x must be m × cols");
+    for (w, out) in &parts {
+        w.assert_valid();
+        assert_eq!(out.len(), m * w.rows, "matmul: out must be m × rows");
+    }
+    let total_rows: usize = parts.iter().map(|(w, _)| w.rows).sum();
+    if m == 0 || total_rows == 0 {
+        return;
+    }
+    let targets: [(&QMatrix, OutPtr); N] = parts.map(|(w, out)| (w, OutPtr::new(out)));
+    let path = prepare_acts(ty, x, m, cols, scratch);
+    let scratch = &*scratch;
+    // Global row g of the fused product is row g - offset of the part that holds it.
+    let work = |rows: Range<usize>| {
+        let mut offset = 0;
+        for (w, out) in &targets {
+            let part = offset..offset + w.rows;
+            let start = rows.start.max(part.start);
+            let end = rows.end.min(part.end);
+            if start < end {
+                compute_rows(path, w, x, m, scratch, start - offset..end - offset, *out);
+            }
+            offset = part.end;
+        }
+    };
+    for_each_row_chunk(pool, total_rows, path.row_align(), &work);
+}
+
+/// Which kernels a product runs on, decided once per call from the CPU and the weight type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// Portable reference kernels on ggml-layout activations.
+    Scalar,
+    /// AVX2 kernels on the packed activation layout.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Path {
+    /// Row-chunk alignment between threads (the AVX2 decode tile height).
+    fn row_align(self) -> usize {
+        match self {
+            Path::Scalar => 1,
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => crate::avx2::ROW_TILE,
+        }
+    }
+}
+
+/// Converts the activations for `ty`'s kernels into `scratch` and says which kernels to use.
+fn prepare_acts(
+    ty: WeightType,
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    scratch: &mut MatmulScratch,
+) -> Path {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 && crate::avx2::supports(ty) {
+        crate::avx2::prepare_acts(ty, x, m, cols, scratch);
+        return Path::Avx2;
+    }
+    prepare_scalar_acts(ty, x, m, cols, scratch);
+    Path::Scalar
+}
+
+fn compute_rows(
+    path: Path,
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    scratch: &MatmulScratch,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
+    match path {
+        Path::Scalar => scalar_rows(w, x, m, scratch, rows, out),
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => crate::avx2::matmul(w, x, m, out, scratch, pool),
-        _ => matmul_scalar(w, x, m, out, scratch, pool),
+        Path::Avx2 => crate::avx2::compute_rows(w, m, scratch, rows, out),
     }
 }
 
@@ -157,36 +252,25 @@ pub fn matmul_reference(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]) {
     w.assert_valid();
     assert_eq!(x.len(), m * w.cols);
     assert_eq!(out.len(), m * w.rows);
-    prepare_scalar_acts(w, x, m, &mut scratch);
+    prepare_scalar_acts(w.ty, x, m, w.cols, &mut scratch);
     scalar_rows(w, x, m, &scratch, 0..w.rows, OutPtr::new(out));
 }
 
-pub(crate) fn matmul_scalar(
-    w: &QMatrix,
+fn prepare_scalar_acts(
+    ty: WeightType,
     x: &[f32],
     m: usize,
-    out: &mut [f32],
+    cols: usize,
     scratch: &mut MatmulScratch,
-    pool: &rayon::ThreadPool,
 ) {
-    prepare_scalar_acts(w, x, m, scratch);
-    let out = OutPtr::new(out);
-    let scratch = &*scratch;
-    for_each_row_chunk(pool, w.rows, 1, &|rows| {
-        scalar_rows(w, x, m, scratch, rows, out)
-    });
-}
-
-fn prepare_scalar_acts(w: &QMatrix, x: &[f32], m: usize, scratch: &mut MatmulScratch) {
-    let cols = w.cols;
-    match w.ty.vec_dot_type() {
+    match ty.vec_dot_type() {
         ActivationType::F32 => {}
         ActivationType::F16 => {
             scratch.halves.clear();
             scratch.halves.extend(x.iter().map(|&v| f16::from_f32(v)));
         }
         ActivationType::Q8_0 | ActivationType::Q8_1 => {
-            let q8_1 = w.ty.vec_dot_type() == ActivationType::Q8_1;
+            let q8_1 = ty.vec_dot_type() == ActivationType::Q8_1;
             let block = if q8_1 {
                 crate::quant::Q8_1_BLOCK_BYTES
             } else {

@@ -15,7 +15,7 @@ mod kv_waste;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use crate::engine::{Engine, GenerationRequest, SamplingParams, StopParams, TokenEvent};
+use crate::engine::{Engine, GenerationRequest, TokenEvent};
 use crate::loader::Runtime;
 
 pub use kv_waste::{KvWasteOptions, KvWasteReport, measure_kv_waste};
@@ -163,17 +163,8 @@ pub(crate) fn drive(
     let mut handles = Vec::with_capacity(requests.len());
     for (i, (prompt, max_tokens)) in requests.into_iter().enumerate() {
         let submitted = Instant::now();
-        let request = GenerationRequest {
-            prompt,
-            sampling: SamplingParams::default(),
-            stop: StopParams {
-                max_tokens,
-                stop_strings: Vec::new(),
-                ignore_eos: true,
-            },
-            reservation: None,
-            label: format!("{label}-{i}"),
-        };
+        let request =
+            GenerationRequest::greedy(prompt, max_tokens, format!("{label}-{i}")).ignoring_eos();
         let handle = engine
             .submit(request)
             .map_err(|e| BenchError::Submit(e.to_string()))?;

@@ -31,7 +31,7 @@ use crate::kv_math::blocks_for_tokens;
 use crate::tokenizer::Tokenizer;
 
 pub use self::config::EngineConfig;
-pub use self::stats::{EngineStats, SeqSnapshot};
+pub use self::stats::{EngineStats, STEP_BUCKET_BOUNDS, SeqSnapshot, StepHistogram};
 pub use crate::sequence::{
     FinishReason, SamplingParams, SeqId, SeqStatus, Sequence, StopParams, TokenEvent,
 };
@@ -89,6 +89,29 @@ pub struct GenerationRequest {
     pub reservation: Option<Reservation>,
     /// Tenant name, shown by `inspect`.
     pub label: String,
+}
+
+impl GenerationRequest {
+    /// Greedy decoding of at most `max_tokens` after `prompt`, stopping at EOS, with no
+    /// reservation (benchmarks, tests, the CLI's plain runs).
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize, label: impl Into<String>) -> Self {
+        GenerationRequest {
+            prompt,
+            sampling: SamplingParams::default(),
+            stop: StopParams {
+                max_tokens,
+                ..StopParams::default()
+            },
+            reservation: None,
+            label: label.into(),
+        }
+    }
+
+    /// Keeps generating past EOS until `max_tokens` (fixed-length benchmark runs).
+    pub fn ignoring_eos(mut self) -> Self {
+        self.stop.ignore_eos = true;
+        self
+    }
 }
 
 /// The caller's end of a request. Dropping it (or `events`) cancels the sequence.
@@ -151,8 +174,15 @@ impl Engine {
             ));
         }
         let pool = BlockPool::new(config.num_blocks, config.block_size, config.bytes_per_block);
+        // Published before the thread starts: memory (weights, KV) is known before any step.
+        let memory = backend.memory();
+        let initial = EngineStats {
+            memory,
+            peak_memory_bytes: memory.total_bytes(),
+            ..EngineStats::default()
+        };
         let shared = Arc::new(Shared {
-            stats: Mutex::new(EngineStats::default()),
+            stats: Mutex::new(initial),
             snapshots: Mutex::new(Vec::new()),
             shutting_down: AtomicBool::new(false),
         });
@@ -271,6 +301,20 @@ impl Engine {
             });
         }
         Ok(())
+    }
+
+    /// Whether the engine thread is alive and accepting work: false once [`Engine::shutdown`]
+    /// has begun, and false once the thread has exited for any other reason (a panic in the
+    /// backend or the scheduler ends it), even though nobody has joined it yet.
+    pub fn is_running(&self) -> bool {
+        if self.inner.shared.shutting_down.load(Ordering::Acquire) {
+            return false;
+        }
+        self.inner
+            .thread
+            .lock()
+            .as_ref()
+            .is_some_and(|thread| !thread.is_finished())
     }
 
     pub fn stats(&self) -> EngineStats {

@@ -225,7 +225,9 @@ impl Sequence {
 
     /// KV slots allocated but not holding a token (the tail of the last block).
     pub fn wasted_slots(&self, block_size: usize) -> usize {
-        (self.block_table.len() * block_size).saturating_sub(self.num_computed_tokens)
+        // Slots of the step in flight are being written, not wasted.
+        (self.block_table.len() * block_size)
+            .saturating_sub(self.num_computed_tokens + self.num_scheduled_tokens)
     }
 }
 
@@ -276,5 +278,8 @@ mod tests {
         assert_eq!(t.releasable_blocks(), 1);
         t.num_computed_tokens = 3;
         assert_eq!(t.wasted_slots(4), 1);
+        // A token the step in flight is writing fills the last slot.
+        t.num_scheduled_tokens = 1;
+        assert_eq!(t.wasted_slots(4), 0);
     }
 }

@@ -14,6 +14,7 @@
 //! [`Tokenizer::decode_with_special`] renders them.
 
 mod byte_level;
+mod chat;
 mod merge_bpe;
 mod pretokenize;
 mod special;
@@ -145,9 +146,15 @@ impl Tokenizer {
     /// parse_special)`. With `parse_special`, control-token text such as `<|im_start|>` becomes
     /// that token; without, it is tokenized as plain text (user input should be).
     pub fn encode(&self, text: &str, parse_special: bool) -> Vec<u32> {
-        let mut ids = Vec::with_capacity(text.len() / 3 + 1);
+        let fragments = special::partition(text, &self.specials, parse_special);
+        self.encode_fragments(fragments, text.len())
+    }
+
+    /// Token ids of partitioned text (`text_len` bytes in all, to size the output).
+    fn encode_fragments(&self, fragments: Vec<Fragment<'_>>, text_len: usize) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(text_len / 3 + 1);
         let mut words = Vec::new();
-        for fragment in special::partition(text, &self.specials, parse_special) {
+        for fragment in fragments {
             match fragment {
                 Fragment::Token(id) => ids.push(id),
                 Fragment::Text(text) => {
@@ -258,7 +265,9 @@ impl Tokenizer {
         self.texts.get(id as usize).map(String::as_str)
     }
 
-    /// Renders `messages` with the GGUF's chat template (ChatML if the file has none).
+    /// Renders `messages` with the GGUF's chat template (ChatML if the file has none). To
+    /// tokenize a conversation, use [`Tokenizer::encode_chat`]: encoding this text with
+    /// `parse_special` lets message content inject control tokens.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],

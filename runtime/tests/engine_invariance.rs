@@ -5,9 +5,7 @@
 mod common;
 
 use common::model_path;
-use kvgate_runtime::engine::{
-    GenerationRequest, SamplingParams, StopParams, TokenEvent, generate_blocking,
-};
+use kvgate_runtime::engine::{GenerationRequest, TokenEvent, generate_blocking};
 use kvgate_runtime::loader::{Runtime, RuntimeOptions};
 
 fn runtime(kv_memory_bytes: u64) -> Runtime {
@@ -20,17 +18,7 @@ fn runtime(kv_memory_bytes: u64) -> Runtime {
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, label: &str) -> GenerationRequest {
-    GenerationRequest {
-        prompt,
-        sampling: SamplingParams::default(),
-        stop: StopParams {
-            max_tokens,
-            stop_strings: Vec::new(),
-            ignore_eos: true,
-        },
-        reservation: None,
-        label: label.into(),
-    }
+    GenerationRequest::greedy(prompt, max_tokens, label).ignoring_eos()
 }
 
 fn observed_prompt(rt: &Runtime) -> Vec<u32> {

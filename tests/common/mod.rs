@@ -18,7 +18,8 @@ use std::time::Duration;
 use kvgate_gateway::admission::Admission;
 use kvgate_gateway::auth::hash_key;
 use kvgate_gateway::reload::PolicyStore;
-use kvgate_gateway::server::{ServeConfig, bind};
+use kvgate_gateway::server::{ServeConfig, bind_with_upstreams};
+use kvgate_gateway::upstream::{UpstreamSpec, Upstreams};
 use kvgate_gateway::validate::PromptCodec;
 use kvgate_runtime::block_pool::Occupancy;
 use kvgate_runtime::engine::Engine;
@@ -70,6 +71,8 @@ pub struct Options {
     pub block_size: usize,
     pub max_num_seqs: usize,
     pub serve: ServeConfig,
+    /// Models proxied to other engines (`--upstream`); none by default.
+    pub upstreams: Vec<UpstreamSpec>,
 }
 
 impl Default for Options {
@@ -88,6 +91,7 @@ impl Default for Options {
             block_size: 16,
             max_num_seqs: 32,
             serve,
+            upstreams: Vec::new(),
         }
     }
 }
@@ -98,6 +102,7 @@ pub struct TestServer {
     pub engine: Engine,
     pub store: PolicyStore,
     pub admission: Admission,
+    pub upstreams: Upstreams,
     pub policy_path: PathBuf,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
@@ -113,16 +118,19 @@ impl TestServer {
         let store = PolicyStore::load(&policy_path).expect("test policy is valid");
         let runtime = start_runtime(&options);
         let engine = runtime.engine.clone();
-        let admission = Admission::new(store.clone(), Arc::clone(engine.pool()));
+        let upstreams = Upstreams::new(options.upstreams.clone()).expect("test upstreams");
+        let admission =
+            Admission::with_pools(store.clone(), Arc::clone(engine.pool()), upstreams.pools());
         let codec: Arc<dyn PromptCodec> = runtime.tokenizer.clone();
         let mut serve = options.serve.clone();
         serve.model_name = runtime.model_name.clone();
-        let server = bind(
+        let server = bind_with_upstreams(
             &serve,
             engine.clone(),
             codec,
             store.clone(),
             admission.clone(),
+            upstreams.clone(),
         )
         .await
         .expect("bind 127.0.0.1:0");
@@ -136,6 +144,7 @@ impl TestServer {
             engine,
             store,
             admission,
+            upstreams,
             policy_path,
             shutdown: Some(shutdown),
             task: Some(task),

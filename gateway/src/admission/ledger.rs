@@ -1,18 +1,20 @@
 //! State shared between the dispatcher and the [`super::Admitted`] guards, which may drop on any
-//! thread: running requests per tenant and per lane, the drain-rate estimate, and the
-//! dispatcher's last published queue snapshot.
+//! thread: running requests per tenant and, per block pool, the long lane, the capacity held and
+//! the drain-rate estimate; and the dispatcher's last published queue snapshot.
 //!
 //! A guard's `Drop` cannot await or send on a bounded channel without risking a lost release,
 //! so releases update this ledger under a short lock and wake the dispatcher with
 //! `Notify::notify_one`, which stores the wake-up if the dispatcher is busy: none is lost.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::PoolId;
 use crate::queue::{Lane, TenantBacklog};
 
 /// One tenant's queue and running requests, for metrics and `/admin` inspection.
@@ -27,32 +29,63 @@ pub struct TenantQueueSnapshot {
 #[derive(Debug, Default)]
 pub(super) struct Ledger {
     in_flight: Mutex<InFlight>,
-    drain: Mutex<DrainRate>,
+    /// One estimate per pool: an upstream returns capacity at its own pace.
+    drain: Mutex<HashMap<PoolId, DrainRate>>,
+    service_time: ServiceTimeSlot,
     backlogs: Mutex<Vec<TenantBacklog>>,
     /// Fired when a running request releases its slot.
     pub released: Notify,
 }
 
-/// Running requests.
+/// Reads the engine's current per-token service time (wall time per generated token, all
+/// running sequences together); `None` while it has none (no step yet).
+pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<Duration> + Send + Sync>;
+
+/// Where the [`ServiceTimeProbe`] lives; empty until the server wires the engine in.
+#[derive(Default)]
+struct ServiceTimeSlot(Mutex<Option<ServiceTimeProbe>>);
+
+impl std::fmt::Debug for ServiceTimeSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = self.0.lock().is_some();
+        f.debug_tuple("ServiceTimeSlot").field(&set).finish()
+    }
+}
+
+/// Running requests. A tenant's concurrency counts its requests in every pool; the long lane
+/// is per pool, because it protects one engine's steps from long prefills.
 #[derive(Debug, Default)]
 pub(super) struct InFlight {
     per_tenant: HashMap<String, usize>,
+    per_pool: HashMap<PoolId, PoolInFlight>,
+}
+
+/// Running requests of one pool.
+#[derive(Debug, Default, Clone, Copy)]
+struct PoolInFlight {
     long_lane: usize,
     /// KV capacity (in tokens) held by running requests.
-    pub reserved_tokens: u64,
+    reserved_tokens: u64,
 }
 
 impl InFlight {
-    /// Whether one more request of `tenant` in `lane` stays within both caps.
+    /// Whether one more request of `tenant` in `lane` of `pool` stays within both caps.
     pub fn may_start(
         &self,
         tenant: &str,
         max_concurrency: usize,
+        pool: PoolId,
         lane: Lane,
         long_max_concurrency: usize,
     ) -> bool {
         let running = self.per_tenant.get(tenant).copied().unwrap_or(0);
-        running < max_concurrency && (lane == Lane::Short || self.long_lane < long_max_concurrency)
+        let long_lane = self.per_pool.get(&pool).map_or(0, |p| p.long_lane);
+        running < max_concurrency && (lane == Lane::Short || long_lane < long_max_concurrency)
+    }
+
+    /// KV capacity (in tokens) that running requests hold in `pool`.
+    pub fn reserved_tokens(&self, pool: PoolId) -> u64 {
+        self.per_pool.get(&pool).map_or(0, |p| p.reserved_tokens)
     }
 }
 
@@ -61,16 +94,17 @@ impl Ledger {
         self.in_flight.lock()
     }
 
-    pub fn start(&self, tenant: &str, lane: Lane, reserved_tokens: u64) {
+    pub fn start(&self, tenant: &str, pool: PoolId, lane: Lane, reserved_tokens: u64) {
         let mut in_flight = self.in_flight.lock();
         *in_flight.per_tenant.entry(tenant.to_string()).or_default() += 1;
+        let pool = in_flight.per_pool.entry(pool).or_default();
         if lane == Lane::Long {
-            in_flight.long_lane += 1;
+            pool.long_lane += 1;
         }
-        in_flight.reserved_tokens += reserved_tokens;
+        pool.reserved_tokens += reserved_tokens;
     }
 
-    pub fn finish(&self, tenant: &str, lane: Lane, reserved_tokens: u64) {
+    pub fn finish(&self, tenant: &str, pool: PoolId, lane: Lane, reserved_tokens: u64) {
         {
             let mut in_flight = self.in_flight.lock();
             if let Some(running) = in_flight.per_tenant.get_mut(tenant) {
@@ -79,21 +113,39 @@ impl Ledger {
                     in_flight.per_tenant.remove(tenant);
                 }
             }
-            if lane == Lane::Long {
-                in_flight.long_lane = in_flight.long_lane.saturating_sub(1);
+            if let Some(pool) = in_flight.per_pool.get_mut(&pool) {
+                if lane == Lane::Long {
+                    pool.long_lane = pool.long_lane.saturating_sub(1);
+                }
+                pool.reserved_tokens = pool.reserved_tokens.saturating_sub(reserved_tokens);
             }
-            in_flight.reserved_tokens = in_flight.reserved_tokens.saturating_sub(reserved_tokens);
         }
         self.released.notify_one();
     }
 
-    pub fn record_drained(&self, tokens: u64, now: Instant) {
-        self.drain.lock().record(tokens, now);
+    pub fn record_drained(&self, pool: PoolId, tokens: u64, now: Instant) {
+        self.drain
+            .lock()
+            .entry(pool)
+            .or_default()
+            .record(tokens, now);
     }
 
-    /// Estimated time for `tokens` of KV capacity to be returned; `None` before any data.
-    pub fn time_to_drain(&self, tokens: u64) -> Option<Duration> {
-        self.drain.lock().time_for(tokens)
+    /// Estimated time for `tokens` of `pool`'s capacity to be returned; `None` before any data.
+    pub fn time_to_drain(&self, pool: PoolId, tokens: u64) -> Option<Duration> {
+        self.drain.lock().get(&pool)?.time_for(tokens)
+    }
+
+    pub fn set_service_time_probe(&self, probe: ServiceTimeProbe) {
+        *self.service_time.0.lock() = Some(probe);
+    }
+
+    /// The engine's per-token service time now, if a probe is set and the engine has one.
+    /// Only a prior for Retry-After values: admission decisions wait for a measured rate.
+    pub fn per_token_service_time(&self) -> Option<Duration> {
+        // Called outside the slot's lock: the probe takes the engine's stats lock.
+        let probe = self.service_time.0.lock().clone()?;
+        probe().filter(|per_token| !per_token.is_zero())
     }
 
     pub fn publish(&self, backlogs: Vec<TenantBacklog>) {
@@ -212,13 +264,28 @@ mod tests {
     #[test]
     fn in_flight_caps_per_tenant_and_long_lane() {
         let ledger = Ledger::default();
-        ledger.start("a", Lane::Long, 10);
-        assert!(!ledger.in_flight().may_start("a", 1, Lane::Short, 5));
-        assert!(ledger.in_flight().may_start("b", 1, Lane::Short, 1));
-        assert!(!ledger.in_flight().may_start("b", 1, Lane::Long, 1));
-        ledger.finish("a", Lane::Long, 10);
-        assert!(ledger.in_flight().may_start("a", 1, Lane::Long, 1));
-        assert_eq!(ledger.in_flight().reserved_tokens, 0);
+        let (local, upstream) = (PoolId::LOCAL, PoolId(1));
+        ledger.start("a", local, Lane::Long, 10);
+        assert!(!ledger.in_flight().may_start("a", 1, local, Lane::Short, 5));
+        assert!(
+            !ledger
+                .in_flight()
+                .may_start("a", 1, upstream, Lane::Short, 5),
+            "a tenant's concurrency counts every pool"
+        );
+        assert!(ledger.in_flight().may_start("b", 1, local, Lane::Short, 1));
+        assert!(!ledger.in_flight().may_start("b", 1, local, Lane::Long, 1));
+        assert!(
+            ledger
+                .in_flight()
+                .may_start("b", 1, upstream, Lane::Long, 1),
+            "the long lane is per pool"
+        );
+        assert_eq!(ledger.in_flight().reserved_tokens(local), 10);
+        assert_eq!(ledger.in_flight().reserved_tokens(upstream), 0);
+        ledger.finish("a", local, Lane::Long, 10);
+        assert!(ledger.in_flight().may_start("a", 1, local, Lane::Long, 1));
+        assert_eq!(ledger.in_flight().reserved_tokens(local), 0);
         assert!(ledger.snapshot().is_empty());
     }
 }

@@ -203,22 +203,26 @@ impl Rejection {
         self.retry_after().is_some()
     }
 
-    /// The tenant's rate-limit state at the time of the rejection.
-    pub fn rate_headers(&self) -> RateLimitHeaders {
+    /// The tenant's rate-limit state at the time of the rejection; `None` for rejections
+    /// decided before the rate limits were looked at (the stack's rate-limit layer then
+    /// reports the tenant's live state).
+    pub fn rate_headers(&self) -> Option<RateLimitHeaders> {
         match self {
             Rejection::RateLimited { headers, .. }
             | Rejection::InsufficientQuota { headers, .. }
             | Rejection::QueueFull { headers, .. }
             | Rejection::QueueTimeout { headers, .. }
-            | Rejection::KvSaturated { headers, .. } => headers.clone(),
-            Rejection::NeverFits { .. } | Rejection::Unavailable => RateLimitHeaders::default(),
+            | Rejection::KvSaturated { headers, .. } => Some(headers.clone()),
+            Rejection::NeverFits { .. } | Rejection::Unavailable => None,
         }
     }
 
     /// Writes `retry-after` (whole seconds, rounded up), `retry-after-ms`, `x-should-retry` and
-    /// the `x-ratelimit-*` headers.
+    /// the `x-ratelimit-*` headers it knows.
     pub fn apply_headers(&self, headers: &mut HeaderMap) {
-        self.rate_headers().apply(headers);
+        if let Some(rate) = self.rate_headers() {
+            rate.apply(headers);
+        }
         if let Some(after) = self.retry_after() {
             let millis = after.as_nanos().div_ceil(1_000_000);
             headers.insert(

@@ -31,6 +31,7 @@ fn ticket(
         prompt_tokens,
         max_output_tokens,
         request_id: format!("req-{tenant}-{prompt_tokens}"),
+        pool: PoolId::LOCAL,
     }
 }
 
@@ -252,6 +253,117 @@ async fn a_full_queue_is_refused_with_429() {
     );
 }
 
+/// Fills tenant `a`'s one-entry queue behind one running request, and returns the rejection of
+/// the next request with the queued entry's guard-to-be.
+async fn queue_full_rejection(
+    admission: &Admission,
+    store: &PolicyStore,
+    queued_output_tokens: usize,
+    waited: Duration,
+) -> (Rejection, Admitted, JoinHandle<Result<Admitted, Rejection>>) {
+    let running = admission.admit(ticket(store, "a", 10, 10)).await.unwrap();
+    let before = queued(admission);
+    let waiting = spawn_admit(admission, ticket(store, "a", 20, queued_output_tokens));
+    until(|| queued(admission) == before + 1).await;
+    tokio::time::advance(waited).await;
+    let rejection = admission
+        .admit(ticket(store, "a", 10, 10))
+        .await
+        .unwrap_err();
+    assert_eq!(rejection.code(), "queue_full");
+    (rejection, running, waiting)
+}
+
+#[tokio::test(start_paused = true)]
+async fn before_any_drain_rate_a_full_queue_uses_the_engine_service_time() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nqueue_depth = 1\n";
+    let (admission, _pool, store) = setup(100, policy);
+    // 25 ms per generated token, all running sequences together.
+    admission.set_service_time_probe(|| Some(Duration::from_millis(25)));
+    let (rejection, _running, _waiting) =
+        queue_full_rejection(&admission, &store, 200, Duration::ZERO).await;
+    // The queued entry generates up to 200 tokens: 200 × 25 ms.
+    assert_eq!(rejection.retry_after(), Some(Duration::from_secs(5)));
+    let mut headers = http::HeaderMap::new();
+    rejection.apply_headers(&mut headers);
+    assert_eq!(headers["retry-after"], "5");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_service_time_estimate_is_shared_fairly_and_capped() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nqueue_depth = 1\n\
+                  [tenants.b]\nmax_concurrency = 1\nweight = 3\n";
+    let (admission, _pool, store) = setup(100, policy);
+    admission.set_service_time_probe(|| Some(Duration::from_millis(25)));
+    // Tenant b is backlogged too: a gets a quarter of the engine.
+    let _b_running = admission.admit(ticket(&store, "b", 10, 10)).await.unwrap();
+    let _b_waiting = spawn_admit(&admission, ticket(&store, "b", 10, 10));
+    until(|| queued(&admission) == 1).await;
+    let (rejection, _running, _waiting) =
+        queue_full_rejection(&admission, &store, 40, Duration::ZERO).await;
+    // 40 × 25 ms = 1 s at the full rate, 4 s at a quarter of it.
+    assert_eq!(rejection.retry_after(), Some(Duration::from_secs(4)));
+
+    // A slow engine never yields more than the 120 s cap.
+    let (admission, _pool, store) = setup(100, policy);
+    admission.set_service_time_probe(|| Some(Duration::from_secs(5)));
+    let (rejection, _running, _waiting) =
+        queue_full_rejection(&admission, &store, 200, Duration::ZERO).await;
+    assert_eq!(rejection.retry_after(), Some(MAX_RETRY_AFTER));
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_any_timing_a_full_queue_waits_as_long_as_its_oldest_entry() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nqueue_depth = 1\n";
+    let (admission, _pool, store) = setup(100, policy);
+    // The engine has not timed a step yet.
+    admission.set_service_time_probe(|| None);
+    let (rejection, _running, _waiting) =
+        queue_full_rejection(&admission, &store, 200, Duration::from_millis(7300)).await;
+    assert_eq!(rejection.retry_after(), Some(Duration::from_millis(7300)));
+
+    // A fresh queue has waited for nothing yet: the 1 s floor.
+    let (admission, _pool, store) = setup(100, policy);
+    let (rejection, _running, _waiting) =
+        queue_full_rejection(&admission, &store, 200, Duration::ZERO).await;
+    assert_eq!(rejection.retry_after(), Some(MIN_CAPACITY_RETRY_AFTER));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_measured_drain_rate_wins_over_the_service_time_prior() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nqueue_depth = 1\n";
+    let (admission, _pool, store) = setup(100, policy);
+    admission.set_service_time_probe(|| Some(Duration::from_secs(1)));
+    // Teach the drain rate: 160 tokens of capacity back per second.
+    for _ in 0..2 {
+        let mut done = admission.admit(ticket(&store, "a", 80, 80)).await.unwrap();
+        done.record_completion(80);
+        drop(done);
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    // The queued entry holds 20 + 300 = 320 tokens: 2 s at 160 tokens/s (not 300 s).
+    let (rejection, _running, _waiting) =
+        queue_full_rejection(&admission, &store, 300, Duration::ZERO).await;
+    assert_eq!(rejection.retry_after(), Some(Duration::from_secs(2)));
+}
+
+#[test]
+fn the_engine_service_time_is_step_time_per_running_sequence() {
+    use kvgate_runtime::engine::EngineStats;
+    let stats = |seqs: usize, micros: u64| EngineStats {
+        last_batch_seqs: seqs,
+        last_step_micros: micros,
+        ..EngineStats::default()
+    };
+    assert_eq!(per_token_service_time(&EngineStats::default()), None);
+    assert_eq!(per_token_service_time(&stats(0, 20_000)), None);
+    assert_eq!(per_token_service_time(&stats(4, 0)), None);
+    assert_eq!(
+        per_token_service_time(&stats(4, 20_000)),
+        Some(Duration::from_millis(5))
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn rate_limits_apply_before_queueing() {
     let (admission, _pool, store) = setup(
@@ -398,4 +510,105 @@ async fn a_flooding_tenant_does_not_hold_back_a_newcomer() {
     for flood in floods {
         drop(admitted(flood).await);
     }
+}
+
+// === Several pools: the embedded engine's and upstreams' ===
+
+/// Admission over a local pool of `local` blocks and one upstream pool of `upstream` blocks.
+fn setup_with_upstream(
+    local: usize,
+    upstream: usize,
+    policy: &str,
+) -> (Admission, Arc<BlockPool>, PoolId, PolicyStore) {
+    let store = PolicyStore::from_policy(parse_policy("test.toml", policy).unwrap());
+    let local = BlockPool::new(local, BLOCK_SIZE, 1024);
+    let remote = BlockPool::new(upstream, BLOCK_SIZE, 0);
+    let admission = Admission::with_pools(store.clone(), local, vec![Arc::clone(&remote)]);
+    let id = admission
+        .pool_id(&remote)
+        .expect("the upstream pool is registered");
+    (admission, remote, id, store)
+}
+
+fn upstream_ticket(
+    store: &PolicyStore,
+    pool: PoolId,
+    tenant: &str,
+    prompt_tokens: usize,
+    max_output_tokens: usize,
+) -> AdmissionTicket {
+    AdmissionTicket {
+        pool,
+        ..ticket(store, tenant, prompt_tokens, max_output_tokens)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_ticket_reserves_from_the_pool_it_names() {
+    let (admission, remote, id, store) = setup_with_upstream(10, 20, "[tenants.a]\n");
+    assert_ne!(id, PoolId::LOCAL);
+    assert_eq!(admission.pool_id(&BlockPool::new(1, 16, 0)), None);
+    let upstream = admission
+        .admit(upstream_ticket(&store, id, "a", 100, 60))
+        .await
+        .unwrap();
+    assert_eq!((upstream.pool(), upstream.reserved_blocks()), (id, 10));
+    assert_eq!(remote.snapshot().reserved_blocks, 10);
+    // 10 blocks would not fit the local pool's watermark, but the local pool is untouched.
+    let local = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+    assert_eq!(local.pool(), PoolId::LOCAL);
+    assert_eq!(remote.snapshot().reserved_blocks, 10);
+    drop(upstream);
+    assert_eq!(remote.snapshot().reserved_blocks, 0, "the guard held it");
+    // A request larger than the upstream's whole capacity can never run there.
+    let never = admission
+        .admit(upstream_ticket(&store, id, "a", 300, 100))
+        .await
+        .unwrap_err();
+    assert_eq!(never.code(), "context_length_exceeded");
+    drop(local);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_saturated_upstream_does_not_hold_back_the_embedded_engine() {
+    let policy = "[tenants.a]\nmax_queue_wait = \"10s\"\n[tenants.b]\n";
+    let (admission, remote, id, store) = setup_with_upstream(100, 10, policy);
+    let blocker = remote.try_reserve(10).unwrap();
+    let waiting = spawn_admit(&admission, upstream_ticket(&store, id, "a", 32, 0));
+    until(|| queued(&admission) == 1).await;
+    // Past half its max wait the blocked request stops both lanes, of its own pool only.
+    tokio::time::advance(Duration::from_secs(6)).await;
+    let local = admission.admit(ticket(&store, "b", 200, 10)).await.unwrap();
+    assert_eq!(local.pool(), PoolId::LOCAL);
+    assert!(!waiting.is_finished());
+    // Capacity coming back to the upstream pool wakes its queue.
+    drop(blocker);
+    let started = admitted(waiting).await;
+    assert_eq!((started.pool(), started.reserved_blocks()), (id, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_started_upstream_keeps_its_token_charge() {
+    let policy = "[tenants.a]\ntokens_per_minute = 1000\n";
+    let (admission, _remote, id, store) = setup_with_upstream(10, 100, policy);
+    let tenant = store.current().tenant("a").unwrap();
+    let remaining = || admission.rate_headers(&tenant).tokens.map(|s| s.remaining);
+
+    // Refused or unreachable upstream: never started, everything comes back.
+    let unstarted = admission
+        .admit(upstream_ticket(&store, id, "a", 100, 100))
+        .await
+        .unwrap();
+    assert_eq!(remaining(), Some(800));
+    drop(unstarted);
+    assert_eq!(remaining(), Some(1000));
+
+    // Forwarded: its real size is unknown, so the whole up-front charge stays.
+    let mut started = admission
+        .admit(upstream_ticket(&store, id, "a", 100, 100))
+        .await
+        .unwrap();
+    started.mark_started();
+    drop(started);
+    assert_eq!(remaining(), Some(800));
 }

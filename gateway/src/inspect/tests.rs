@@ -12,6 +12,7 @@ fn seq(id: u64, tenant: &str, state: SeqStatus, blocks: usize, reserved: usize) 
         prompt_tokens: blocks * 10,
         output_tokens: 3,
         computed_tokens: blocks * 10,
+        scheduled_tokens: 0,
         blocks,
         reserved_blocks: reserved,
         preemptions: 0,

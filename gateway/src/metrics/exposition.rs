@@ -5,7 +5,7 @@
 //! comments, `name{label="value",...} value [timestamp]`, label escapes `\\`, `\"`, `\n`, and the
 //! special values `NaN`, `+Inf`, `-Inf`. It keeps samples in order and never panics on input.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 /// Builds exposition text family by family.
@@ -35,6 +35,31 @@ impl Writer {
             self.out.push('}');
         }
         let _ = writeln!(self.out, " {}", format_value(value));
+    }
+
+    /// One series of the current histogram family: a cumulative `_bucket` sample per
+    /// `(upper bound, observations ≤ bound)` of `buckets` (increasing, without `+Inf`), then the
+    /// `+Inf` bucket, `_sum` and `_count`. `le` is appended to `labels`.
+    pub fn histogram(
+        &mut self,
+        name: &str,
+        labels: &[(&str, &str)],
+        buckets: impl IntoIterator<Item = (f64, u64)>,
+        sum: f64,
+        count: u64,
+    ) {
+        let bucket = format!("{name}_bucket");
+        let mut le_sample = |le: &str, observations: u64| {
+            let mut with_le = labels.to_vec();
+            with_le.push(("le", le));
+            self.sample(&bucket, &with_le, observations as f64);
+        };
+        for (bound, observations) in buckets {
+            le_sample(&format_value(bound), observations);
+        }
+        le_sample("+Inf", count);
+        self.sample(&format!("{name}_sum"), labels, sum);
+        self.sample(&format!("{name}_count"), labels, count as f64);
     }
 
     pub fn finish(self) -> String {
@@ -94,6 +119,9 @@ pub struct Scrape {
     pub types: HashMap<String, String>,
 }
 
+/// A series' labels, sorted, without `le`.
+type Labels = Vec<(String, String)>;
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("metrics line {line}: {reason}")]
 pub struct ParseError {
@@ -145,6 +173,67 @@ impl Scrape {
             .filter(|s| s.has_labels(labels))
             .map(|s| s.value)
             .sum()
+    }
+
+    /// Checks every family typed `histogram`: per series (its labels other than `le`) the bucket
+    /// counts never decrease as `le` grows, there is a `+Inf` bucket equal to the series'
+    /// `_count`, and a `_sum`. Returns the first problem found.
+    pub fn check_histograms(&self) -> Result<(), String> {
+        let without_le = |s: &Sample| -> Labels {
+            let mut labels: Labels = s
+                .labels
+                .iter()
+                .filter(|(k, _)| k != "le")
+                .cloned()
+                .collect();
+            labels.sort();
+            labels
+        };
+        let histograms = self.types.iter().filter(|(_, kind)| *kind == "histogram");
+        for (family, _) in histograms {
+            let mut series: BTreeMap<Labels, Vec<(f64, f64)>> = BTreeMap::new();
+            for sample in self.series(&format!("{family}_bucket")) {
+                let le = sample
+                    .label("le")
+                    .ok_or_else(|| format!("{family}_bucket without le"))?;
+                let bound = parse_value(le).ok_or_else(|| format!("{family}_bucket le={le:?}"))?;
+                series
+                    .entry(without_le(sample))
+                    .or_default()
+                    .push((bound, sample.value));
+            }
+            for (labels, mut buckets) in series {
+                buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+                if let Some(w) = buckets.windows(2).find(|w| w[1].1 < w[0].1) {
+                    return Err(format!(
+                        "{family}{labels:?}: bucket le={} holds {} < {} of le={}",
+                        w[1].0, w[1].1, w[0].1, w[0].0
+                    ));
+                }
+                let inf = match buckets.last() {
+                    Some(&(bound, count)) if bound == f64::INFINITY => count,
+                    _ => return Err(format!("{family}{labels:?}: no +Inf bucket")),
+                };
+                let exact = |name: String| {
+                    self.samples
+                        .iter()
+                        .find(|s| s.name == name && without_le(s) == labels)
+                        .map(|s| s.value)
+                };
+                match exact(format!("{family}_count")) {
+                    Some(count) if count == inf => {}
+                    other => {
+                        return Err(format!(
+                            "{family}{labels:?}: _count {other:?} differs from +Inf bucket {inf}"
+                        ));
+                    }
+                }
+                if exact(format!("{family}_sum")).is_none() {
+                    return Err(format!("{family}{labels:?}: no _sum"));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Distinct values of `label` among the samples of `name`.
@@ -336,6 +425,44 @@ weird{msg="say \"hi\"\\n\nbye",} NaN
             Some(0.5)
         );
         assert_eq!(scrape.value("kvgate_up", &[]), Some(f64::INFINITY));
+    }
+
+    #[test]
+    fn written_histograms_parse_back_cumulative_and_are_checked() {
+        let mut w = Writer::default();
+        w.family("kvgate_batch_size", "histogram", "Sequences per step.");
+        w.histogram(
+            "kvgate_batch_size",
+            &[("engine", "0")],
+            [(0.5, 1), (1.0, 2), (2.0, 5)],
+            9.0,
+            6,
+        );
+        let text = w.finish();
+        assert!(
+            text.contains("kvgate_batch_size_bucket{engine=\"0\",le=\"2\"} 5\n"),
+            "{text}"
+        );
+        let scrape = parse(&text);
+        let bucket = |le| scrape.value("kvgate_batch_size_bucket", &[("le", le)]);
+        assert_eq!(bucket("+Inf"), Some(6.0));
+        assert_eq!(scrape.value("kvgate_batch_size_sum", &[]), Some(9.0));
+        assert_eq!(scrape.value("kvgate_batch_size_count", &[]), Some(6.0));
+        assert_eq!(scrape.check_histograms(), Ok(()), "1, 2, 5, then +Inf 6");
+        assert_eq!(parse(REAL).check_histograms(), Ok(()));
+
+        let broken = |text: &str| parse(text).check_histograms().unwrap_err();
+        let head = "# TYPE h histogram\n";
+        let shrinking = format!(
+            "{head}h_bucket{{le=\"1\"}} 3\nh_bucket{{le=\"2\"}} 2\nh_bucket{{le=\"+Inf\"}} 3\nh_sum 1\nh_count 3\n"
+        );
+        assert!(broken(&shrinking).contains("< 3"), "{}", broken(&shrinking));
+        let no_inf = format!("{head}h_bucket{{le=\"1\"}} 3\nh_sum 1\nh_count 3\n");
+        assert!(broken(&no_inf).contains("+Inf"));
+        let count_differs = format!("{head}h_bucket{{le=\"+Inf\"}} 3\nh_sum 1\nh_count 4\n");
+        assert!(broken(&count_differs).contains("_count"));
+        let no_sum = format!("{head}h_bucket{{le=\"+Inf\"}} 3\nh_count 3\n");
+        assert!(broken(&no_sum).contains("_sum"));
     }
 
     #[test]

@@ -14,7 +14,6 @@ pub const PROMPT_TOKENS: &str = "kvgate_prompt_tokens";
 pub const GENERATION_TOKENS: &str = "kvgate_generation_tokens";
 pub const PROMPT_TOKENS_TOTAL: &str = "kvgate_prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "kvgate_generation_tokens_total";
-pub const BATCH_SIZE: &str = "kvgate_batch_size";
 pub const POLICY_RELOADS_TOTAL: &str = "kvgate_policy_reloads_total";
 
 // ---- read from the engine and admission at scrape time ---------------------------------------
@@ -36,6 +35,8 @@ pub const QUEUED_TOKENS: &str = "kvgate_queued_tokens";
 pub const PREEMPTIONS_TOTAL: &str = "kvgate_preemptions_total";
 pub const CANCELLATIONS_TOTAL: &str = "kvgate_cancellations_total";
 pub const ENGINE_STEPS_TOTAL: &str = "kvgate_engine_steps_total";
+pub const BATCH_SIZE: &str = "kvgate_batch_size";
+pub const BATCH_TOKENS: &str = "kvgate_batch_tokens";
 pub const BUILD_INFO: &str = "kvgate_build_info";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,12 +150,6 @@ pub const RECORDED: &[Family] = &[
         "Tokens generated for finished requests.",
     ),
     family(
-        BATCH_SIZE,
-        Histogram,
-        &[],
-        "Sequences in the latest engine step, sampled once per sampler tick while the engine is stepping.",
-    ),
-    family(
         POLICY_RELOADS_TOTAL,
         Counter,
         &["result"],
@@ -258,6 +253,18 @@ pub const STATE: &[Family] = &[
     ),
     family(ENGINE_STEPS_TOTAL, Counter, &[], "Engine scheduler steps."),
     family(
+        BATCH_SIZE,
+        Histogram,
+        &[],
+        "Sequences per engine step, every step since start (the engine's own cumulative histogram).",
+    ),
+    family(
+        BATCH_TOKENS,
+        Histogram,
+        &[],
+        "Tokens computed per engine step (prefill chunks plus decodes), every step since start.",
+    ),
+    family(
         BUILD_INFO,
         Gauge,
         &["version", "backend", "model"],
@@ -265,7 +272,9 @@ pub const STATE: &[Family] = &[
     ),
 ];
 
-/// Histogram buckets per metric (upper bounds; +Inf is implicit).
+/// Histogram buckets of the recorded histograms (upper bounds; +Inf is implicit). The state
+/// histograms ([`BATCH_SIZE`], [`BATCH_TOKENS`]) use the engine's fixed bounds,
+/// `kvgate_runtime::engine::STEP_BUCKET_BOUNDS`.
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     (
         QUEUE_WAIT_SECONDS,
@@ -293,10 +302,6 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     ),
     (PROMPT_TOKENS, TOKEN_BUCKETS),
     (GENERATION_TOKENS, TOKEN_BUCKETS),
-    (
-        BATCH_SIZE,
-        &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0],
-    ),
 ];
 
 const TOKEN_BUCKETS: &[f64] = &[
@@ -368,7 +373,7 @@ mod tests {
         let before = names.len();
         names.dedup();
         assert_eq!(before, names.len(), "duplicate metric name");
-        for f in all().filter(|f| f.kind == Kind::Histogram) {
+        for f in RECORDED.iter().filter(|f| f.kind == Kind::Histogram) {
             let buckets = HISTOGRAM_BUCKETS
                 .iter()
                 .find(|(n, _)| *n == f.name)
@@ -382,9 +387,18 @@ mod tests {
                 f.name
             );
         }
+        for f in STATE.iter().filter(|f| f.kind == Kind::Histogram) {
+            assert!(
+                HISTOGRAM_BUCKETS.iter().all(|(n, _)| *n != f.name),
+                "{} is written from the engine's buckets, not recorded",
+                f.name
+            );
+        }
         assert!(
-            STATE.iter().all(|f| f.kind != Kind::Histogram),
-            "state is gauges and counters"
+            HISTOGRAM_BUCKETS
+                .iter()
+                .all(|(n, _)| RECORDED.iter().any(|f| f.name == *n)),
+            "buckets only for recorded families"
         );
     }
 }

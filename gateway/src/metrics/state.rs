@@ -1,16 +1,17 @@
-//! The state half of `/metrics`: KV blocks, memory, sequences, queues and engine counters, read
-//! from one engine and one admission instance at scrape time and written as exposition text.
+//! The state half of `/metrics`: KV blocks, memory, sequences, queues, engine counters and the
+//! engine's per-step histograms, read from one engine and one admission instance at scrape time
+//! and written as exposition text.
 //!
 //! Reading at scrape time (rather than copying into process-wide gauges on a timer) means a
 //! scrape always shows the pool as it is now, and several servers in one process (tests) each
-//! show their own. The engine's counters are cumulative totals, so exporting them as counters is
-//! monotonic by construction; the memory peak is additionally kept with `fetch_max` so it can
-//! never decrease, whatever the engine reports.
+//! show their own. The engine's counters and histograms are cumulative over every step, so
+//! exporting them is monotonic by construction and no step is missed; the memory peak is
+//! additionally kept with `fetch_max` so it can never decrease, whatever the engine reports.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvgate_runtime::block_pool::Occupancy;
-use kvgate_runtime::engine::{Engine, EngineStats};
+use kvgate_runtime::engine::{Engine, EngineStats, StepHistogram};
 
 use super::MetricsConfig;
 use super::exposition::Writer;
@@ -88,27 +89,19 @@ fn parse_vm_rss(status: &str) -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// What must persist between scrapes: the memory peak and the last engine step sampled.
+/// What must persist between scrapes: the memory peak.
 #[derive(Debug, Default)]
 pub(super) struct StateTracker {
     peak_bytes: AtomicU64,
-    last_step_sampled: AtomicU64,
 }
 
 impl StateTracker {
-    /// Keeps the peak and, when the engine has stepped since the last call, records the batch
-    /// size of its latest step (one observation per call at most).
+    /// Keeps the peak.
     pub fn sample(&self, stats: &EngineStats) {
         self.peak_bytes.fetch_max(
             stats.peak_memory_bytes.max(stats.memory.total_bytes()),
             Ordering::Relaxed,
         );
-        let previous = self
-            .last_step_sampled
-            .fetch_max(stats.steps, Ordering::Relaxed);
-        if stats.steps > previous && stats.last_batch_seqs > 0 {
-            metrics::histogram!(BATCH_SIZE).record(stats.last_batch_seqs as f64);
-        }
     }
 
     pub fn write(&self, out: &mut Writer, snap: &Snapshot, config: &MetricsConfig) {
@@ -192,7 +185,27 @@ impl StateTracker {
                 family(name, &samples);
             }
         }
+
+        write_histogram(out, BATCH_SIZE, &stats.batch_seqs);
+        write_histogram(out, BATCH_TOKENS, &stats.batch_tokens);
     }
+}
+
+/// One of the engine's per-step histograms as a Prometheus histogram family.
+fn write_histogram(out: &mut Writer, name: &str, histogram: &StepHistogram) {
+    if let Some(f) = names::family_of(name) {
+        out.family(f.name, f.kind.as_str(), f.help);
+    }
+    let buckets = histogram
+        .cumulative()
+        .filter_map(|(bound, n)| bound.map(|b| (b as f64, n)));
+    out.histogram(
+        name,
+        &[],
+        buckets,
+        histogram.sum() as f64,
+        histogram.count(),
+    );
 }
 
 #[cfg(test)]
@@ -293,6 +306,33 @@ mod tests {
             7,
             "admission queue + engine waiting"
         );
+    }
+
+    #[test]
+    fn batch_histograms_render_every_step_cumulatively() {
+        let mut snap = snapshot();
+        for seqs in [1, 3, 3, 2, 9] {
+            snap.stats.batch_seqs.record(seqs);
+        }
+        snap.stats.batch_tokens.record(300);
+        let scrape = render(&StateTracker::default(), &snap);
+        assert_eq!(scrape.check_histograms(), Ok(()));
+        assert_eq!(
+            scrape.types.get(BATCH_SIZE).map(String::as_str),
+            Some("histogram")
+        );
+        let bucket = |le| scrape.value("kvgate_batch_size_bucket", &[("le", le)]);
+        assert_eq!(bucket("1"), Some(1.0));
+        assert_eq!(bucket("2"), Some(2.0));
+        assert_eq!(bucket("4"), Some(4.0));
+        assert_eq!(bucket("8"), Some(4.0));
+        assert_eq!(bucket("16"), Some(5.0));
+        assert_eq!(bucket("+Inf"), Some(5.0));
+        assert_eq!(scrape.value("kvgate_batch_size_sum", &[]), Some(18.0));
+        assert_eq!(scrape.value("kvgate_batch_size_count", &[]), Some(5.0));
+        let tokens = |le| scrape.value("kvgate_batch_tokens_bucket", &[("le", le)]);
+        assert_eq!((tokens("256"), tokens("512")), (Some(0.0), Some(1.0)));
+        assert_eq!(scrape.value("kvgate_batch_tokens_sum", &[]), Some(300.0));
     }
 
     #[test]

@@ -13,6 +13,8 @@ use kvgate_runtime::engine::{
 use super::exposition::Scrape;
 use super::*;
 
+mod examples;
+
 const VOCAB: usize = 8;
 
 /// Opens once; every forward pass waits for it.
@@ -137,6 +139,19 @@ fn occupancy_rises_while_a_sequence_runs_and_returns_after() {
         idle.value("vllm:cache_config_info", &[("num_gpu_blocks", "64")]),
         Some(1.0)
     );
+    // Memory is published when the engine starts, not after its first step.
+    assert_eq!(idle.value(ENGINE_STEPS_TOTAL, &[]), Some(0.0));
+    assert_eq!(
+        idle.value(MEMORY_ALLOCATED_BYTES, &[("kind", "weights")]),
+        Some(1000.0)
+    );
+    assert_eq!(
+        idle.value(MEMORY_ALLOCATED_BYTES, &[("kind", "kv")]),
+        Some(6400.0)
+    );
+    assert_eq!(idle.value(MEMORY_PEAK_ALLOCATED_BYTES, &[]), Some(7424.0));
+    assert_eq!(idle.value("kvgate_batch_size_count", &[]), Some(0.0));
+    assert_eq!(idle.check_histograms(), Ok(()));
 
     let request = GenerationRequest {
         prompt: vec![2; 100],
@@ -184,7 +199,7 @@ fn occupancy_rises_while_a_sequence_runs_and_returns_after() {
     let after = scrape(&metrics);
     assert_eq!(after.value(KV_BLOCKS, &[("state", "used")]), Some(0.0));
     assert_eq!(after.value(KV_BLOCKS, &[("state", "free")]), Some(64.0));
-    // The engine publishes memory after its first step; the peak covers weights + KV + workspace.
+    // The peak covers weights + KV + workspace.
     let peak = after.value(MEMORY_PEAK_ALLOCATED_BYTES, &[]).unwrap_or(0.0);
     assert!(peak >= 7424.0, "peak {peak}");
     assert_eq!(
@@ -192,10 +207,18 @@ fn occupancy_rises_while_a_sequence_runs_and_returns_after() {
         Some(peak),
         "peak never decreases"
     );
-    assert!(
-        after.value(ENGINE_STEPS_TOTAL, &[]).unwrap_or(0.0) >= 3.0,
-        "prefill + decodes"
-    );
+    // One prefill step (100 tokens) and two decode steps, each of one sequence: the batch
+    // histograms hold exactly these steps, cumulatively.
+    assert_eq!(after.value(ENGINE_STEPS_TOTAL, &[]), Some(3.0));
+    assert_eq!(after.check_histograms(), Ok(()));
+    let steps = |name: &str, le: &str| after.value(name, &[("le", le)]);
+    assert_eq!(steps("kvgate_batch_size_bucket", "1"), Some(3.0));
+    assert_eq!(steps("kvgate_batch_size_bucket", "+Inf"), Some(3.0));
+    assert_eq!(after.value("kvgate_batch_size_count", &[]), Some(3.0));
+    assert_eq!(after.value("kvgate_batch_size_sum", &[]), Some(3.0));
+    assert_eq!(steps("kvgate_batch_tokens_bucket", "64"), Some(2.0));
+    assert_eq!(steps("kvgate_batch_tokens_bucket", "128"), Some(3.0));
+    assert_eq!(after.value("kvgate_batch_tokens_sum", &[]), Some(102.0));
     assert!(
         after
             .value("vllm:generation_tokens_total", &[])

@@ -11,7 +11,10 @@ use toml::Spanned;
 use super::limits::{Limits, int_field};
 use super::raw::{RawKv, RawLanes, RawPolicy, RawReservation};
 use super::source::Source;
-use super::{KeyDigest, KvPolicy, LanePolicy, Policy, PolicyError, ReservationMode, TenantPolicy};
+use super::{
+    DefaultRates, KeyDigest, KvPolicy, LanePolicy, Policy, PolicyError, ReservationMode,
+    TenantPolicy,
+};
 
 // Built-in pool and lane settings (tenant limits are in `limits.rs`).
 const BUILTIN_HIGH_WATERMARK: f64 = 0.9;
@@ -73,8 +76,13 @@ pub(super) fn build(path: &Path, text: &str) -> Result<Policy, PolicyError> {
         admin_keys.push(digest);
     }
 
+    let (requests_per_minute, tokens_per_minute) = defaults.rates();
     Ok(Policy {
         source: path.to_path_buf(),
+        default_rates: DefaultRates {
+            requests_per_minute,
+            tokens_per_minute,
+        },
         tenants,
         anonymous_tenant,
         tenant_keys,

@@ -189,11 +189,7 @@ impl Limits {
             }
         }
         let to_usize = |f: Field<u64>| usize::try_from(f.value).unwrap_or(usize::MAX);
-        let to_rate = |f: Field<Option<u64>>| {
-            f.value
-                .and_then(|v| u32::try_from(v).ok())
-                .and_then(NonZeroU32::new)
-        };
+        let to_rate = |f: Field<Option<u64>>| to_rate(f.value);
         Ok(TenantPolicy {
             name: name.to_string(),
             max_input_tokens: to_usize(self.max_input_tokens),
@@ -213,6 +209,22 @@ impl Limits {
                 .unwrap_or(NonZeroU32::MIN),
         })
     }
+}
+
+impl Limits {
+    /// The request and token rates these limits set (`None`: unlimited).
+    pub fn rates(&self) -> (Option<NonZeroU32>, Option<NonZeroU32>) {
+        (
+            to_rate(self.requests_per_minute.value),
+            to_rate(self.tokens_per_minute.value),
+        )
+    }
+}
+
+fn to_rate(value: Option<u64>) -> Option<NonZeroU32> {
+    value
+        .and_then(|v| u32::try_from(v).ok())
+        .and_then(NonZeroU32::new)
 }
 
 /// Which of two conflicting fields to point at: the one set in `table` if any, else whichever

@@ -1,11 +1,31 @@
 //! OpenAI's rate-limit response headers:
 //! `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`, with resets written like OpenAI's
 //! ("20ms", "1s", "6m0s", "8.64s"). Sent on every response, successful or not, so clients can
-//! pace themselves before they hit a 429.
+//! pace themselves before they hit a 429: the stack's outermost layers
+//! (`stack::rate_limit_headers`) add them to any response that does not carry them yet.
+//!
+//! All six are always written, so a client or proxy that parses them never finds one missing.
+//! A bucket the tenant does not have (no `requests_per_minute` or `tokens_per_minute`) is
+//! reported as [`UNLIMITED`] with nothing spent and a reset of "0ms": the truthful answer for a
+//! bucket that can never run dry, in a form every client's integer parser accepts.
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
+
+/// Limit and remaining of a bucket without a limit: the largest value a bucket can report.
+pub const UNLIMITED: u32 = u32::MAX;
+
+/// The six header names, in the order [`RateLimitHeaders::apply`] writes them.
+pub const HEADER_NAMES: [&str; 6] = [
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+];
 
 /// One bucket's state as reported to the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,7 +38,25 @@ pub struct BucketStatus {
     pub reset: Duration,
 }
 
-/// The rate-limit headers of one response. A tenant without a limit gets no headers for it.
+impl BucketStatus {
+    /// A bucket of `limit` per minute with nothing spent.
+    pub fn full(limit: NonZeroU32) -> BucketStatus {
+        BucketStatus {
+            limit: limit.get(),
+            remaining: limit.get(),
+            reset: Duration::ZERO,
+        }
+    }
+
+    /// How a missing limit is reported.
+    pub const UNLIMITED: BucketStatus = BucketStatus {
+        limit: UNLIMITED,
+        remaining: UNLIMITED,
+        reset: Duration::ZERO,
+    };
+}
+
+/// The rate-limit headers of one response; `None` is a bucket the tenant does not have.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RateLimitHeaders {
     pub requests: Option<BucketStatus>,
@@ -26,10 +64,22 @@ pub struct RateLimitHeaders {
 }
 
 impl RateLimitHeaders {
-    /// Writes the `x-ratelimit-*` headers (replacing any already there).
+    /// Buckets of these per-minute limits with nothing spent.
+    pub fn full(
+        requests_per_minute: Option<NonZeroU32>,
+        tokens_per_minute: Option<NonZeroU32>,
+    ) -> RateLimitHeaders {
+        RateLimitHeaders {
+            requests: requests_per_minute.map(BucketStatus::full),
+            tokens: tokens_per_minute.map(BucketStatus::full),
+        }
+    }
+
+    /// Writes all six `x-ratelimit-*` headers (replacing any already there); a missing bucket
+    /// as [`BucketStatus::UNLIMITED`].
     pub fn apply(&self, headers: &mut HeaderMap) {
         for (status, suffix) in [(self.requests, "requests"), (self.tokens, "tokens")] {
-            let Some(status) = status else { continue };
+            let status = status.unwrap_or(BucketStatus::UNLIMITED);
             let values = [
                 ("limit", status.limit.to_string()),
                 ("remaining", status.remaining.to_string()),
@@ -44,6 +94,11 @@ impl RateLimitHeaders {
                 }
             }
         }
+    }
+
+    /// Whether `headers` already carry all six.
+    pub fn present_in(headers: &HeaderMap) -> bool {
+        HEADER_NAMES.iter().all(|name| headers.contains_key(*name))
     }
 }
 
@@ -86,19 +141,21 @@ mod tests {
     }
 
     #[test]
-    fn apply_writes_all_six_headers_and_skips_unlimited_buckets() {
+    fn apply_writes_all_six_headers_and_reports_missing_buckets_as_unlimited() {
         let status = BucketStatus {
             limit: 60,
             remaining: 59,
             reset: Duration::from_secs(1),
         };
         let mut headers = HeaderMap::new();
+        assert!(!RateLimitHeaders::present_in(&headers));
         RateLimitHeaders {
             requests: Some(status),
             tokens: Some(status),
         }
         .apply(&mut headers);
         assert_eq!(headers.len(), 6);
+        assert!(RateLimitHeaders::present_in(&headers));
         assert_eq!(headers["x-ratelimit-limit-requests"], "60");
         assert_eq!(headers["x-ratelimit-remaining-tokens"], "59");
         assert_eq!(headers["x-ratelimit-reset-requests"], "1s");
@@ -109,7 +166,20 @@ mod tests {
             tokens: Some(status),
         }
         .apply(&mut headers);
-        assert_eq!(headers.len(), 3);
-        assert!(headers.get("x-ratelimit-limit-requests").is_none());
+        assert_eq!(headers.len(), 6);
+        assert_eq!(headers["x-ratelimit-limit-requests"], "4294967295");
+        assert_eq!(headers["x-ratelimit-remaining-requests"], "4294967295");
+        assert_eq!(headers["x-ratelimit-reset-requests"], "0ms");
+        assert_eq!(headers["x-ratelimit-limit-tokens"], "60");
+    }
+
+    #[test]
+    fn full_buckets_have_nothing_spent() {
+        let mut headers = HeaderMap::new();
+        RateLimitHeaders::full(NonZeroU32::new(600), None).apply(&mut headers);
+        assert_eq!(headers["x-ratelimit-limit-requests"], "600");
+        assert_eq!(headers["x-ratelimit-remaining-requests"], "600");
+        assert_eq!(headers["x-ratelimit-reset-requests"], "0ms");
+        assert_eq!(headers["x-ratelimit-remaining-tokens"], "4294967295");
     }
 }

@@ -6,9 +6,12 @@ use kvgate_runtime::tokenizer::Tokenizer;
 
 /// What validation needs from the model's tokenizer.
 pub trait PromptCodec: Send + Sync {
-    /// Renders a conversation with the model's chat template, ending with the assistant prompt.
-    fn render_chat(&self, turns: &[TemplateTurn]) -> Result<String, String>;
-    /// Token ids of `text`; special-token markup (`<|im_start|>`) becomes control tokens.
+    /// Token ids of a conversation rendered with the model's chat template, ending with the
+    /// assistant prompt. Only the template's own markup may become control tokens: message
+    /// content is plain text, so a user cannot close their turn with a literal `<|im_end|>`.
+    fn encode_chat(&self, turns: &[TemplateTurn]) -> Result<Vec<u32>, String>;
+    /// Token ids of a raw `/v1/completions` prompt; special-token markup (`<|im_start|>`)
+    /// becomes control tokens, since the caller writes the whole prompt.
     fn encode(&self, text: &str) -> Vec<u32>;
 }
 
@@ -22,17 +25,15 @@ pub struct TemplateTurn {
 // === impl PromptCodec for the model's tokenizer ===
 
 impl PromptCodec for Tokenizer {
-    fn render_chat(&self, turns: &[TemplateTurn]) -> Result<String, String> {
+    fn encode_chat(&self, turns: &[TemplateTurn]) -> Result<Vec<u32>, String> {
         let messages: Vec<ChatMessage> = turns
             .iter()
             .map(|turn| ChatMessage::new(turn.role, turn.content.as_str()))
             .collect();
-        self.apply_chat_template(&messages, true)
-            .map_err(|error| error.to_string())
+        Tokenizer::encode_chat(self, &messages, true).map_err(|error| error.to_string())
     }
 
     fn encode(&self, text: &str) -> Vec<u32> {
-        // `true`: the rendered template's `<|im_start|>` markup must become control tokens.
         Tokenizer::encode(self, text, true)
     }
 }

@@ -84,8 +84,5 @@ fn tokenize_turns(
     turns: &[TemplateTurn],
     codec: &dyn PromptCodec,
 ) -> Result<Vec<u32>, ValidationError> {
-    let text = codec
-        .render_chat(turns)
-        .map_err(ValidationError::Template)?;
-    Ok(codec.encode(&text))
+    codec.encode_chat(turns).map_err(ValidationError::Template)
 }

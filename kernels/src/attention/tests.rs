@@ -244,38 +244,43 @@ fn batch_matches_per_row_calls() {
     let q: Vec<f32> = (0..rows.len() * width)
         .map(|_| rng.random_range(-1.0..1.0))
         .collect();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .unwrap();
-    for order in [ReductionOrder::VecDot, ReductionOrder::TinyBlas] {
-        let mut out = vec![0.0; q.len()];
-        paged_attention_batch(
-            &LAYOUT, &q, &rows, N_HEADS, &k_cache, &v_cache, 0.125, order, &mut out, &pool,
-        );
-        for (i, row) in rows.iter().enumerate() {
-            let mut want = vec![0.0; width];
-            let qi = &q[i * width..(i + 1) * width];
-            let mut scratch = AttentionScratch::new();
-            let (bt, ctx) = (row.block_table, row.context_len);
-            paged_attention(
-                &LAYOUT,
-                qi,
-                N_HEADS,
-                &k_cache,
-                &v_cache,
-                bt,
-                ctx,
-                0.125,
-                order,
-                &mut want,
-                &mut scratch,
+    // 3 rows × 2 threads: a task per (row, KV head); 1 row × 3 threads: a task per query head.
+    for (threads, n_rows) in [(2, rows.len()), (3, 1), (2, 1)] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let rows = &rows[..n_rows];
+        let q = &q[..n_rows * width];
+        for order in [ReductionOrder::VecDot, ReductionOrder::TinyBlas] {
+            let mut out = vec![0.0; q.len()];
+            paged_attention_batch(
+                &LAYOUT, q, rows, N_HEADS, &k_cache, &v_cache, 0.125, order, &mut out, &pool,
             );
-            assert_eq!(
-                &out[i * width..(i + 1) * width],
-                &want[..],
-                "row {i} {order:?}"
-            );
+            for (i, row) in rows.iter().enumerate() {
+                let mut want = vec![0.0; width];
+                let qi = &q[i * width..(i + 1) * width];
+                let mut scratch = AttentionScratch::new();
+                let (bt, ctx) = (row.block_table, row.context_len);
+                paged_attention(
+                    &LAYOUT,
+                    qi,
+                    N_HEADS,
+                    &k_cache,
+                    &v_cache,
+                    bt,
+                    ctx,
+                    0.125,
+                    order,
+                    &mut want,
+                    &mut scratch,
+                );
+                assert_eq!(
+                    &out[i * width..(i + 1) * width],
+                    &want[..],
+                    "row {i} {order:?} threads {threads} rows {n_rows}"
+                );
+            }
         }
     }
 }

@@ -189,3 +189,72 @@ proptest! {
         check_against_reference(TYPES[ty_index], rows, blocks * QK, m, 2, seed);
     }
 }
+
+#[test]
+fn fused_matmul_equals_separate_matmuls() {
+    let mut rng = StdRng::seed_from_u64(77);
+    let p = pool(2);
+    let mut scratch = MatmulScratch::new();
+    for ty in TYPES {
+        for m in [1, 3, 9] {
+            let cols = 96;
+            // Row counts that split unevenly across threads and tiles.
+            let shapes = [13, 4, 27];
+            let data: Vec<Vec<u8>> = shapes
+                .iter()
+                .map(|&rows| random_matrix(&mut rng, ty, rows, cols))
+                .collect();
+            let ws: Vec<QMatrix> = data
+                .iter()
+                .zip(shapes)
+                .map(|(d, rows)| QMatrix::new(ty, d, rows, cols).unwrap())
+                .collect();
+            let x = random_acts(&mut rng, m * cols);
+            let mut fused: Vec<Vec<f32>> = shapes.iter().map(|&r| vec![f32::NAN; m * r]).collect();
+            let [o0, o1, o2] = &mut fused[..] else {
+                unreachable!()
+            };
+            matmul_fused(
+                [
+                    (&ws[0], &mut o0[..]),
+                    (&ws[1], &mut o1[..]),
+                    (&ws[2], &mut o2[..]),
+                ],
+                &x,
+                m,
+                &mut scratch,
+                &p,
+            );
+            for (w, got) in ws.iter().zip(&fused) {
+                let mut want = vec![0.0; m * w.rows];
+                matmul_reference(w, &x, m, &mut want);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(got), bits(&want), "{ty:?} m={m} rows={}", w.rows);
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_matmul_of_mixed_types_runs_each_part() {
+    let mut rng = StdRng::seed_from_u64(78);
+    let (cols, m) = (64, 2);
+    let a = random_matrix(&mut rng, WeightType::Q4_1, 8, cols);
+    let b = random_matrix(&mut rng, WeightType::Q8_0, 5, cols);
+    let wa = QMatrix::new(WeightType::Q4_1, &a, 8, cols).unwrap();
+    let wb = QMatrix::new(WeightType::Q8_0, &b, 5, cols).unwrap();
+    let x = random_acts(&mut rng, m * cols);
+    let (mut oa, mut ob) = (vec![0.0; m * 8], vec![0.0; m * 5]);
+    let mut scratch = MatmulScratch::new();
+    matmul_fused(
+        [(&wa, &mut oa[..]), (&wb, &mut ob[..])],
+        &x,
+        m,
+        &mut scratch,
+        &pool(2),
+    );
+    let (mut ra, mut rb) = (vec![0.0; m * 8], vec![0.0; m * 5]);
+    matmul_reference(&wa, &x, m, &mut ra);
+    matmul_reference(&wb, &x, m, &mut rb);
+    assert_eq!((oa, ob), (ra, rb));
+}

@@ -140,7 +140,9 @@ impl Totals {
         self.samples += 1;
         self.peak_running = self.peak_running.max(running.len());
         for s in running {
-            self.used += s.computed_tokens;
+            // Slots the step in flight is writing hold tokens too (the snapshot is published
+            // when a step is scheduled, so mid-step the computed count lags its blocks).
+            self.used += s.computed_tokens + s.scheduled_tokens;
             self.paged += s.blocks * block_size;
             self.max_context += max_context;
             let index = s

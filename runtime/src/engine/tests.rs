@@ -29,16 +29,7 @@ fn start(mode: Mode, decoder: FakeDecoder, config: EngineConfig) -> Engine {
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        prompt,
-        sampling: SamplingParams::default(),
-        stop: StopParams {
-            max_tokens,
-            ..StopParams::default()
-        },
-        reservation: None,
-        label: "test".into(),
-    }
+    GenerationRequest::greedy(prompt, max_tokens, "test")
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
@@ -421,4 +412,85 @@ fn invalid_config_is_rejected() {
     let backend = FakeBackend::new(Mode::Hash, 4, 16);
     let err = Engine::spawn(Box::new(backend), Arc::new(FakeDecoder::letters()), cfg).unwrap_err();
     assert!(err.to_string().contains("max_num_seqs"));
+}
+
+#[test]
+fn memory_is_published_at_spawn_before_any_step() {
+    let engine = start(Mode::Hash, FakeDecoder::letters(), config(4, 16, 32, 0));
+    // No request yet: nothing has stepped, but weights and the KV cache are already known.
+    let stats = engine.stats();
+    assert_eq!(stats.steps, 0);
+    assert_eq!(stats.memory.weights_bytes, 1000);
+    assert_eq!(
+        stats.memory.kv_bytes,
+        4 * 16 * 8,
+        "one 8-byte cell per slot"
+    );
+    assert_eq!(stats.peak_memory_bytes, stats.memory.total_bytes());
+    assert_eq!(stats.batch_seqs.count(), 0);
+    // The first step keeps them (the worker starts from the published stats, not from zero).
+    generate_blocking(&engine, request(prompt(1, 3), 2)).expect("runs");
+    let after = engine.stats();
+    assert_eq!(after.memory, stats.memory);
+    assert_eq!(after.peak_memory_bytes, stats.peak_memory_bytes);
+}
+
+#[test]
+fn every_step_is_counted_in_the_batch_histograms() {
+    let (engine, entered, gate) = gated(config(4, 16, 32, 0));
+    // A prefills alone; B arrives during that step, so both share the next two steps.
+    let mut a = engine.submit(request(prompt(1, 5), 3)).expect("accepted");
+    entered.recv().expect("engine is inside A's prefill");
+    let mut b = engine.submit(request(prompt(2, 6), 3)).expect("accepted");
+    drop(gate);
+    assert_eq!(
+        tokens_of(&collect(&mut a)),
+        reference_greedy(&prompt(1, 5), 3)
+    );
+    assert_eq!(
+        tokens_of(&collect(&mut b)),
+        reference_greedy(&prompt(2, 6), 3)
+    );
+
+    // Steps: [A prefill 5], [A decode + B prefill 6], [A decode + B decode], [B decode].
+    let stats = engine.stats();
+    assert_eq!(stats.steps, 4);
+    let seqs = stats.batch_seqs;
+    assert_eq!((seqs.count(), seqs.sum()), (4, 1 + 2 + 2 + 1));
+    let tokens = stats.batch_tokens;
+    assert_eq!((tokens.count(), tokens.sum()), (4, 5 + 7 + 2 + 1));
+    let le = |h: &StepHistogram, bound: Option<u64>| {
+        h.cumulative()
+            .find(|(b, _)| *b == bound)
+            .map(|(_, n)| n)
+            .expect("bucket exists")
+    };
+    assert_eq!(le(&seqs, Some(1)), 2);
+    assert_eq!(le(&seqs, Some(2)), 4);
+    assert_eq!(le(&seqs, None), 4);
+    assert_eq!(le(&tokens, Some(1)), 1);
+    assert_eq!(le(&tokens, Some(2)), 2);
+    assert_eq!(le(&tokens, Some(4)), 2);
+    assert_eq!(le(&tokens, Some(8)), 4);
+    assert_eq!(le(&tokens, None), 4);
+}
+
+#[test]
+fn step_histogram_buckets_are_cumulative_and_bounded() {
+    let mut h = StepHistogram::default();
+    for value in [0, 1, 3, 4, 5, 8192, 8193, u64::MAX / 2] {
+        h.record(value);
+    }
+    assert_eq!(h.count(), 8);
+    let buckets: Vec<_> = h.cumulative().collect();
+    assert_eq!(buckets.len(), STEP_BUCKET_BOUNDS.len() + 1, "fixed size");
+    assert_eq!(buckets[0], (Some(1), 2), "0 and 1 are ≤ 1");
+    assert_eq!(buckets[1], (Some(2), 2));
+    assert_eq!(buckets[2], (Some(4), 4), "3 and 4 are ≤ 4");
+    assert_eq!(buckets[3], (Some(8), 5));
+    assert_eq!(buckets[13], (Some(8192), 6));
+    assert_eq!(buckets[14], (None, 8), "+Inf holds everything");
+    assert!(buckets.windows(2).all(|w| w[0].1 <= w[1].1));
+    h.record(u64::MAX);
+    assert_eq!(h.sum(), u64::MAX, "the sum saturates instead of wrapping");
 }

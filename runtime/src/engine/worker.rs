@@ -1,7 +1,7 @@
 //! The engine thread's loop. Each iteration: take new requests, drop cancelled sequences,
 //! schedule, lower to `BatchInputs`, run the backend, sample, record, stream events, remove
 //! finished sequences, publish stats. All buffers (batch, inputs, logits, sampled ids) live in
-//! the worker and are reused every step.
+//! the worker and are reused every step; the per-step histograms in the stats are fixed arrays.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -50,6 +50,8 @@ impl Worker {
         commands: Receiver<Command>,
         shared: Arc<Shared>,
     ) -> Worker {
+        // Start from what `spawn` published (memory, peak), so the first publish keeps it.
+        let stats = shared.stats.lock().clone();
         Worker {
             backend,
             decoder,
@@ -58,7 +60,7 @@ impl Worker {
             commands,
             max_waiting,
             shared,
-            stats: EngineStats::default(),
+            stats,
             batch: ScheduledBatch::default(),
             inputs: BatchInputs::default(),
             logits: Vec::new(),
@@ -170,6 +172,8 @@ impl Worker {
         self.stats.steps += 1;
         self.stats.last_batch_seqs = self.batch.seqs.len();
         self.stats.last_batch_tokens = self.batch.num_tokens;
+        self.stats.batch_seqs.record(self.batch.seqs.len() as u64);
+        self.stats.batch_tokens.record(self.batch.num_tokens as u64);
         self.stats.last_step_micros = started.elapsed().as_micros() as u64;
         true
     }
@@ -309,6 +313,7 @@ fn snapshot(seq: &Sequence) -> SeqSnapshot {
         prompt_tokens: seq.prompt_len,
         output_tokens: seq.num_output_tokens(),
         computed_tokens: seq.num_computed_tokens,
+        scheduled_tokens: seq.num_scheduled_tokens,
         blocks: seq.block_table.len(),
         reserved_blocks: seq.credit.blocks(),
         preemptions: seq.num_preemptions,

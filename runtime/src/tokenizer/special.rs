@@ -7,6 +7,8 @@
 //! Hugging Face tokenizers. Longest-first matters: `<|im_start|>` must not be cut by a shorter
 //! special that happens to be a substring of it.
 
+use std::ops::Range;
+
 /// One special token the partition looks for.
 #[derive(Debug, Clone)]
 pub(super) struct SpecialToken {
@@ -40,45 +42,87 @@ pub(super) fn partition<'t>(
     specials: &[SpecialToken],
     parse_special: bool,
 ) -> Vec<Fragment<'t>> {
-    let mut fragments = Vec::new();
+    partition_outside(text, specials, parse_special, &[])
+}
+
+/// [`partition`], except that a control or unknown token is never matched where it overlaps one
+/// of the byte ranges `literal` of `text`: that text stays plain text, as without
+/// `parse_special` (user-defined tokens match everywhere, as they always do). Used to keep
+/// message content from producing control tokens while the chat template's own markup does.
+pub(super) fn partition_outside<'t>(
+    text: &'t str,
+    specials: &[SpecialToken],
+    parse_special: bool,
+    literal: &[Range<usize>],
+) -> Vec<Fragment<'t>> {
     if text.is_empty() {
-        return fragments;
+        return Vec::new();
     }
-    fragments.push(Fragment::Text(text));
+    let mut pieces = vec![Piece::Text(0..text.len())];
     for special in specials {
         if special.needs_parse_special && !parse_special {
             continue;
         }
         // Fast path: most texts contain no special token at all.
-        let occurs = fragments
-            .iter()
-            .any(|f| matches!(f, Fragment::Text(t) if t.contains(special.text.as_str())));
+        let occurs = pieces.iter().any(
+            |p| matches!(p, Piece::Text(range) if text[range.clone()].contains(special.text.as_str())),
+        );
         if !occurs {
             continue;
         }
-        let mut next = Vec::with_capacity(fragments.len() + 2);
-        for fragment in fragments {
-            match fragment {
-                Fragment::Text(t) => split_at_occurrences(t, special, &mut next),
+        let protected = if special.needs_parse_special {
+            literal
+        } else {
+            &[]
+        };
+        let mut next = Vec::with_capacity(pieces.len() + 2);
+        for piece in pieces {
+            match piece {
+                Piece::Text(range) => {
+                    split_at_occurrences(text, range, special, protected, &mut next);
+                }
                 token => next.push(token),
             }
         }
-        fragments = next;
+        pieces = next;
     }
-    fragments
+    pieces
+        .into_iter()
+        .map(|piece| match piece {
+            Piece::Text(range) => Fragment::Text(&text[range]),
+            Piece::Token(id) => Fragment::Token(id),
+        })
+        .collect()
 }
 
-fn split_at_occurrences<'t>(text: &'t str, special: &SpecialToken, out: &mut Vec<Fragment<'t>>) {
-    let mut last = 0;
-    for (start, matched) in text.match_indices(special.text.as_str()) {
-        if start > last {
-            out.push(Fragment::Text(&text[last..start]));
+/// A fragment while partitioning: text as a byte range of the input, so it can be compared
+/// with the literal ranges.
+enum Piece {
+    Text(Range<usize>),
+    Token(u32),
+}
+
+fn split_at_occurrences(
+    text: &str,
+    range: Range<usize>,
+    special: &SpecialToken,
+    protected: &[Range<usize>],
+    out: &mut Vec<Piece>,
+) {
+    let mut last = range.start;
+    for (offset, matched) in text[range.clone()].match_indices(special.text.as_str()) {
+        let (start, end) = (range.start + offset, range.start + offset + matched.len());
+        if protected.iter().any(|p| p.start < end && start < p.end) {
+            continue;
         }
-        out.push(Fragment::Token(special.id));
-        last = start + matched.len();
+        if start > last {
+            out.push(Piece::Text(last..start));
+        }
+        out.push(Piece::Token(special.id));
+        last = end;
     }
-    if last < text.len() {
-        out.push(Fragment::Text(&text[last..]));
+    if last < range.end {
+        out.push(Piece::Text(last..range.end));
     }
 }
 
@@ -114,6 +158,28 @@ mod tests {
         assert_eq!(partition("a<s>b", &s, false), [Text("a<s>b")]);
         // User-defined tokens are matched either way.
         assert_eq!(partition("[U][U]", &s, false), [Token(3), Token(3)]);
+    }
+
+    #[test]
+    fn literal_ranges_keep_control_tokens_as_text() {
+        use Fragment::*;
+        let s = specials();
+        let literal = |range: Range<usize>| vec![range];
+        // "<s>" at 0..3 is literal, the one at 4..7 is not.
+        assert_eq!(
+            partition_outside("<s>a<s>b", &s, true, &literal(0..3)),
+            [Text("<s>a"), Token(1), Text("b")]
+        );
+        // A match that only overlaps a literal range is not taken either.
+        assert_eq!(
+            partition_outside("a<s>b", &s, true, &literal(0..2)),
+            [Text("a<s>b")]
+        );
+        // User-defined tokens match inside literal text, as they do without parse_special.
+        assert_eq!(
+            partition_outside("[U]<s>", &s, true, &literal(0..6)),
+            [Token(3), Text("<s>")]
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@
 use kvgate_kernels::attention::{AttentionRow, paged_attention_batch};
 use kvgate_kernels::quant::dequantize_row;
 use kvgate_kernels::{
-    KvLayout, ReductionOrder, RopeMode, matmul, rms_norm, rope, swiglu, write_kv,
+    KvLayout, ReductionOrder, RopeMode, matmul, matmul_fused, rms_norm, rope, swiglu, write_kv,
 };
 
 use super::kv_cache::LayerKv;
@@ -151,23 +151,21 @@ fn attention_block(
             &mut ws.xn[r],
         );
     }
+    let (wq, wk, wv) = (
+        layer.wq.view(gguf),
+        layer.wk.view(gguf),
+        layer.wv.view(gguf),
+    );
+    let m = queries.tokens.len();
     let xn = &ws.xn[..n * d];
-    matmul(
-        &layer.wk.view(gguf),
-        xn,
-        n,
-        &mut ws.k[..n * kvd],
-        &mut ws.matmul,
-        pool,
-    );
-    matmul(
-        &layer.wv.view(gguf),
-        xn,
-        n,
-        &mut ws.v[..n * kvd],
-        &mut ws.matmul,
-        pool,
-    );
+    let (k, v) = (&mut ws.k[..n * kvd], &mut ws.v[..n * kvd]);
+    if m == n {
+        // Every token continues: Q, K and V in one pass over the activations.
+        let q = &mut ws.q[..n * d];
+        matmul_fused([(&wq, q), (&wk, k), (&wv, v)], xn, n, &mut ws.matmul, pool);
+    } else {
+        matmul_fused([(&wk, k), (&wv, v)], xn, n, &mut ws.matmul, pool);
+    }
     let rows = ws.k[..n * kvd]
         .chunks_exact_mut(kvd)
         .zip(ws.v.chunks_exact(kvd));
@@ -191,22 +189,21 @@ fn attention_block(
         );
     }
 
-    let m = queries.tokens.len();
     if m < n {
         // Rows only move towards the front (query tokens are ascending), so in place is safe.
         for (j, &t) in queries.tokens.iter().enumerate() {
             ws.xn.copy_within(t * d..(t + 1) * d, j * d);
             ws.x.copy_within(t * d..(t + 1) * d, j * d);
         }
+        matmul(
+            &wq,
+            &ws.xn[..m * d],
+            m,
+            &mut ws.q[..m * d],
+            &mut ws.matmul,
+            pool,
+        );
     }
-    matmul(
-        &layer.wq.view(gguf),
-        &ws.xn[..m * d],
-        m,
-        &mut ws.q[..m * d],
-        &mut ws.matmul,
-        pool,
-    );
     for (j, &t) in queries.tokens.iter().enumerate() {
         let q_row = &mut ws.q[j * d..(j + 1) * d];
         rope(
@@ -273,19 +270,11 @@ fn ffn_block(step: &Step, layer: &LayerMats, ws: &mut Workspace, m: usize) {
             &mut ws.xn[j * d..(j + 1) * d],
         );
     }
-    matmul(
-        &layer.gate.view(gguf),
+    let (gate, up) = (layer.gate.view(gguf), layer.up.view(gguf));
+    matmul_fused(
+        [(&gate, &mut ws.gate[..m * ff]), (&up, &mut ws.up[..m * ff])],
         &ws.xn[..m * d],
         m,
-        &mut ws.gate[..m * ff],
-        &mut ws.matmul,
-        step.pool,
-    );
-    matmul(
-        &layer.up.view(gguf),
-        &ws.xn[..m * d],
-        m,
-        &mut ws.up[..m * ff],
         &mut ws.matmul,
         step.pool,
     );

@@ -1,0 +1,354 @@
+//! Forwarding one admitted request to its upstream and relaying the answer.
+//!
+//! * [`forwarded_body`]: the client's JSON as sent (unknown fields included, so options kvgate
+//!   ignores still reach an engine that honours them), with `model` set to the upstream's id,
+//!   the completion budget validation settled on made explicit, and the messages
+//!   `truncate_oldest` dropped removed.
+//! * [`Upstream::send`]: POST to the same OpenAI path under the upstream's URL, on the shared
+//!   pooled client. No connection, or no response headers within the upstream's `timeout`, is
+//!   a 502 `upstream_unavailable`.
+//! * [`relay`]: the upstream's status, headers (less hop-by-hop ones and the ones kvgate sets
+//!   itself) and body, frame by frame: an SSE stream is forwarded chunk by chunk as it arrives,
+//!   with no buffering beyond the frame in flight (hyper stops reading the upstream when the
+//!   client stops reading). The body owns the admission guard, which goes back when the body
+//!   ends; if the client leaves, hyper drops the body, which drops the upstream response and
+//!   closes that connection, so the upstream sees the disconnect and stops generating.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderName};
+use http::{HeaderMap, Request};
+use http_body::{Frame, SizeHint};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use serde_json::Value;
+
+use super::Upstream;
+use crate::error::GatewayError;
+use crate::ratelimit::HEADER_NAMES as RATE_LIMIT_HEADERS;
+use crate::stack::REQUEST_ID_HEADER;
+use crate::validate::{Endpoint, ValidRequest};
+
+/// Connection-level headers that describe one hop, never forwarded (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+];
+
+/// The body to send upstream for a request validated as `valid`; `raw` is the client's body
+/// (already parsed once by validation, so it is a JSON object).
+pub(crate) fn forwarded_body(
+    raw: &[u8],
+    valid: &ValidRequest,
+    upstream_model: &str,
+) -> Result<Bytes, GatewayError> {
+    let mut body: serde_json::Map<String, Value> = serde_json::from_slice(raw)
+        .map_err(|error| GatewayError::Internal(format!("re-reading a valid body: {error}")))?;
+    body.insert("model".to_owned(), Value::from(upstream_model));
+    let budget = Value::from(valid.max_tokens);
+    match valid.endpoint {
+        // Validation read `max_completion_tokens` when both were given: send that one alone.
+        Endpoint::Chat if body.contains_key("max_completion_tokens") => {
+            body.remove("max_tokens");
+            body.insert("max_completion_tokens".to_owned(), budget);
+        }
+        Endpoint::Chat | Endpoint::Completion => {
+            body.insert("max_tokens".to_owned(), budget);
+        }
+    }
+    if valid.dropped_messages > 0
+        && let Some(Value::Array(messages)) = body.get_mut("messages")
+    {
+        drop_oldest_turns(messages, valid.dropped_messages);
+    }
+    serde_json::to_vec(&body)
+        .map(Bytes::from)
+        .map_err(|error| GatewayError::Internal(format!("writing the upstream body: {error}")))
+}
+
+/// Removes the `dropped` oldest non-system messages, as `truncate_oldest` did when it counted
+/// (system and developer messages are always kept).
+fn drop_oldest_turns(messages: &mut Vec<Value>, dropped: usize) {
+    let mut left = dropped;
+    messages.retain(|message| {
+        let role = message.get("role").and_then(Value::as_str);
+        if left == 0 || matches!(role, Some("system" | "developer")) {
+            return true;
+        }
+        left -= 1;
+        false
+    });
+}
+
+impl Upstream {
+    /// The upstream URL of an endpoint: the same OpenAI path under the upstream's base URL.
+    pub(crate) fn url(&self, endpoint: Endpoint) -> String {
+        let path = match endpoint {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completion => "/v1/completions",
+        };
+        format!("{}{path}", self.spec.base_url)
+    }
+
+    /// POSTs `body` and waits for the response headers, at most the upstream's `timeout`.
+    pub(crate) async fn send(
+        &self,
+        endpoint: Endpoint,
+        body: Bytes,
+        request_id: &str,
+    ) -> Result<http::Response<Incoming>, GatewayError> {
+        let unavailable = |detail: String| GatewayError::UpstreamUnavailable {
+            upstream: self.spec.name.clone(),
+            detail,
+        };
+        let mut request = Request::post(self.url(endpoint))
+            .header(CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|error| unavailable(format!("cannot build the request: {error}")))?;
+        if let Ok(id) = http::HeaderValue::from_str(request_id)
+            && !request_id.is_empty()
+        {
+            request.headers_mut().insert(REQUEST_ID_HEADER, id);
+        }
+        let timeout = self.spec.timeout;
+        match tokio::time::timeout(timeout, self.client().request(request)).await {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(error)) => Err(unavailable(describe(&error))),
+            Err(_) => Err(unavailable(format!(
+                "no response within {}s",
+                timeout.as_secs_f64()
+            ))),
+        }
+    }
+}
+
+/// The error and its causes on one line ("client error (Connect): tcp connect error: ...").
+fn describe(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// The upstream's answer as kvgate's: status, headers and body as received, except hop-by-hop
+/// headers and the ones kvgate writes itself (`x-request-id`, `x-ratelimit-*`: the client's
+/// limits are this gateway's). `Retry-After` and the rest pass through. `guard` (the
+/// admission guard) lives until the body ends or is dropped.
+pub(crate) fn relay<G: Send + Unpin + 'static>(
+    upstream: http::Response<Incoming>,
+    guard: G,
+) -> Response {
+    let (mut parts, body) = upstream.into_parts();
+    strip_own_headers(&mut parts.headers);
+    Response::from_parts(parts, Body::new(GuardedBody::new(body, guard)))
+}
+
+fn strip_own_headers(headers: &mut HeaderMap) {
+    // Headers the upstream's `Connection` names are hop-by-hop too.
+    let named: Vec<HeaderName> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP
+        .iter()
+        .chain(RATE_LIMIT_HEADERS.iter())
+        .chain(std::iter::once(&REQUEST_ID_HEADER))
+    {
+        headers.remove(*name);
+    }
+}
+
+/// A body that holds `guard` until it has yielded its last frame (or failed, or is dropped).
+pub(crate) struct GuardedBody<B, G> {
+    inner: B,
+    guard: Option<G>,
+}
+
+impl<B, G> GuardedBody<B, G> {
+    pub(crate) fn new(inner: B, guard: G) -> GuardedBody<B, G> {
+        GuardedBody {
+            inner,
+            guard: Some(guard),
+        }
+    }
+}
+
+impl<B, G> http_body::Body for GuardedBody<B, G>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    G: Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+            drop(this.guard.take());
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use http_body_util::BodyExt;
+    use http_body_util::StreamBody;
+    use serde_json::json;
+
+    use super::*;
+    use crate::validate::Endpoint;
+
+    fn valid(endpoint: Endpoint, max_tokens: u32, dropped_messages: usize) -> ValidRequest {
+        ValidRequest {
+            endpoint,
+            prompt_ids: vec![1, 2, 3],
+            max_tokens,
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: None,
+            stop: Vec::new(),
+            stream: false,
+            include_usage: false,
+            user: None,
+            dropped_messages,
+        }
+    }
+
+    fn forwarded(raw: Value, valid: &ValidRequest) -> Value {
+        let bytes = forwarded_body(&serde_json::to_vec(&raw).unwrap(), valid, "up-model").unwrap();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[test]
+    fn the_body_names_the_upstream_model_and_an_explicit_budget() {
+        let raw = json!({
+            "model": "remote",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": true,
+            "frequency_penalty": 0.5,
+        });
+        let sent = forwarded(raw, &valid(Endpoint::Chat, 77, 0));
+        assert_eq!(sent["model"], "up-model");
+        assert_eq!(sent["max_tokens"], 77);
+        assert_eq!(sent["stream"], true);
+        assert_eq!(sent["frequency_penalty"], 0.5, "unknown fields are kept");
+        assert_eq!(sent["messages"][0]["content"], "hi");
+
+        let raw = json!({"model": "remote", "messages": [], "max_tokens": 9,
+                         "max_completion_tokens": 20});
+        let sent = forwarded(raw, &valid(Endpoint::Chat, 20, 0));
+        assert_eq!(sent["max_completion_tokens"], 20);
+        assert!(sent.get("max_tokens").is_none(), "{sent}");
+
+        let raw = json!({"model": "remote", "prompt": "Once"});
+        let sent = forwarded(raw, &valid(Endpoint::Completion, 16, 0));
+        assert_eq!(sent["max_tokens"], 16);
+    }
+
+    #[test]
+    fn truncated_turns_are_removed_from_the_forwarded_conversation() {
+        let raw = json!({"model": "remote", "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a1"},
+            {"role": "developer", "content": "d"},
+            {"role": "user", "content": "u2"},
+        ]});
+        let sent = forwarded(raw, &valid(Endpoint::Chat, 8, 2));
+        let contents: Vec<&str> = sent["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(contents, ["s", "d", "u2"]);
+    }
+
+    #[test]
+    fn own_and_hop_by_hop_headers_are_not_relayed() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "keep-alive, x-hop"),
+            ("x-hop", "1"),
+            ("transfer-encoding", "chunked"),
+            ("x-request-id", "upstream-id"),
+            ("x-ratelimit-remaining-tokens", "5"),
+            ("retry-after", "7"),
+            ("content-type", "text/event-stream"),
+        ] {
+            headers.insert(name, value.parse().unwrap());
+        }
+        strip_own_headers(&mut headers);
+        let mut left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["content-type", "retry-after"]);
+    }
+
+    /// Sets its flag when dropped.
+    struct Flag(Arc<AtomicBool>);
+
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_guard_lives_until_the_last_frame() {
+        let released = Arc::new(AtomicBool::new(false));
+        let frames = futures::stream::iter(
+            ["data: a\n\n", "data: [DONE]\n\n"]
+                .map(|chunk| Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from(chunk)))),
+        );
+        let mut body = GuardedBody::new(StreamBody::new(frames), Flag(Arc::clone(&released)));
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "data: a\n\n");
+        assert!(!released.load(Ordering::SeqCst), "held while frames remain");
+        body.frame().await.unwrap().unwrap();
+        assert!(!released.load(Ordering::SeqCst));
+        assert!(body.frame().await.is_none());
+        assert!(released.load(Ordering::SeqCst), "released at the end");
+
+        // A client that leaves early drops the body, and the guard with it.
+        let released = Arc::new(AtomicBool::new(false));
+        let body = GuardedBody::new(Full::new(Bytes::from("{}")), Flag(Arc::clone(&released)));
+        drop(body);
+        assert!(released.load(Ordering::SeqCst));
+    }
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The side-by-side run behind BENCHMARKS.md: kvgate and llama.cpp's llama-bench on the same GGUF,
+# the same thread count, back to back in one script, plus kvgate's KV-waste measurement.
+#
+#   LLAMA_BENCH=/path/to/llama-bench scripts/bench-vs-llama.sh [THREADS]
+#
+# llama-bench comes from the llama-cpp-python 0.3.36 source package (see BENCHMARKS.md for the
+# build). Run it on an otherwise idle machine: both tools read ~97 MB of weights per decoded
+# token, so any other job on the cores or the memory bus shows up in the numbers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+THREADS="${1:-2}"
+LLAMA_BENCH="${LLAMA_BENCH:?set LLAMA_BENCH to the llama-bench binary}"
+
+cargo build --release -q -p kvgate
+KVGATE=./target/release/kvgate
+MODEL="$($KVGATE fetch-model)"
+
+echo "== $(date -u '+%Y-%m-%d %H:%M UTC'), $THREADS threads, $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "== kvgate bench"
+$KVGATE bench --threads "$THREADS" --json
+echo "== llama-bench: pp200, tg128 from an empty context and after a 200-token prompt"
+LD_LIBRARY_PATH="$(dirname "$LLAMA_BENCH"):${LD_LIBRARY_PATH:-}" \
+  "$LLAMA_BENCH" -m "$MODEL" -p 200 -n 128 -t "$THREADS" -r 3 -d 0,200
+echo "== kvgate bench again (drift check)"
+$KVGATE bench --threads "$THREADS" --json
+echo "== kvgate KV waste"
+$KVGATE bench --threads "$THREADS" --kv-waste
+echo "== load at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

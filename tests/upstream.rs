@@ -1,0 +1,436 @@
+//! Upstream mode end to end: a gateway that proxies model `remote` to another real kvgate node
+//! (same model, its own engine) on an ephemeral port, and to stand-in upstreams that never
+//! answer or are down.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{LONG_ANSWER, MODEL, Options, TenantSpec, TestServer, chat, policy, wait_until};
+use hyper::StatusCode;
+use kvgate_gateway::upstream::{TiktokenCounter, UpstreamSpec};
+use kvgate_gateway::validate::TemplateTurn;
+use kvgate_runtime::chat_template::ChatMessage;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+
+const KEY: &str = "sk-upstream-test";
+/// The name clients use for the proxied model.
+const REMOTE: &str = "remote";
+
+/// A kvgate node to proxy to: it admits the gateway's requests, which carry no key.
+async fn upstream_node() -> TestServer {
+    upstream_node_with("").await
+}
+
+/// [`upstream_node`] whose tenant for the gateway has `extra` limits.
+async fn upstream_node_with(extra: &str) -> TestServer {
+    let text = format!(
+        "anonymous_tenant = \"gateway\"\n\n[defaults]\nmax_input_tokens = 1024\n\
+         max_output_tokens = 512\nmax_total_tokens = 1536\nmax_concurrency = 8\n\
+         max_queue_wait = \"60s\"\n\n[tenants.gateway]\n{extra}\n"
+    );
+    TestServer::start(&text).await
+}
+
+/// A gateway (with its own embedded model) whose tenant `alpha` has `tenant_extra` limits and
+/// which proxies these `--upstream` values.
+async fn gateway(upstreams: &[String], tenant_extra: &str) -> TestServer {
+    let text = policy(
+        &[TenantSpec {
+            name: "alpha",
+            key: KEY,
+            extra: tenant_extra,
+        }],
+        "",
+    );
+    let options = Options {
+        upstreams: upstreams
+            .iter()
+            .map(|value| value.parse::<UpstreamSpec>().expect("valid --upstream"))
+            .collect(),
+        ..Options::default()
+    };
+    TestServer::start_with(&text, options).await
+}
+
+/// `remote` served by `addr` under the embedded model's id.
+fn remote_at(addr: SocketAddr, extra: &str) -> String {
+    format!("{REMOTE}=http://{addr},model={MODEL}{extra}")
+}
+
+fn for_model(mut body: Value, model: &str) -> Value {
+    body["model"] = json!(model);
+    body
+}
+
+/// Blocks of `name`'s capacity pool that admitted requests hold.
+/// Waits until every block of the upstream's capacity pool is back (responses release their
+/// reservation when their body ends, a moment after the client has read it).
+async fn capacity_returned(gateway: &TestServer) {
+    wait_until(
+        "the upstream capacity is returned",
+        Duration::from_secs(10),
+        || upstream_reserved(gateway, REMOTE) == 0,
+    )
+    .await;
+}
+
+fn upstream_reserved(gateway: &TestServer, name: &str) -> usize {
+    let upstream = gateway.upstreams.get(name).expect("configured upstream");
+    upstream.pool().snapshot().reserved_blocks
+}
+
+/// A port where nothing listens.
+async fn closed_port() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    addr
+}
+
+/// An upstream that accepts connections, counts them, and never answers.
+async fn black_hole() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            open.push(stream); // held open, never answered
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_completions_through_the_proxy_carry_the_upstreams_answer() {
+    let node = upstream_node().await;
+    let gateway = gateway(&[remote_at(node.addr, "")], "tokens_per_minute = 100000").await;
+    let body = chat("Name three colors.", 12);
+
+    let direct = node
+        .client()
+        .post("/v1/chat/completions", None, &body)
+        .await;
+    assert_eq!(direct.status, StatusCode::OK, "{:?}", direct.body);
+    let proxied = gateway
+        .client()
+        .post("/v1/chat/completions", Some(KEY), &for_model(body, REMOTE))
+        .await;
+    assert_eq!(proxied.status, StatusCode::OK, "{:?}", proxied.body);
+    assert_eq!(proxied.header("content-type"), Some("application/json"));
+    let (direct, answer) = (direct.json(), proxied.json());
+    assert_eq!(answer["object"], "chat.completion");
+    assert_eq!(
+        answer["choices"][0]["message"]["content"], direct["choices"][0]["message"]["content"],
+        "greedy decoding upstream gives the same text as asking it directly"
+    );
+    assert_eq!(answer["model"], MODEL, "the upstream's answer, unchanged");
+    assert_eq!(
+        answer["usage"], direct["usage"],
+        "the upstream's own token counts"
+    );
+    // The client's rate-limit headers are this gateway's (alpha's 100000 TPM), not the
+    // upstream's view of the gateway.
+    assert_eq!(proxied.header("x-ratelimit-limit-tokens"), Some("100000"));
+    assert!(proxied.header("x-request-id").unwrap().starts_with("req_"));
+
+    let completion = gateway
+        .client()
+        .post(
+            "/v1/completions",
+            Some(KEY),
+            &json!({"model": REMOTE, "prompt": "The capital of France is", "max_tokens": 4,
+                    "temperature": 0}),
+        )
+        .await;
+    assert_eq!(completion.status, StatusCode::OK, "{:?}", completion.body);
+    assert_eq!(completion.json()["object"], "text_completion");
+    let usage = &completion.json()["usage"];
+    assert!(usage["completion_tokens"].as_u64().unwrap() <= 4, "{usage}");
+
+    capacity_returned(&gateway).await;
+    node.wait_for_idle_kv(Duration::from_secs(30)).await;
+    assert_eq!(
+        gateway.kv().reserved_blocks,
+        0,
+        "the embedded pool is not used"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_is_relayed_chunk_by_chunk_to_done() {
+    let node = upstream_node().await;
+    let gateway = gateway(&[remote_at(node.addr, "")], "").await;
+    let body = chat("Write one sentence about the sea.", 24);
+    let direct = node
+        .client()
+        .post("/v1/chat/completions", None, &body)
+        .await
+        .json();
+
+    let mut streamed = for_model(body, REMOTE);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let mut reply = gateway
+        .client()
+        .stream("/v1/chat/completions", Some(KEY), &streamed)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(
+        reply.headers.get("content-type").unwrap(),
+        "text/event-stream"
+    );
+    let role = reply.next_data().await.expect("role chunk");
+    assert!(role.contains("\"role\":\"assistant\""), "{role}");
+    let rest = reply.collect_data().await;
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = rest[..rest.len() - 1]
+        .iter()
+        .map(|data| serde_json::from_str(data).expect("JSON chunk"))
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        text,
+        direct["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage, &direct["usage"], "the usage chunk comes through");
+
+    capacity_returned(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_holds_upstream_capacity_and_a_client_that_leaves_cancels_it() {
+    let node = upstream_node().await;
+    let gateway = gateway(&[remote_at(node.addr, "")], "").await;
+    let mut body = for_model(chat(LONG_ANSWER, 500), REMOTE);
+    body["stream"] = json!(true);
+    let mut reply = gateway
+        .client()
+        .stream("/v1/chat/completions", Some(KEY), &body)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    reply.next_data().await.expect("role chunk");
+    reply.next_data().await.expect("first token");
+    assert_eq!(node.engine.stats().running, 1);
+    assert_eq!(node.engine.stats().cancellations_total, 0);
+    assert!(
+        upstream_reserved(&gateway, REMOTE) > 0,
+        "the reservation lives in the relayed body"
+    );
+
+    drop(reply);
+    wait_until(
+        "the upstream cancels the sequence",
+        Duration::from_secs(20),
+        || node.engine.stats().cancellations_total == 1,
+    )
+    .await;
+    capacity_returned(&gateway).await;
+    node.wait_for_idle_kv(Duration::from_secs(10)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_refusal_passes_through_with_its_retry_after() {
+    // The node allows the gateway one request per minute.
+    let node = upstream_node_with("requests_per_minute = 1").await;
+    let gateway = gateway(&[remote_at(node.addr, "")], "").await;
+    let body = for_model(chat("Hi.", 2), REMOTE);
+    let first = gateway
+        .client()
+        .post("/v1/chat/completions", Some(KEY), &body)
+        .await;
+    assert_eq!(first.status, StatusCode::OK, "{:?}", first.body);
+    let second = gateway
+        .client()
+        .post("/v1/chat/completions", Some(KEY), &body)
+        .await;
+    assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(second.error_code(), "rate_limit_exceeded");
+    let message = second.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        message.contains("tenant gateway"),
+        "the node's own body: {message}"
+    );
+    let retry_after: u64 = second.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+    // The limits reported to the client are the gateway's (alpha has no RPM limit).
+    assert_eq!(
+        second.header("x-ratelimit-limit-requests"),
+        Some(u32::MAX.to_string().as_str())
+    );
+    capacity_returned(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn length_limits_use_tiktoken_counts_and_refuse_before_the_upstream() {
+    let (addr, accepted) = black_hole().await;
+    let gateway = gateway(
+        &[
+            remote_at(addr, ",timeout=500ms"),
+            format!("tiny=http://{addr},capacity=64"),
+        ],
+        "max_input_tokens = 40",
+    )
+    .await;
+    let client = gateway.client();
+
+    let tiktoken = |content: &str| {
+        TiktokenCounter::for_model(MODEL).count_chat(&[TemplateTurn {
+            role: "user",
+            content: content.to_owned(),
+        }])
+    };
+    let sentence = "The quick brown fox jumps over the lazy dog, and then it runs far away \
+                    into the deep green forest where nobody can ever find it again.";
+    let long = format!("{sentence} {sentence}");
+    let counted = tiktoken(&long);
+    assert!(counted > 40, "the prompt must be over the limit: {counted}");
+    let reply = client
+        .post(
+            "/v1/chat/completions",
+            Some(KEY),
+            &for_model(chat(&long, 8), REMOTE),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{:?}", reply.body);
+    let error = &reply.json()["error"];
+    assert_eq!(error["code"], "context_length_exceeded");
+    assert_eq!(error["param"], "messages");
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("is {counted} tokens")) && message.contains("is 40 tokens"),
+        "both numbers, the count being tiktoken's: {message}"
+    );
+
+    // More than the upstream's whole declared capacity (64 tokens): it could never run there.
+    let reply = client
+        .post(
+            "/v1/chat/completions",
+            Some(KEY),
+            &for_model(chat("Hi.", 100), "tiny"),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{:?}", reply.body);
+    assert_eq!(reply.error_code(), "context_length_exceeded");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        0,
+        "nothing reached the upstream"
+    );
+
+    // A request that fits by tiktoken's count is forwarded, even though the embedded model's
+    // tokenizer and chat template would count it over the limit: the upstream's model is not
+    // the embedded one. An upstream that never answers is a 502 after its timeout.
+    assert!(tiktoken(sentence) <= 40, "{}", tiktoken(sentence));
+    let embedded = common::tokenizer()
+        .encode_chat(&[ChatMessage::new("user", sentence)], true)
+        .unwrap()
+        .len();
+    assert!(embedded > 40, "{embedded}");
+    let reply = client
+        .post(
+            "/v1/chat/completions",
+            Some(KEY),
+            &for_model(chat(sentence, 4), REMOTE),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{:?}", reply.body);
+    assert_eq!(reply.error_code(), "upstream_unavailable");
+    assert!(
+        reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no response within 0.5s"),
+        "{}",
+        reply.json()
+    );
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    assert_eq!(upstream_reserved(&gateway, REMOTE), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_is_down_is_a_502_upstream_unavailable() {
+    let gateway = gateway(
+        &[remote_at(closed_port().await, "")],
+        "tokens_per_minute = 100000",
+    )
+    .await;
+    let client = gateway.client();
+    for (path, body) in [
+        ("/v1/chat/completions", for_model(chat("Hi.", 8), REMOTE)),
+        (
+            "/v1/completions",
+            json!({"model": REMOTE, "prompt": "Hi", "max_tokens": 8}),
+        ),
+    ] {
+        let reply = client.post(path, Some(KEY), &body).await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{path}");
+        assert_eq!(reply.header("content-type"), Some("application/json"));
+        let error = &reply.json()["error"];
+        assert_eq!(error["code"], "upstream_unavailable", "{error}");
+        assert_eq!(error["type"], "server_error");
+        assert!(
+            error["message"].as_str().unwrap().contains("remote"),
+            "{error}"
+        );
+        assert_eq!(reply.header("retry-after"), Some("1"));
+        // Never started: the whole token debit came back.
+        assert_eq!(
+            reply.header("x-ratelimit-remaining-tokens"),
+            Some("100000"),
+            "{path}"
+        );
+    }
+    assert_eq!(upstream_reserved(&gateway, REMOTE), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_lists_the_embedded_model_and_every_upstream() {
+    let down = closed_port().await;
+    let gateway = gateway(
+        &[
+            remote_at(down, ""),
+            format!("second=http://{down},capacity=1024"),
+        ],
+        "",
+    )
+    .await;
+    let reply = gateway.client().get("/v1/models", Some(KEY)).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let models = reply.json();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|card| card["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [MODEL, REMOTE, "second"]);
+    assert_eq!(models["data"][1]["owned_by"], "upstream");
+
+    // Any other model is still unknown.
+    let reply = gateway
+        .client()
+        .post(
+            "/v1/chat/completions",
+            Some(KEY),
+            &for_model(chat("Hi.", 8), "nope"),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND);
+    assert_eq!(reply.error_code(), "model_not_found");
+}
