@@ -13,17 +13,20 @@ THREADS="${1:-2}"
 LLAMA_BENCH="${LLAMA_BENCH:?set LLAMA_BENCH to the llama-bench binary}"
 
 cargo build --release -q -p kvgate
-KVGATE=./target/release/kvgate
+KVGATE="${CARGO_TARGET_DIR:-./target}/release/kvgate"
 MODEL="$($KVGATE fetch-model)"
 
 echo "== $(date -u '+%Y-%m-%d %H:%M UTC'), $THREADS threads, $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "== kvgate bench"
+echo "== kvgate bench (decode from an empty context, like tg128)"
 $KVGATE bench --threads "$THREADS" --json
+echo "== kvgate bench --decode-depth 200 (like tg128 @ d200)"
+$KVGATE bench --threads "$THREADS" --json --decode-depth 200
 echo "== llama-bench: pp200, tg128 from an empty context and after a 200-token prompt"
 LD_LIBRARY_PATH="$(dirname "$LLAMA_BENCH"):${LD_LIBRARY_PATH:-}" \
   "$LLAMA_BENCH" -m "$MODEL" -p 200 -n 128 -t "$THREADS" -r 3 -d 0,200
 echo "== kvgate bench again (drift check)"
 $KVGATE bench --threads "$THREADS" --json
+$KVGATE bench --threads "$THREADS" --json --decode-depth 200
 echo "== kvgate KV waste"
 $KVGATE bench --threads "$THREADS" --kv-waste
 echo "== load at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -152,6 +152,9 @@ pub struct BenchArgs {
     /// Instead of throughput, measure KV waste (allocated ÷ used KV) on a mixed-length workload.
     #[arg(long)]
     pub kv_waste: bool,
+    /// Tokens of context before the timed single-stream decode (llama-bench's `-d`).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub decode_depth: usize,
 }
 
 #[derive(Debug, Args)]

@@ -103,7 +103,11 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    let report = kvgate_runtime::bench::run_bench(&runtime, &BenchOptions::default())?;
+    let options = BenchOptions {
+        decode_depth: args.decode_depth,
+        ..BenchOptions::default()
+    };
+    let report = kvgate_runtime::bench::run_bench(&runtime, &options)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -170,27 +170,29 @@ fn bench_decode_pass(c: &mut Criterion) {
             })
         })
     });
-    group.bench_function("fused", |b| {
-        pool.install(|| {
-            b.iter(|| {
-                for m in &mats {
-                    let s = &mut scratch;
-                    let xd = &x[..d];
-                    matmul_fused(
-                        [(&m[0], &mut q[..]), (&m[1], &mut k), (&m[2], &mut v)],
-                        xd,
-                        1,
-                        s,
-                        &pool,
-                    );
-                    matmul(&m[3], xd, 1, &mut o, s, &pool);
-                    matmul_fused([(&m[4], &mut g[..]), (&m[5], &mut u)], xd, 1, s, &pool);
-                    matmul(&m[6], &x[..ff], 1, &mut dn, s, &pool);
-                }
-                matmul(&head, &x[..d], 1, &mut logits, &mut scratch, &pool);
+    // m = 1 is single-stream decode; m = 16 a batched decode step of 16 sequences.
+    for m in [1usize, 16] {
+        let x = x.repeat(m);
+        let (mut q, mut k, mut v) = (vec![0.0; m * d], vec![0.0; m * kv], vec![0.0; m * kv]);
+        let (mut o, mut g, mut u) = (vec![0.0; m * d], vec![0.0; m * ff], vec![0.0; m * ff]);
+        let (mut dn, mut logits) = (vec![0.0; m * d], vec![0.0; m * vocab]);
+        let (xd, xf) = (&x[..m * d], &x[..m * ff]);
+        group.bench_with_input(BenchmarkId::new("fused", m), &m, |b, &m| {
+            pool.install(|| {
+                b.iter(|| {
+                    for w in &mats {
+                        let s = &mut scratch;
+                        let qkv = [(&w[0], &mut q[..]), (&w[1], &mut k), (&w[2], &mut v)];
+                        matmul_fused(qkv, xd, m, s, &pool);
+                        matmul(&w[3], xd, m, &mut o, s, &pool);
+                        matmul_fused([(&w[4], &mut g[..]), (&w[5], &mut u)], xd, m, s, &pool);
+                        matmul(&w[6], xf, m, &mut dn, s, &pool);
+                    }
+                    matmul(&head, xd, m, &mut logits, &mut scratch, &pool);
+                })
             })
-        })
-    });
+        });
+    }
     let all: Vec<&[u8]> = layers
         .iter()
         .flatten()

@@ -175,7 +175,7 @@ unsafe fn rows_kernel<T: WeightBlock>(
     let row_bytes = w.row_bytes();
     assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
     assert!(acts.m == m && acts.nb * T::BYTES == row_bytes);
-    assert!(acts.qs.len() == m * acts.nb * QK && acts.d.len() == m * acts.nb * 8);
+    assert!(acts.qs.len() == m * acts.nb * QK && acts.d.len() == m * acts.nb);
     assert!(
         !T::HAS_MIN
             || acts.s.len() >= acts.nb * acts.s_stride
@@ -260,7 +260,7 @@ unsafe fn tile_rows<T: WeightBlock, const R: usize>(
     for b in 0..acts.nb {
         // SAFETY: block b of activation row 0 exists (nb blocks per row).
         let av = unsafe { _mm256_loadu_si256(acts.qs.as_ptr().add(b * QK).cast()) };
-        let da = acts.d[b * 8];
+        let da = acts.d[b];
         for i in 0..R {
             // SAFETY: rows r0..r0+R each hold nb blocks of T::BYTES.
             let p = unsafe { wp.add(i * row_bytes + b * T::BYTES) };
@@ -310,14 +310,14 @@ unsafe fn tile_acts<T: WeightBlock, const A: usize>(
         let (qs, d) = unsafe {
             (
                 acts.qs.as_ptr().add((b * m + a0) * QK),
-                acts.d.as_ptr().add((b * m + a0) * 8),
+                acts.d.as_ptr().add(b * m + a0),
             )
         };
         for (j, acc_j) in acc.iter_mut().enumerate() {
             let (av, da) = unsafe {
                 (
                     _mm256_loadu_si256(qs.add(j * QK).cast()),
-                    _mm256_loadu_ps(d.add(j * 8)),
+                    _mm256_broadcast_ss(&*d.add(j)),
                 )
             };
             let sums = unsafe { lane_sums::<T>(wv, w_abs, av) };

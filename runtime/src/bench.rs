@@ -2,8 +2,9 @@
 //! continuous batching, sampling, streaming), not the bare backend.
 //!
 //! * prefill: one 200-token prompt, time from submission to the first token;
-//! * decode: the same stream's next 128 tokens (EOS ignored), time from its first to its last
-//!   token, so prefill is excluded;
+//! * decode: 128 tokens (EOS ignored) of one stream whose context starts `decode_depth` tokens
+//!   deep (0 by default: a one-token prompt, like llama-bench's `tg128`; `-d N` there is
+//!   `--decode-depth N` here), time from its first to its last token, so prefill is excluded;
 //! * aggregate decode at N concurrent streams: N requests submitted together; the rate counts
 //!   the tokens that arrive after the last stream got its first token (every prefill is done
 //!   by then) over the time from that moment to the last token.
@@ -25,6 +26,8 @@ pub use kv_waste::{KvWasteOptions, KvWasteReport, measure_kv_waste};
 pub struct BenchOptions {
     pub prompt_tokens: usize,
     pub decode_tokens: usize,
+    /// Context already in the KV cache when the timed decode starts (llama-bench's depth).
+    pub decode_depth: usize,
     /// Stream counts for the aggregate decode measurement.
     pub concurrency: Vec<usize>,
     /// Prompt length and generated tokens of each concurrent stream.
@@ -39,6 +42,7 @@ impl Default for BenchOptions {
         BenchOptions {
             prompt_tokens: 200,
             decode_tokens: 128,
+            decode_depth: 0,
             concurrency: vec![1, 4, 16, 64],
             concurrent_prompt_tokens: 32,
             concurrent_decode_tokens: 64,
@@ -90,9 +94,11 @@ pub fn run_bench(runtime: &Runtime, options: &BenchOptions) -> Result<BenchRepor
     let vocab = runtime.config.vocab_size;
     let single = || -> Result<(f64, f64), BenchError> {
         let prompt = bench_prompt(0, options.prompt_tokens, vocab);
+        let trace = drive(engine, "bench", vec![(prompt, 1)])?.remove(0);
+        let prefill = options.prompt_tokens as f64 / secs(trace.tokens[0] - trace.submitted);
+        let prompt = bench_prompt(0, options.decode_depth.max(1), vocab);
         let trace = drive(engine, "bench", vec![(prompt, options.decode_tokens + 1)])?.remove(0);
         let (first, last) = (trace.tokens[0], trace.tokens[trace.tokens.len() - 1]);
-        let prefill = options.prompt_tokens as f64 / secs(first - trace.submitted);
         let decode = options.decode_tokens as f64 / secs(last - first);
         Ok((prefill, decode))
     };

@@ -21,6 +21,7 @@ fn bench_reports_every_concurrency_level() {
     let options = BenchOptions {
         prompt_tokens: 16,
         decode_tokens: 4,
+        decode_depth: 12,
         concurrency: vec![1, 3],
         concurrent_prompt_tokens: 8,
         concurrent_decode_tokens: 4,

@@ -7,7 +7,7 @@ use std::arch::x86_64::*;
 
 /// Activations quantized for the AVX2 kernels, block-major so that the activation rows a tile
 /// reads for one weight block are adjacent: block `b` of row `a` is `qs[(b*m + a)*32..]`, its
-/// scale `d[(b*m + a)*8..]` (8 copies, ready to multiply as a vector), and (Q8_1) its sum
+/// scale `d[b*m + a]` (broadcast by the kernels; one copy keeps the packed rows in L1), and (Q8_1) its sum
 /// `s[b*s_stride + a]`. Scales and sums are already rounded through f16.
 #[derive(Default)]
 pub(crate) struct PackedActs {
@@ -27,7 +27,7 @@ pub(super) fn pack_acts(x: &[f32], m: usize, cols: usize, with_sums: bool, p: &m
     // Padding lets a tile read 8 sums starting at any activation row.
     p.s_stride = m.next_multiple_of(8) + 8;
     p.qs.resize(m * nb * QK, 0);
-    p.d.resize(m * nb * 8, 0.0);
+    p.d.resize(m * nb, 0.0);
     p.s.clear();
     if with_sums {
         p.s.resize(nb * p.s_stride, 0.0);
@@ -43,9 +43,7 @@ pub(super) fn pack_acts(x: &[f32], m: usize, cols: usize, with_sums: bool, p: &m
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn quantize_row(x: &[f32], a: usize, p: &mut PackedActs, with_sums: bool) {
     let m = p.m;
-    assert!(
-        x.len() == p.nb * QK && a < m && p.qs.len() == m * x.len() && p.d.len() == m * p.nb * 8
-    );
+    assert!(x.len() == p.nb * QK && a < m && p.qs.len() == m * x.len() && p.d.len() == m * p.nb);
     assert!(!with_sums || p.s.len() == p.nb * p.s_stride);
     let sign = _mm256_set1_ps(-0.0);
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -72,7 +70,7 @@ unsafe fn quantize_row(x: &[f32], a: usize, p: &mut PackedActs, with_sums: bool)
             max4 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
             let amax = _mm_cvtss_f32(max4);
             let scale = amax / 127.0;
-            p.d[slot * 8..slot * 8 + 8].fill(round_f16(scale));
+            p.d[slot] = round_f16(scale);
             let mul = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
             let i: [__m256i; 4] = std::array::from_fn(|j| {
                 _mm256_cvtps_epi32(_mm256_round_ps::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(
@@ -136,11 +134,7 @@ mod tests {
             for b in 0..nb {
                 let blk = &q1[b * Q8_1_BLOCK_BYTES..(b + 1) * Q8_1_BLOCK_BYTES];
                 let slot = b * m + a;
-                assert_eq!(
-                    p.d[slot * 8..slot * 8 + 8],
-                    [read_f16(blk, 0); 8],
-                    "d a{a} b{b}"
-                );
+                assert_eq!(p.d[slot], read_f16(blk, 0), "d a{a} b{b}");
                 assert_eq!(p.s[b * p.s_stride + a], read_f16(blk, 2), "s a{a} b{b}");
                 let qs: Vec<u8> = p.qs[slot * QK..(slot + 1) * QK]
                     .iter()
