@@ -240,6 +240,93 @@ async fn the_stream_holds_upstream_capacity_and_a_client_that_leaves_cancels_it(
     node.wait_for_idle_kv(Duration::from_secs(10)).await;
 }
 
+/// The first SSE chunk a [`half_stream`] upstream sends.
+const FIRST_CHUNK: &str = r#"{"id":"chatcmpl-up","object":"chat.completion.chunk","choices":[]}"#;
+
+/// An upstream that reads one request, answers SSE headers and [`FIRST_CHUNK`], then stalls
+/// (holds the connection open, sending nothing) or, if `close`, drops the connection midway
+/// through the chunked body.
+async fn half_stream(close: bool) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((mut stream, _)) = listener.accept().await {
+            // Read the whole request (headers, then content-length bytes of body).
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = stream.read(&mut buf).await.unwrap_or(0);
+                if n == 0 {
+                    break;
+                }
+                request.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&request).to_lowercase();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length = text[..end]
+                        .lines()
+                        .find_map(|line| line.strip_prefix("content-length:"))
+                        .and_then(|value| value.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if request.len() >= end + 4 + length {
+                        break;
+                    }
+                }
+            }
+            let event = format!("data: {FIRST_CHUNK}\n\n");
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                 transfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+                event.len()
+            );
+            stream.write_all(head.as_bytes()).await.unwrap();
+            stream.flush().await.unwrap();
+            if close {
+                drop(stream); // no terminating chunk: the body is cut short
+            } else {
+                open.push(stream); // held open, nothing more sent
+            }
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_stream_that_fails_midway_ends_with_an_error_event() {
+    for close in [false, true] {
+        let addr = half_stream(close).await;
+        let gateway = gateway(&[remote_at(addr, ",timeout=500ms")], "").await;
+        let mut body = for_model(chat("Hi.", 8), REMOTE);
+        body["stream"] = json!(true);
+        let mut reply = gateway
+            .client()
+            .stream("/v1/chat/completions", Some(KEY), &body)
+            .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.next_data().await.as_deref(), Some(FIRST_CHUNK));
+        // Without a stall timeout the relay would wait forever: bound the wait here.
+        let error = tokio::time::timeout(Duration::from_secs(10), reply.next_data())
+            .await
+            .expect("the stall is reported within the upstream's timeout")
+            .unwrap_or_else(|| panic!("an error event, not an aborted stream (close={close})"));
+        let error: Value = serde_json::from_str(&error).expect("JSON error event");
+        assert_eq!(error["error"]["code"], "upstream_unavailable", "{error}");
+        assert_eq!(error["error"]["type"], "server_error", "{error}");
+        if !close {
+            assert!(
+                error["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("no data within 0.5s"),
+                "{error}"
+            );
+        }
+        assert_eq!(reply.next_data().await, None, "the stream ends there");
+        capacity_returned(&gateway).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_refusal_passes_through_with_its_retry_after() {
     // The node allows the gateway one request per minute.

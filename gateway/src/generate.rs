@@ -175,7 +175,7 @@ async fn proxy(
         admitted.mark_started();
     }
     // The relayed body now owns the admission guard: capacity is held until it ends.
-    let mut response = upstream::relay(answer, admitted);
+    let mut response = upstream::relay(answer, admitted, upstream);
     rate_headers.apply(response.headers_mut());
     if valid.dropped_messages > 0 {
         response.headers_mut().insert(

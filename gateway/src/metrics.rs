@@ -117,7 +117,8 @@ pub enum RejectReason {
     Length,
     /// Over the tenant's request or token rate (429, retryable).
     Rate,
-    /// The request alone exceeds the tenant's token bucket (429 insufficient_quota, final).
+    /// The request alone exceeds the tenant's token bucket or queue token bound (429
+    /// insufficient_quota, final).
     Quota,
     QueueFull,
     QueueTimeout,
@@ -161,7 +162,9 @@ impl From<&Rejection> for RejectReason {
     fn from(rejection: &Rejection) -> RejectReason {
         match rejection {
             Rejection::RateLimited { .. } => RejectReason::Rate,
-            Rejection::InsufficientQuota { .. } => RejectReason::Quota,
+            Rejection::InsufficientQuota { .. } | Rejection::QueueNeverFits { .. } => {
+                RejectReason::Quota
+            }
             Rejection::QueueFull { .. } => RejectReason::QueueFull,
             Rejection::QueueTimeout { .. } => RejectReason::QueueTimeout,
             Rejection::KvSaturated { .. } => RejectReason::KvSaturation,

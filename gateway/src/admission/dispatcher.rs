@@ -132,6 +132,22 @@ impl Dispatcher {
 
     fn enqueue(&mut self, pending: Pending) {
         let tenant = Arc::clone(&pending.ticket.tenant);
+        let tokens = pending
+            .ticket
+            .prompt_tokens
+            .saturating_add(pending.ticket.max_output_tokens) as u64;
+        // Every request passes through the queue: one bigger than the tenant's whole queue
+        // token bound can never pass, so it is refused as such (no Retry-After), not queue_full.
+        if tokens > tenant.queue_tokens as u64 {
+            drop(pending.debit);
+            let rejection = Rejection::QueueNeverFits {
+                tenant: tenant.name.clone(),
+                requested: tokens,
+                limit: tenant.queue_tokens as u64,
+                headers: self.limits.headers(&tenant),
+            };
+            return self.reject(pending.reply, rejection, &tenant);
+        }
         if let Some(estimated_wait) =
             self.kv_backlog_wait(pending.ticket.pool, pending.needed_blocks)
             && estimated_wait > tenant.max_queue_wait
@@ -152,10 +168,7 @@ impl Dispatcher {
             tenant: tenant.name.clone(),
             weight: tenant.weight,
             lane: pending.lane,
-            tokens: pending
-                .ticket
-                .prompt_tokens
-                .saturating_add(pending.ticket.max_output_tokens) as u64,
+            tokens,
             limits: QueueLimits {
                 max_requests: tenant.queue_depth,
                 max_tokens: tenant.queue_tokens as u64,

@@ -34,6 +34,14 @@ pub enum Rejection {
         requested: u32,
         headers: RateLimitHeaders,
     },
+    /// The request alone is bigger than the tenant's queue token bound: it can never be queued,
+    /// so it can never pass (every request goes through the queue).
+    QueueNeverFits {
+        tenant: String,
+        requested: u64,
+        limit: u64,
+        headers: RateLimitHeaders,
+    },
     /// The tenant's queue is at its request or token bound.
     QueueFull {
         tenant: String,
@@ -72,6 +80,7 @@ impl Rejection {
         match self {
             Rejection::RateLimited { .. }
             | Rejection::InsufficientQuota { .. }
+            | Rejection::QueueNeverFits { .. }
             | Rejection::QueueFull { .. }
             | Rejection::KvSaturated { .. } => 429,
             Rejection::QueueTimeout { .. } | Rejection::Unavailable => 503,
@@ -83,7 +92,9 @@ impl Rejection {
     pub fn code(&self) -> &'static str {
         match self {
             Rejection::RateLimited { .. } => "rate_limit_exceeded",
-            Rejection::InsufficientQuota { .. } => "insufficient_quota",
+            Rejection::InsufficientQuota { .. } | Rejection::QueueNeverFits { .. } => {
+                "insufficient_quota"
+            }
             Rejection::QueueFull { .. } => "queue_full",
             Rejection::QueueTimeout { .. } => "queue_timeout",
             Rejection::KvSaturated { .. } => "kv_cache_saturated",
@@ -96,7 +107,9 @@ impl Rejection {
     pub fn error_type(&self) -> &'static str {
         match self {
             Rejection::RateLimited { kind, .. } => kind.as_str(),
-            Rejection::InsufficientQuota { .. } => "insufficient_quota",
+            Rejection::InsufficientQuota { .. } | Rejection::QueueNeverFits { .. } => {
+                "insufficient_quota"
+            }
             Rejection::QueueFull { .. } => "requests",
             Rejection::KvSaturated { .. } => "tokens",
             Rejection::QueueTimeout { .. } | Rejection::Unavailable => "server_error",
@@ -142,6 +155,14 @@ impl Rejection {
                 "This request needs {requested} {} but tenant {tenant}'s limit is {limit} {}, so it can never be admitted. Reduce the prompt or max_tokens.",
                 kind.as_str(),
                 per_minute(*kind)
+            ),
+            Rejection::QueueNeverFits {
+                tenant,
+                requested,
+                limit,
+                ..
+            } => format!(
+                "This request needs {requested} tokens but tenant {tenant}'s queue holds at most {limit} tokens, so it can never be admitted. Reduce the prompt or max_tokens."
             ),
             Rejection::QueueFull {
                 tenant,
@@ -193,7 +214,9 @@ impl Rejection {
             | Rejection::QueueTimeout { retry_after, .. }
             | Rejection::KvSaturated { retry_after, .. } => *retry_after,
             Rejection::Unavailable => MIN_CAPACITY_RETRY_AFTER,
-            Rejection::InsufficientQuota { .. } | Rejection::NeverFits { .. } => return None,
+            Rejection::InsufficientQuota { .. }
+            | Rejection::QueueNeverFits { .. }
+            | Rejection::NeverFits { .. } => return None,
         };
         Some(after.min(MAX_RETRY_AFTER))
     }
@@ -210,6 +233,7 @@ impl Rejection {
         match self {
             Rejection::RateLimited { headers, .. }
             | Rejection::InsufficientQuota { headers, .. }
+            | Rejection::QueueNeverFits { headers, .. }
             | Rejection::QueueFull { headers, .. }
             | Rejection::QueueTimeout { headers, .. }
             | Rejection::KvSaturated { headers, .. } => Some(headers.clone()),

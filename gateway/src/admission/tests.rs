@@ -253,6 +253,38 @@ async fn a_full_queue_is_refused_with_429() {
     );
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_request_bigger_than_the_queue_token_bound_is_refused_as_final() {
+    let policy = "[tenants.a]\nqueue_tokens = 100\n";
+    let (admission, _pool, store) = setup(100, policy);
+    // 60 + 50 tokens can never fit a queue of 100 tokens, even an empty one.
+    let rejection = admission
+        .admit(ticket(&store, "a", 60, 50))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (
+            rejection.status(),
+            rejection.code(),
+            rejection.should_retry()
+        ),
+        (429, "insufficient_quota", false)
+    );
+    assert_eq!(rejection.retry_after(), None);
+    let mut headers = http::HeaderMap::new();
+    rejection.apply_headers(&mut headers);
+    assert_eq!(headers["x-should-retry"], "false");
+    assert!(headers.get("retry-after").is_none(), "{headers:?}");
+    assert!(
+        rejection.message().contains("100"),
+        "{}",
+        rejection.message()
+    );
+    assert_eq!(queued(&admission), 0);
+    // One that fits the bound exactly is admitted.
+    admission.admit(ticket(&store, "a", 50, 50)).await.unwrap();
+}
+
 /// Fills tenant `a`'s one-entry queue behind one running request, and returns the rejection of
 /// the next request with the queued entry's guard-to-be.
 async fn queue_full_rejection(

@@ -13,9 +13,15 @@
 //!   client stops reading). The body owns the admission guard, which goes back when the body
 //!   ends; if the client leaves, hyper drops the body, which drops the upstream response and
 //!   closes that connection, so the upstream sees the disconnect and stops generating.
+//!   Once an SSE stream has started, a failing upstream (a body error, or no frame within the
+//!   upstream's `timeout`) is sent as one OpenAI error event (`upstream_unavailable`) that ends
+//!   the stream cleanly, as embedded-engine failures are ([`crate::stream`]). A JSON body that
+//!   fails midway cannot be amended (its status and length are out), so that connection is
+//!   aborted.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::Response;
@@ -147,14 +153,28 @@ fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// The upstream's answer as kvgate's: status, headers and body as received, except hop-by-hop
 /// headers and the ones kvgate writes itself (`x-request-id`, `x-ratelimit-*`: the client's
 /// limits are this gateway's). `Retry-After` and the rest pass through. `guard` (the
-/// admission guard) lives until the body ends or is dropped.
+/// admission guard) lives until the body ends or is dropped. An SSE body is watched: see
+/// [`GuardedBody::watching`].
 pub(crate) fn relay<G: Send + Unpin + 'static>(
     upstream: http::Response<Incoming>,
     guard: G,
+    from: &Upstream,
 ) -> Response {
     let (mut parts, body) = upstream.into_parts();
     strip_own_headers(&mut parts.headers);
-    Response::from_parts(parts, Body::new(GuardedBody::new(body, guard)))
+    let sse = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.trim_start().starts_with("text/event-stream"));
+    let body = GuardedBody::new(body, guard);
+    let body = if sse {
+        body.watching(from.spec.name.clone(), from.spec.timeout)
+    } else {
+        // A JSON body that fails midway aborts the client connection: its status is sent.
+        body
+    };
+    Response::from_parts(parts, Body::new(body))
 }
 
 fn strip_own_headers(headers: &mut HeaderMap) {
@@ -180,22 +200,62 @@ fn strip_own_headers(headers: &mut HeaderMap) {
 
 /// A body that holds `guard` until it has yielded its last frame (or failed, or is dropped).
 pub(crate) struct GuardedBody<B, G> {
-    inner: B,
+    /// `None` once the body has ended (dropping it closes the upstream connection).
+    inner: Option<B>,
     guard: Option<G>,
+    /// Set for a relayed SSE stream: failures become an error event.
+    watch: Option<Watch>,
+}
+
+/// How a relayed SSE stream is watched: the upstream's name, and the longest wait for a frame.
+struct Watch {
+    upstream: String,
+    timeout: Duration,
+    /// Armed on the first poll (a timer needs the runtime), re-armed after each frame.
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<B, G> GuardedBody<B, G> {
     pub(crate) fn new(inner: B, guard: G) -> GuardedBody<B, G> {
         GuardedBody {
-            inner,
+            inner: Some(inner),
             guard: Some(guard),
+            watch: None,
         }
     }
+
+    /// Makes this an SSE relay from `upstream`: a body error, or no frame for `timeout`, is
+    /// sent as one OpenAI `upstream_unavailable` error event, then the body ends cleanly.
+    pub(crate) fn watching(mut self, upstream: String, timeout: Duration) -> GuardedBody<B, G> {
+        self.watch = Some(Watch {
+            upstream,
+            timeout,
+            stall: None,
+        });
+        self
+    }
+
+    /// Ends the body: drops the upstream body (closing its connection) and the guard.
+    fn finish(&mut self) {
+        self.inner = None;
+        drop(self.guard.take());
+    }
+}
+
+/// The SSE error event for an upstream that failed after its stream started.
+fn failed_event(upstream: &str, detail: String) -> Frame<Bytes> {
+    tracing::warn!(upstream, detail = %detail, "upstream stream failed after it started");
+    let error = GatewayError::UpstreamUnavailable {
+        upstream: upstream.to_owned(),
+        detail,
+    };
+    Frame::data(Bytes::from(format!("data: {}\n\n", error.sse_data())))
 }
 
 impl<B, G> http_body::Body for GuardedBody<B, G>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::error::Error + 'static,
     G: Unpin,
 {
     type Data = Bytes;
@@ -206,19 +266,61 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = self.get_mut();
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
-            drop(this.guard.take());
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(inner).poll_frame(cx);
+        let Some(watch) = this.watch.as_mut() else {
+            if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+                this.finish();
+            }
+            return polled;
+        };
+        match polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(stall) = watch.stall.as_mut() {
+                    stall
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + watch.timeout);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => {
+                this.finish();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(error))) => {
+                let event = failed_event(&watch.upstream, describe(&error));
+                this.finish();
+                Poll::Ready(Some(Ok(event)))
+            }
+            Poll::Pending => {
+                let timeout = watch.timeout;
+                let stall = watch
+                    .stall
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                if stall.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let detail = format!("no data within {}s", timeout.as_secs_f64());
+                let event = failed_event(&watch.upstream, detail);
+                this.finish();
+                Poll::Ready(Some(Ok(event)))
+            }
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.as_ref().is_none_or(B::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.inner {
+            // A watched body may add an error event: its length is not known in advance.
+            Some(inner) if self.watch.is_none() => inner.size_hint(),
+            Some(_) => SizeHint::default(),
+            None => SizeHint::with_exact(0),
+        }
     }
 }
 
