@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{LONG_ANSWER, MODEL, Options, TenantSpec, TestServer, chat, policy, wait_until};
+use common::{
+    LONG_ANSWER, MODEL, Options, SseReply, TenantSpec, TestServer, chat, policy, wait_until,
+};
 use hyper::StatusCode;
 use kvgate_gateway::upstream::{TiktokenCounter, UpstreamSpec};
 use kvgate_gateway::validate::TemplateTurn;
@@ -68,6 +70,16 @@ fn for_model(mut body: Value, model: &str) -> Value {
 }
 
 /// Blocks of `name`'s capacity pool that admitted requests hold.
+/// Opens a streamed chat completion of the remote model through `gateway`, as tenant alpha.
+async fn stream_remote_chat(gateway: &TestServer, content: &str, max_tokens: u32) -> SseReply {
+    let mut body = for_model(chat(content, max_tokens), REMOTE);
+    body["stream"] = json!(true);
+    gateway
+        .client()
+        .stream("/v1/chat/completions", Some(KEY), &body)
+        .await
+}
+
 /// Waits until every block of the upstream's capacity pool is back (responses release their
 /// reservation when their body ends, a moment after the client has read it).
 async fn capacity_returned(gateway: &TestServer) {
@@ -213,12 +225,7 @@ async fn a_stream_is_relayed_chunk_by_chunk_to_done() {
 async fn the_stream_holds_upstream_capacity_and_a_client_that_leaves_cancels_it() {
     let node = upstream_node().await;
     let gateway = gateway(&[remote_at(node.addr, "")], "").await;
-    let mut body = for_model(chat(LONG_ANSWER, 500), REMOTE);
-    body["stream"] = json!(true);
-    let mut reply = gateway
-        .client()
-        .stream("/v1/chat/completions", Some(KEY), &body)
-        .await;
+    let mut reply = stream_remote_chat(&gateway, LONG_ANSWER, 500).await;
     assert_eq!(reply.status, StatusCode::OK);
     reply.next_data().await.expect("role chunk");
     reply.next_data().await.expect("first token");
@@ -297,12 +304,7 @@ async fn an_upstream_stream_that_fails_midway_ends_with_an_error_event() {
     for close in [false, true] {
         let addr = half_stream(close).await;
         let gateway = gateway(&[remote_at(addr, ",timeout=500ms")], "").await;
-        let mut body = for_model(chat("Hi.", 8), REMOTE);
-        body["stream"] = json!(true);
-        let mut reply = gateway
-            .client()
-            .stream("/v1/chat/completions", Some(KEY), &body)
-            .await;
+        let mut reply = stream_remote_chat(&gateway, "Hi.", 8).await;
         assert_eq!(reply.status, StatusCode::OK);
         assert_eq!(reply.next_data().await.as_deref(), Some(FIRST_CHUNK));
         // Without a stall timeout the relay would wait forever: bound the wait here.

@@ -23,6 +23,7 @@ use crate::handlers::AppState;
 use crate::metrics::{RejectReason, record_queue_wait, record_rejection, record_request};
 use crate::openai::{ChatCompletionRequest, CompletionRequest};
 use crate::policy::TenantPolicy;
+use crate::ratelimit::RateLimitHeaders;
 use crate::stream::{ResponseMeta, collect, full_response, sse_body};
 use crate::telemetry::GenerationTelemetry;
 use crate::upstream::{self, UpstreamRoute};
@@ -99,18 +100,7 @@ async fn generate(
     let codec = Arc::clone(&state.inner.codec);
     let model = state.inner.model_name.clone();
     let valid = validate_off_thread(state, limits, codec, model, validate).await?;
-    // If the client leaves while this waits, the future is dropped and admission unqueues it.
-    let mut admitted = state
-        .admission()
-        .admit(AdmissionTicket {
-            tenant: Arc::clone(tenant),
-            prompt_tokens: valid.prompt_ids.len(),
-            max_output_tokens: valid.max_tokens as usize,
-            request_id,
-            pool: PoolId::LOCAL,
-        })
-        .await?;
-    record_queue_wait(&tenant.name, admitted.queue_wait());
+    let mut admitted = admit(state, tenant, &valid, request_id, PoolId::LOCAL).await?;
     let meta = ResponseMeta::new(valid.endpoint, &state.inner.model_name, valid.include_usage);
     let telemetry = GenerationTelemetry::new(&tenant.name, arrived, valid.prompt_ids.len());
     let (stream, dropped) = (valid.stream, valid.dropped_messages);
@@ -126,12 +116,7 @@ async fn generate(
         let collected = collect(handle, &mut admitted, Some(telemetry)).await?;
         full_response(&meta, collected)
     };
-    rate_headers.apply(response.headers_mut());
-    if dropped > 0 {
-        response
-            .headers_mut()
-            .insert(DROPPED_MESSAGES_HEADER, HeaderValue::from(dropped));
-    }
+    finish_headers(&mut response, &rate_headers, dropped);
     Ok(response)
 }
 
@@ -155,18 +140,7 @@ async fn proxy(
     let model = upstream.name().to_owned();
     let valid = validate_off_thread(state, limits, codec, model, validate).await?;
     let body = upstream::forwarded_body(&raw, &valid, &upstream.spec().model)?;
-    // If the client leaves while this waits, the future is dropped and admission unqueues it.
-    let mut admitted = state
-        .admission()
-        .admit(AdmissionTicket {
-            tenant: Arc::clone(tenant),
-            prompt_tokens: valid.prompt_ids.len(),
-            max_output_tokens: valid.max_tokens as usize,
-            request_id: request_id.clone(),
-            pool: route.pool(),
-        })
-        .await?;
-    record_queue_wait(&tenant.name, admitted.queue_wait());
+    let mut admitted = admit(state, tenant, &valid, request_id.clone(), route.pool()).await?;
     let rate_headers = admitted.rate_headers();
     // Owned by this future until the headers arrive: a client that leaves drops the request.
     // On failure `admitted` drops here unstarted: slot, capacity and debit all come back.
@@ -176,14 +150,41 @@ async fn proxy(
     }
     // The relayed body now owns the admission guard: capacity is held until it ends.
     let mut response = upstream::relay(answer, admitted, upstream);
-    rate_headers.apply(response.headers_mut());
-    if valid.dropped_messages > 0 {
-        response.headers_mut().insert(
-            DROPPED_MESSAGES_HEADER,
-            HeaderValue::from(valid.dropped_messages),
-        );
-    }
+    finish_headers(&mut response, &rate_headers, valid.dropped_messages);
     Ok(response)
+}
+
+/// Queues `valid` for `pool`'s capacity under the tenant's limits and records the wait. If the
+/// client leaves while this waits, the future is dropped and admission unqueues the request.
+async fn admit(
+    state: &AppState,
+    tenant: &Arc<TenantPolicy>,
+    valid: &ValidRequest,
+    request_id: String,
+    pool: PoolId,
+) -> Result<Admitted, GatewayError> {
+    let admitted = state
+        .admission()
+        .admit(AdmissionTicket {
+            tenant: Arc::clone(tenant),
+            prompt_tokens: valid.prompt_ids.len(),
+            max_output_tokens: valid.max_tokens as usize,
+            request_id,
+            pool,
+        })
+        .await?;
+    record_queue_wait(&tenant.name, admitted.queue_wait());
+    Ok(admitted)
+}
+
+/// The rate-limit state at admission, and how many old turns `truncate_oldest` dropped.
+fn finish_headers(response: &mut Response, rate_headers: &RateLimitHeaders, dropped: usize) {
+    rate_headers.apply(response.headers_mut());
+    if dropped > 0 {
+        response
+            .headers_mut()
+            .insert(DROPPED_MESSAGES_HEADER, HeaderValue::from(dropped));
+    }
 }
 
 /// Runs validation (template rendering and tokenization) on a blocking thread, a bounded

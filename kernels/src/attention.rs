@@ -143,7 +143,8 @@ pub struct AttentionRow<'a> {
 }
 
 /// [`paged_attention`] for many query rows at once (e.g. every token of a scheduler step, from
-/// several sequences), spread over the pool by (row, KV head). `q` and `out` are
+/// several sequences), spread over the pool by (row, KV head), or by (row, query head) when a
+/// step has too few rows to keep every thread busy. `q` and `out` are
 /// `rows.len() × n_heads × head_dim`. Each pool thread keeps its own scratch buffers.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_batch(
@@ -186,56 +187,25 @@ pub fn paged_attention_batch(
         1
     };
     let tw = heads_per_task * layout.head_dim;
-    let tasks = rows.len() * n_heads / heads_per_task;
-    let out_ptr = SharedOut {
-        ptr: out.as_mut_ptr(),
-        len: out.len(),
-    };
     pool.install(|| {
-        (0..tasks).into_par_iter().for_each(|task| {
-            let row = &rows[task * tw / width];
-            let kv_head = (task * heads_per_task % n_heads) / group;
-            let args = HeadArgs {
-                layout,
-                k_cache,
-                v_cache,
-                block_table: row.block_table,
-                context_len: row.context_len,
-                scale,
-                order,
-            };
-            let span = task * tw..(task + 1) * tw;
-            // SAFETY: tasks cover disjoint `tw`-wide spans of `out`, which outlives `run`.
-            let og = unsafe { out_ptr.span(span.clone()) };
-            SCRATCH.with(|s| attention_group(&args, &q[span], kv_head, og, &mut s.borrow_mut()));
-        })
+        out.par_chunks_mut(tw)
+            .zip(q.par_chunks(tw))
+            .enumerate()
+            .for_each(|(task, (og, qt))| {
+                let row = &rows[task * tw / width];
+                let kv_head = (task * heads_per_task % n_heads) / group;
+                let args = HeadArgs {
+                    layout,
+                    k_cache,
+                    v_cache,
+                    block_table: row.block_table,
+                    context_len: row.context_len,
+                    scale,
+                    order,
+                };
+                SCRATCH.with(|s| attention_group(&args, qt, kv_head, og, &mut s.borrow_mut()));
+            });
     });
-}
-
-/// `out` of [`paged_attention_batch`], lent to the pool's tasks, each of which writes its own
-/// span.
-#[derive(Clone, Copy)]
-struct SharedOut {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: tasks only touch disjoint spans (see `span`), and the buffer outlives the job.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// # Safety
-    /// No other task may access `span` during the returned borrow's lifetime.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn span(&self, span: std::ops::Range<usize>) -> &mut [f32] {
-        assert!(
-            span.start <= span.end && span.end <= self.len,
-            "attention output span"
-        );
-        // SAFETY: in bounds (checked above); exclusivity is the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(span.start), span.len()) }
-    }
 }
 
 /// Portable reference of [`paged_attention`] (same results, bit for bit).
