@@ -39,6 +39,7 @@ pub(super) unsafe fn attention_group(
     floats.resize(group * (stride + hd) + hd, 0.0);
     let (scores, rest) = floats.split_at_mut(group * stride);
     let (q16, row) = rest.split_at_mut(group * hd);
+    let v_base = args.v_cache.as_ptr().cast::<u16>();
     // SAFETY (this block): every `rows[pos] + hd` is within both caches (`check_row`); the
     // scratch buffers are sized above.
     unsafe {
@@ -50,6 +51,14 @@ pub(super) unsafe fn attention_group(
         }
         let k_base = args.k_cache.as_ptr().cast::<u16>();
         for (pos, &r) in rows.iter().enumerate() {
+            // A sequence's K/V rows are scattered over its blocks and, in a batch, were last
+            // touched a whole step ago: fetch the K and V rows a few positions ahead (V for
+            // the value pass below) instead of stalling on each (measured: ~25% of this
+            // function's time was spent waiting on the K loads at 16 sequences).
+            if let Some(&ahead) = rows.get(pos + PREFETCH_POSITIONS) {
+                prefetch_row(k_base.add(ahead), hd);
+                prefetch_row(v_base.add(ahead), hd);
+            }
             widen_row(k_base.add(r), row.as_mut_ptr(), hd);
             for g in 0..group {
                 let dot = dot_k_q(args.order, row.as_ptr(), q16.as_ptr().add(g * hd), hd);
@@ -60,7 +69,6 @@ pub(super) unsafe fn attention_group(
     for g in 0..group {
         softmax_probs_f16(&mut scores[g * stride..g * stride + ctx]);
     }
-    let v_base = args.v_cache.as_ptr().cast::<u16>();
     for g in 0..group {
         let probs = &scores[g * stride..g * stride + ctx];
         for c in (0..hd).step_by(8) {
@@ -139,6 +147,18 @@ unsafe fn values_vec_dot(v: *const u16, rows: &[usize], probs: &[f32]) -> __m256
     });
     let t0: [__m256; 4] = std::array::from_fn(|k| _mm256_add_ps(s[k], s[k + 4]));
     _mm256_add_ps(_mm256_add_ps(t0[0], t0[1]), _mm256_add_ps(t0[2], t0[3]))
+}
+
+/// How far ahead of the K loop the K and V rows are prefetched.
+const PREFETCH_POSITIONS: usize = 4;
+
+/// Asks for the cache lines of `hd` f16 values at `p` (a hint: never faults).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_row(p: *const u16, hd: usize) {
+    for off in (0..hd * 2).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>().wrapping_add(off));
+    }
 }
 
 /// Converts `hd` f16 values at `src` to f32 at `dst`.

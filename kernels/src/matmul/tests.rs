@@ -96,6 +96,17 @@ fn dispatching_matmul_is_bit_identical_to_reference() {
 }
 
 #[test]
+fn eight_row_tiles_over_long_rows_are_bit_identical_to_reference() {
+    // 67 blocks per row: the AVX2 eight-row tile stages its scale products in chunks of 64
+    // blocks, so this crosses a chunk boundary; m = 17 is two full tiles and a single row.
+    for ty in TYPES {
+        for m in [8, 17] {
+            check_against_reference(ty, 6, 67 * 32, m, 2, 77 + m as u64);
+        }
+    }
+}
+
+#[test]
 fn thread_count_does_not_change_results() {
     for threads in [1, 3, 4] {
         check_against_reference(WeightType::Q4_1, 41, 128, 7, threads, 3);
