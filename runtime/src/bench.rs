@@ -9,7 +9,8 @@
 //!   the tokens that arrive after the last stream got its first token (every prefill is done
 //!   by then) over the time from that moment to the last token.
 //!
-//! Single-stream figures are the median of `repeats` runs after one warm-up run.
+//! Every figure is the median of `repeats` runs (single-stream ones after one warm-up run), so
+//! that one noisy run on a shared machine does not decide a ratio between them.
 
 mod kv_waste;
 
@@ -33,7 +34,7 @@ pub struct BenchOptions {
     /// Prompt length and generated tokens of each concurrent stream.
     pub concurrent_prompt_tokens: usize,
     pub concurrent_decode_tokens: usize,
-    /// Timed single-stream runs (the median is reported).
+    /// Timed runs of each measurement (the median is reported).
     pub repeats: usize,
 }
 
@@ -113,14 +114,18 @@ pub fn run_bench(runtime: &Runtime, options: &BenchOptions) -> Result<BenchRepor
 
     let mut aggregate = BTreeMap::new();
     for &n in &options.concurrency {
-        let requests = (0..n)
-            .map(|i| {
-                let prompt = bench_prompt(i + 1, options.concurrent_prompt_tokens, vocab);
-                (prompt, options.concurrent_decode_tokens)
-            })
-            .collect();
-        let traces = drive(engine, "bench", requests)?;
-        aggregate.insert(n, steady_decode_rate(&traces));
+        let mut rates = Vec::new();
+        for _ in 0..options.repeats.max(1) {
+            let requests = (0..n)
+                .map(|i| {
+                    let prompt = bench_prompt(i + 1, options.concurrent_prompt_tokens, vocab);
+                    (prompt, options.concurrent_decode_tokens)
+                })
+                .collect();
+            let traces = drive(engine, "bench", requests)?;
+            rates.push(steady_decode_rate(&traces));
+        }
+        aggregate.insert(n, median(&mut rates));
     }
     Ok(BenchReport {
         threads: runtime.threads,
