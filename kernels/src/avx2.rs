@@ -284,7 +284,8 @@ unsafe fn tile_rows<T: WeightBlock, const R: usize>(
     }
 }
 
-/// One weight row at `wp` × activation rows `a0..a0+A` (prefill / batched decode).
+/// One weight row at `wp` × activation rows `a0..a0+A`: the 4-, 2- and 1-row remainders of
+/// the activation groups (full groups of 8 take [`tile_acts8`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_acts<T: WeightBlock, const A: usize>(
@@ -352,7 +353,7 @@ struct Scales8([f32; 8]);
 /// operations per pair on the pipes the FMAs and integer multiplies use. Here one pass first
 /// stores the products of a chunk of blocks (one vector multiply per block), and the main loop
 /// broadcasts each from memory, which costs only a load. Same products, same rounding, same
-/// order of the FMA chains: results are identical to `tile_acts::<T, 8>`.
+/// order of the FMA chains: results are identical to [`tile_acts`] run on 8 rows.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_acts8<T: WeightBlock>(
