@@ -1,6 +1,8 @@
-//! AVX2 + FMA + F16C quantized matmul kernels (activation packing lives in `pack`).
+//! AVX2 + FMA + F16C quantized matmul kernels (activation packing lives in `pack`, the Q4_1
+//! kernels in `q4_1`).
 //!
-//! Results are bit-identical to the scalar reference in `dot.rs` (and so to ggml's AVX2 build):
+//! Results are bit-identical to the scalar reference in `dot.rs`. For Q4_0 and Q8_0 (this
+//! module) that is ggml's AVX2 arithmetic:
 //! per weight-row × activation-row pair, eight f32 lanes receive `fma(dw·da, lane_sum, acc)` per
 //! block and are reduced with `hsum8`; integer lane sums are exact whichever instructions make
 //! them. Speed comes from reuse and memory-level parallelism, never from reordering the float
@@ -10,11 +12,10 @@
 
 pub(crate) mod math;
 mod pack;
+mod q4_1;
 
 use crate::matmul::{MatmulScratch, OutPtr, QMatrix};
-use crate::quant::{
-    ActivationType, Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType,
-};
+use crate::quant::{ActivationType, Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType};
 pub(crate) use pack::PackedActs;
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -50,7 +51,7 @@ pub(crate) fn compute_rows(
     // was validated by the caller and `rows_kernel` checks the shapes it indexes with.
     unsafe {
         match w.ty {
-            WeightType::Q4_1 => rows_kernel::<Q4_1>(w, acts, m, rows, out),
+            WeightType::Q4_1 => q4_1::compute_rows(w, acts, rows, out),
             WeightType::Q4_0 => rows_kernel::<Q4_0>(w, acts, m, rows, out),
             WeightType::Q8_0 => rows_kernel::<Q8_0>(w, acts, m, rows, out),
             WeightType::F32 | WeightType::F16 => {
@@ -70,17 +71,13 @@ unsafe fn hsum8(x: __m256) -> f32 {
     _mm_cvtss_f32(r)
 }
 
-/// One quantized weight format as the kernels see it.
+/// One signed quantized weight format (Q4_0, Q8_0) as the kernels of this module see it.
 trait WeightBlock {
     const BYTES: usize;
-    /// Values are signed (need the sign trick for `maddubs`) rather than 0..15.
-    const SIGNED: bool;
-    /// Has a per-block minimum `m` (Q4_1), paired with the activation sums `s`.
-    const HAS_MIN: bool;
-    /// The 32 values of the block at `p` (signed, or unsigned 0..15 when `!SIGNED`).
+    /// The 32 signed values of the block at `p`.
     unsafe fn values(p: *const u8) -> __m256i;
-    /// `(d, m)` of the block at `p` (`m` = 0 when absent).
-    unsafe fn scales(p: *const u8) -> (f32, f32);
+    /// The scale `d` of the block at `p`.
+    unsafe fn scale(p: *const u8) -> f32;
 }
 
 #[inline]
@@ -93,40 +90,11 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
-    // SAFETY: the caller guarantees 4 readable bytes at `p`.
-    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
-        p.cast::<i32>().read_unaligned()
-    }));
-    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
-}
-
-struct Q4_1;
 struct Q4_0;
 struct Q8_0;
 
-impl WeightBlock for Q4_1 {
-    const BYTES: usize = Q4_1_BLOCK_BYTES;
-    const SIGNED: bool = false;
-    const HAS_MIN: bool = true;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn values(p: *const u8) -> __m256i {
-        unsafe { nibbles(p.add(4)) }
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scales(p: *const u8) -> (f32, f32) {
-        unsafe { f16_pair(p) }
-    }
-}
-
 impl WeightBlock for Q4_0 {
     const BYTES: usize = Q4_0_BLOCK_BYTES;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn values(p: *const u8) -> __m256i {
@@ -134,18 +102,16 @@ impl WeightBlock for Q4_0 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scales(p: *const u8) -> (f32, f32) {
+    unsafe fn scale(p: *const u8) -> f32 {
         let d = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(unsafe {
             p.cast::<u16>().read_unaligned()
         })));
-        (_mm_cvtss_f32(d), 0.0)
+        _mm_cvtss_f32(d)
     }
 }
 
 impl WeightBlock for Q8_0 {
     const BYTES: usize = Q8_0_BLOCK_BYTES;
-    const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn values(p: *const u8) -> __m256i {
@@ -153,8 +119,8 @@ impl WeightBlock for Q8_0 {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scales(p: *const u8) -> (f32, f32) {
-        unsafe { Q4_0::scales(p) }
+    unsafe fn scale(p: *const u8) -> f32 {
+        unsafe { Q4_0::scale(p) }
     }
 }
 
@@ -175,12 +141,7 @@ unsafe fn rows_kernel<T: WeightBlock>(
     let row_bytes = w.row_bytes();
     assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
     assert!(acts.m == m && acts.nb * T::BYTES == row_bytes);
-    assert!(acts.qs.len() == m * acts.nb * QK && acts.d.len() == m * acts.nb);
-    assert!(
-        !T::HAS_MIN
-            || acts.s.len() >= acts.nb * acts.s_stride
-                && acts.s_stride >= m.next_multiple_of(8) + 8
-    );
+    assert!(!acts.grouped && acts.qs.len() == m * acts.nb * QK && acts.d.len() == m * acts.nb);
     let base = w.data.as_ptr();
     let mut r = rows.start;
     if m == 1 {
@@ -236,12 +197,8 @@ unsafe fn rows_kernel<T: WeightBlock>(
 /// Integer lane sums of one weight block against one activation block, as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn lane_sums<T: WeightBlock>(wv: __m256i, w_abs: __m256i, av: __m256i) -> __m256 {
-    let prod = if T::SIGNED {
-        _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(av, wv))
-    } else {
-        _mm256_maddubs_epi16(wv, av)
-    };
+unsafe fn lane_sums(wv: __m256i, w_abs: __m256i, av: __m256i) -> __m256 {
+    let prod = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(av, wv));
     _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)))
 }
 
@@ -256,31 +213,26 @@ unsafe fn tile_rows<T: WeightBlock, const R: usize>(
     out: OutPtr,
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
-    let mut summs = [0.0f32; R];
     for b in 0..acts.nb {
         // SAFETY: block b of activation row 0 exists (nb blocks per row).
         let av = unsafe { _mm256_loadu_si256(acts.qs.as_ptr().add(b * QK).cast()) };
         let da = acts.d[b];
-        for i in 0..R {
+        for (i, acc_i) in acc.iter_mut().enumerate() {
             // SAFETY: rows r0..r0+R each hold nb blocks of T::BYTES.
             let p = unsafe { wp.add(i * row_bytes + b * T::BYTES) };
             // Decode streams weights from DRAM and the hardware prefetcher alone falls behind
             // (measured ~2x): fetch this block two tiles ahead. Prefetches never fault, so
             // running past the end of the matrix is harmless.
             _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * R * row_bytes).cast());
-            let (dw, mw) = unsafe { T::scales(p) };
+            let dw = unsafe { T::scale(p) };
             let wv = unsafe { T::values(p) };
-            let sums = unsafe { lane_sums::<T>(wv, _mm256_sign_epi8(wv, wv), av) };
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), sums, acc[i]);
-            if T::HAS_MIN {
-                // ggml adds `m·s` in its own fused chain, separate from the lanes.
-                summs[i] = mw.mul_add(acts.s[b * acts.s_stride], summs[i]);
-            }
+            let sums = unsafe { lane_sums(wv, _mm256_sign_epi8(wv, wv), av) };
+            *acc_i = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), sums, *acc_i);
         }
     }
-    for i in 0..R {
+    for (i, acc_i) in acc.iter().enumerate() {
         // SAFETY: this thread owns weight rows r0..r0+R.
-        unsafe { out.write(r0 + i, hsum8(acc[i]) + summs[i]) };
+        unsafe { out.write(r0 + i, hsum8(*acc_i)) };
     }
 }
 
@@ -298,12 +250,10 @@ unsafe fn tile_acts<T: WeightBlock, const A: usize>(
 ) {
     let (nb, m) = (acts.nb, acts.m);
     let mut acc = [_mm256_setzero_ps(); A];
-    // Lane j carries activation row a0 + j's `Σ m·s` chain.
-    let mut summs = _mm256_setzero_ps();
     for b in 0..nb {
         // SAFETY: block b of this weight row exists.
         let p = unsafe { wp.add(b * T::BYTES) };
-        let (dw, mw) = unsafe { T::scales(p) };
+        let dw = unsafe { T::scale(p) };
         let wv = unsafe { T::values(p) };
         let w_abs = _mm256_sign_epi8(wv, wv);
         let dwv = _mm256_set1_ps(dw);
@@ -321,21 +271,13 @@ unsafe fn tile_acts<T: WeightBlock, const A: usize>(
                     _mm256_broadcast_ss(&*d.add(j)),
                 )
             };
-            let sums = unsafe { lane_sums::<T>(wv, w_abs, av) };
+            let sums = unsafe { lane_sums(wv, w_abs, av) };
             *acc_j = _mm256_fmadd_ps(_mm256_mul_ps(dwv, da), sums, *acc_j);
         }
-        if T::HAS_MIN {
-            // SAFETY: s_stride >= a0 + 8 for every tile start (padding in pack_acts).
-            let s = unsafe { _mm256_loadu_ps(acts.s.as_ptr().add(b * acts.s_stride + a0)) };
-            summs = _mm256_fmadd_ps(_mm256_set1_ps(mw), s, summs);
-        }
     }
-    let mut mins = [0.0f32; 8];
-    // SAFETY: `mins` holds 8 floats.
-    unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), summs) };
     for (j, acc_j) in acc.iter().enumerate() {
         // SAFETY: this thread owns weight row r.
-        unsafe { out.write((a0 + j) * rows + r, hsum8(*acc_j) + mins[j]) };
+        unsafe { out.write((a0 + j) * rows + r, hsum8(*acc_j)) };
     }
 }
 
@@ -366,7 +308,6 @@ unsafe fn tile_acts8<T: WeightBlock>(
 ) {
     let (nb, m) = (acts.nb, acts.m);
     let mut acc = [_mm256_setzero_ps(); 8];
-    let mut summs = _mm256_setzero_ps();
     // Uninitialised: every slot a pass reads was written by the same pass.
     let mut scales = [const { std::mem::MaybeUninit::<Scales8>::uninit() }; SCALE_CHUNK];
     let mut start = 0;
@@ -375,7 +316,7 @@ unsafe fn tile_acts8<T: WeightBlock>(
         for (b, slot) in (start..end).zip(scales.iter_mut()) {
             // SAFETY: block b of this weight row exists; rows a0..a0+8 < m have a scale for it.
             unsafe {
-                let (dw, _) = T::scales(wp.add(b * T::BYTES));
+                let dw = T::scale(wp.add(b * T::BYTES));
                 let da = _mm256_loadu_ps(acts.d.as_ptr().add(b * m + a0));
                 let product = _mm256_mul_ps(_mm256_set1_ps(dw), da);
                 _mm256_store_ps(slot.as_mut_ptr().cast::<f32>(), product);
@@ -390,14 +331,9 @@ unsafe fn tile_acts8<T: WeightBlock>(
                 let qs = acts.qs.as_ptr().add((b * m + a0) * QK);
                 for (j, acc_j) in acc.iter_mut().enumerate() {
                     let av = _mm256_loadu_si256(qs.add(j * QK).cast());
-                    let sums = lane_sums::<T>(wv, w_abs, av);
+                    let sums = lane_sums(wv, w_abs, av);
                     let scale = _mm256_broadcast_ss(&slot.assume_init_ref().0[j]);
                     *acc_j = _mm256_fmadd_ps(scale, sums, *acc_j);
-                }
-                if T::HAS_MIN {
-                    let (_, mw) = T::scales(p);
-                    let s = _mm256_loadu_ps(acts.s.as_ptr().add(b * acts.s_stride + a0));
-                    summs = _mm256_fmadd_ps(_mm256_set1_ps(mw), s, summs);
                 }
             }
         }
@@ -405,7 +341,7 @@ unsafe fn tile_acts8<T: WeightBlock>(
     }
     let mut results = [0.0f32; 8];
     // SAFETY: `results` holds 8 floats.
-    unsafe { _mm256_storeu_ps(results.as_mut_ptr(), _mm256_add_ps(hsum8x8(&acc), summs)) };
+    unsafe { _mm256_storeu_ps(results.as_mut_ptr(), hsum8x8(&acc)) };
     for (j, value) in results.into_iter().enumerate() {
         // SAFETY: this thread owns weight row r.
         unsafe { out.write((a0 + j) * rows + r, value) };

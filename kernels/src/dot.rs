@@ -1,14 +1,14 @@
 //! Scalar reference dot products between one weight row and one activation row, in ggml's
-//! byte layouts, with ggml's x86 rounding behaviour.
+//! byte layouts, with ggml's x86 rounding behaviour (Q4_1 excepted: see [`dot_q4_1_q8_1`]).
 //!
 //! ggml (AVX2 build, and llamafile's tinyBLAS for Q8_0 and f16) accumulates every dot product in
 //! eight f32 lanes: per 32-element block, lane `l` receives the exact integer sum of elements
 //! `4l..4l+4` converted to f32, multiplied by the block's combined scale with one fused
 //! multiply-add; the lanes are reduced at the end as `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
-//! Q4_1 additionally carries `Σ m·s` in a separate scalar chain (fused, as GCC contracts it)
-//! added after the reduction. Reproducing that order exactly is what makes greedy decoding
-//! token-identical to llama.cpp, so these functions are the oracle every SIMD path is tested
-//! against, bit for bit.
+//! (ggml's Q4_1 additionally carries `Σ m·s` in a separate scalar chain added after the
+//! reduction; kvgate's Q4_1 keeps that chain but not the lanes.) Reproducing that order exactly
+//! is what makes greedy decoding token-identical to llama.cpp; kvgate keeps it for every type
+//! but Q4_1. These functions are the oracle every SIMD path is tested against, bit for bit.
 
 use crate::quant::{
     Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, Q8_1_BLOCK_BYTES, QK, read_f16,
@@ -69,9 +69,13 @@ pub fn dot_q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
     hsum8(&acc)
 }
 
-/// Q4_1 weight row · Q8_1 activation row.
+/// Q4_1 weight row · Q8_1 activation row, in block-sum form: each block's exact integer dot
+/// product, converted once, enters one fused multiply-add chain scaled by `dw·da`; `Σ m·s` runs
+/// in a second chain added at the end. This departs from ggml's eight-lane order (which only
+/// rounds differently) because it lets the SIMD kernels share conversions and FMAs between
+/// pairs; see `avx2::q4_1`.
 pub fn dot_q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
-    let mut acc = [0.0f32; 8];
+    let mut acc = 0.0f32;
     let mut summs = 0.0f32;
     for (wb, xb) in w
         .chunks_exact(Q4_1_BLOCK_BYTES)
@@ -79,10 +83,12 @@ pub fn dot_q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
     {
         let d = read_f16(wb, 0) * read_f16(xb, 0);
         summs = read_f16(wb, 2).mul_add(read_f16(xb, 2), summs);
-        let sums = lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..]);
-        fma_lanes(&mut acc, d, &sums);
+        let isum: i32 = lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..])
+            .iter()
+            .sum();
+        acc = d.mul_add(isum as f32, acc);
     }
-    hsum8(&acc) + summs
+    acc + summs
 }
 
 /// Q8_0 weight row · Q8_0 activation row.

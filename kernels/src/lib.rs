@@ -3,9 +3,11 @@
 //!
 //! Numerics deliberately follow ggml's CPU backend as compiled for x86 with AVX2 (activations
 //! quantized to 8-bit blocks for quantized dot products, 8-lane f32 accumulators reduced in ggml's
-//! order, f16 KV cache) so that greedy output matches llama.cpp on the same GGUF. SIMD paths are
-//! chosen at run time (`is_x86_feature_detected!`); the scalar reference implementations compute
-//! bit-identical results and are the oracle the tests compare against.
+//! order, f16 KV cache) so that greedy output matches llama.cpp on the same GGUF — with one
+//! deliberate exception: Q4_1 products sum each block in integers before one FMA (see
+//! `dot::dot_q4_1_q8_1`), which rounds differently but makes batched decode much faster. SIMD
+//! paths are chosen at run time (`is_x86_feature_detected!`); the scalar reference
+//! implementations compute bit-identical results and are the oracle the tests compare against.
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]

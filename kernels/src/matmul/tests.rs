@@ -107,6 +107,37 @@ fn eight_row_tiles_over_long_rows_are_bit_identical_to_reference() {
 }
 
 #[test]
+fn q4_1_block_sums_at_the_extremes_do_not_saturate() {
+    // The batched Q4_1 kernel adds eight `maddubs` results in 16 bits before widening; its
+    // headroom argument (8 · 2 · 15 · 127 = 30 480 < 32 767) is checked here at the bound:
+    // every nibble 15 against activations that all quantize to +127 or all to -127, in rows
+    // long enough for several groups (m = 19) and for the decode tiles (m = 1).
+    let (rows, cols) = (9, 128);
+    let mut data = vec![0xFFu8; rows * WeightType::Q4_1.row_bytes(cols)];
+    for b in data.chunks_exact_mut(WeightType::Q4_1.block_bytes()) {
+        b[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b[2..4].copy_from_slice(&f16::from_f32(-0.25).to_le_bytes());
+    }
+    let w = QMatrix::new(WeightType::Q4_1, &data, rows, cols).unwrap();
+    for m in [1, 19] {
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| if (i / cols) % 2 == 0 { 3.0 } else { -3.0 })
+            .collect();
+        let mut want = vec![0.0; m * rows];
+        matmul_reference(&w, &x, m, &mut want);
+        let mut got = vec![f32::NAN; m * rows];
+        matmul(&w, &x, m, &mut got, &mut MatmulScratch::new(), &pool(2));
+        assert_eq!(got, want, "m={m}");
+        // Exact value: per element (0.5·15 − 0.25)·(±3) = ±21.75, with 8-bit activations of
+        // exactly ±127 · (3/127).
+        for (i, v) in want.iter().enumerate() {
+            let sign = if (i / rows) % 2 == 0 { 1.0 } else { -1.0 };
+            assert!((v - sign * 21.75 * cols as f32).abs() < 0.5, "[{i}] {v}");
+        }
+    }
+}
+
+#[test]
 fn thread_count_does_not_change_results() {
     for threads in [1, 3, 4] {
         check_against_reference(WeightType::Q4_1, 41, 128, 7, threads, 3);

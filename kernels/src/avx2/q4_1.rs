@@ -1,0 +1,287 @@
+//! Q4_1 × Q8_1 products in block-sum form (see `dot::dot_q4_1_q8_1`): per weight row ×
+//! activation row pair, each block's exact integer dot product is converted once and added with
+//! one fused multiply-add by the block's scale `dw·da`; `Σ mw·s` runs in a second chain.
+//!
+//! Why this form rather than ggml's eight-lane one: with eight lanes per pair, every block of
+//! every pair costs two integer multiplies, a conversion and an FMA, and batched decode is bound
+//! by exactly those pipes. Here the eight f32 lanes carry eight *different* pairs:
+//! - batched ([`grouped_rows`]): one weight row × one or two groups of eight activation rows.
+//!   Each 4-element piece of the weight block is broadcast to all lanes (one in-lane shuffle),
+//!   the activations are stored grouped (see `pack::PackedActs`), and `maddubs` yields for all
+//!   eight rows at once the partial sums of those four elements. The eight partial vectors are
+//!   added in 16 bits (each lane is at most 8 · 2 · 15 · 127 = 30 480, so nothing saturates) and
+//!   widened once: nine multiplies, one conversion and one FMA per block for eight pairs,
+//!   instead of sixteen, eight and eight. Measured (criterion, `matmul/q4_1_*/16`): 1.5–1.7×
+//!   the eight-lane kernel.
+//! - decode ([`decode_rows`], one activation row): four weight rows' integer sums are reduced
+//!   into four lanes, so conversions and FMAs are shared by four rows.
+//!
+//! Both compute the same integer per (pair, block) and the same two FMA chains in block order,
+//! so a sequence's logits do not depend on whether it was decoded alone or in a batch.
+
+use super::pack::{GROUP, PackedActs};
+use crate::matmul::{OutPtr, QMatrix};
+use crate::quant::{Q4_1_BLOCK_BYTES, QK};
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+/// Weight rows per decode tile (the row-chunk alignment between threads is a multiple of it).
+const DECODE_ROWS: usize = 4;
+const _: () = assert!(super::ROW_TILE.is_multiple_of(DECODE_ROWS));
+
+/// The 32 values of the Q4_1 block at `p` as bytes 0..15, low nibbles first (element order).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees a whole block at `p`.
+    let packed = unsafe { _mm_loadu_si128(p.add(4).cast()) };
+    let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// Weight rows `rows` of the Q4_1 matrix `w` × the activations packed by `pack_acts`.
+pub(super) fn compute_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr) {
+    let row_bytes = w.row_bytes();
+    assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
+    assert!(acts.nb * Q4_1_BLOCK_BYTES == row_bytes && acts.s.len() >= acts.d.len());
+    // SAFETY: AVX2/FMA/F16C were detected before this path was chosen; shapes asserted above
+    // and in the callees.
+    unsafe {
+        if acts.grouped {
+            grouped_rows(w, acts, rows, out)
+        } else {
+            decode_rows(w, acts, rows, out)
+        }
+    }
+}
+
+/// One activation row: tiles of [`DECODE_ROWS`] weight rows streamed from memory.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr) {
+    assert!(acts.m == 1 && acts.qs.len() == acts.nb * QK && acts.d.len() == acts.nb);
+    assert!(acts.s.len() >= acts.nb * acts.s_stride);
+    let row_bytes = w.row_bytes();
+    let base = w.data.as_ptr();
+    let mut r = rows.start;
+    while r < rows.end {
+        // SAFETY: rows r..r+DECODE_ROWS (or r) are in bounds (asserted by the caller).
+        unsafe {
+            if rows.end - r >= DECODE_ROWS {
+                decode_tile4(base.add(r * row_bytes), row_bytes, acts, r, out);
+                r += DECODE_ROWS;
+            } else {
+                decode_tile1(base.add(r * row_bytes), acts, r, out);
+                r += 1;
+            }
+        }
+    }
+}
+
+/// Four weight rows from `wp` × activation row 0; lane `i` of the chains is row `r0 + i`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_tile4(wp: *const u8, row_bytes: usize, acts: &PackedActs, r0: usize, out: OutPtr) {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm_setzero_ps();
+    let mut summs = _mm_setzero_ps();
+    for b in 0..acts.nb {
+        // SAFETY: block b of activation row 0 and of rows r0..r0+4 exist (asserted above).
+        unsafe {
+            let av = _mm256_loadu_si256(acts.qs.as_ptr().add(b * QK).cast());
+            let block = |i: usize| wp.add(i * row_bytes + b * Q4_1_BLOCK_BYTES);
+            let isum = |i: usize| {
+                let p = block(i);
+                // Decode streams weights from DRAM and the hardware prefetcher alone falls
+                // behind: fetch this block two tiles ahead (prefetches never fault).
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * DECODE_ROWS * row_bytes).cast());
+                _mm256_madd_epi16(_mm256_maddubs_epi16(values(p), av), ones)
+            };
+            let (s0, s1, s2, s3) = (isum(0), isum(1), isum(2), isum(3));
+            // hadd twice: [r0 r1 r2 r3] partial sums in each 128-bit half.
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+            let sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            // The four rows' (d, m) f16 pairs → [d0 m0 d1 m1 | d2 m2 d3 m3].
+            let dm = _mm256_cvtph_ps(_mm_setr_epi32(
+                block(0).cast::<i32>().read_unaligned(),
+                block(1).cast::<i32>().read_unaligned(),
+                block(2).cast::<i32>().read_unaligned(),
+                block(3).cast::<i32>().read_unaligned(),
+            ));
+            let (lo, hi) = (_mm256_castps256_ps128(dm), _mm256_extractf128_ps(dm, 1));
+            let dw = _mm_shuffle_ps::<0b10_00_10_00>(lo, hi);
+            let mw = _mm_shuffle_ps::<0b11_01_11_01>(lo, hi);
+            let scale = _mm_mul_ps(dw, _mm_set1_ps(acts.d[b]));
+            acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sums), acc);
+            summs = _mm_fmadd_ps(mw, _mm_set1_ps(acts.s[b * acts.s_stride]), summs);
+        }
+    }
+    let mut results = [0.0f32; 4];
+    // SAFETY: `results` holds 4 floats.
+    unsafe { _mm_storeu_ps(results.as_mut_ptr(), _mm_add_ps(acc, summs)) };
+    for (i, value) in results.into_iter().enumerate() {
+        // SAFETY: this thread owns weight rows r0..r0+4.
+        unsafe { out.write(r0 + i, value) };
+    }
+}
+
+/// One weight row at `wp` × activation row 0 (the rows left over after the four-row tiles).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_tile1(wp: *const u8, acts: &PackedActs, r: usize, out: OutPtr) {
+    let ones = _mm256_set1_epi16(1);
+    let (mut acc, mut summs) = (0.0f32, 0.0f32);
+    for b in 0..acts.nb {
+        // SAFETY: block b of activation row 0 and of this weight row exist.
+        unsafe {
+            let p = wp.add(b * Q4_1_BLOCK_BYTES);
+            let av = _mm256_loadu_si256(acts.qs.as_ptr().add(b * QK).cast());
+            let isum = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(values(p), av), ones));
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
+            let (dw, mw) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+            acc = (dw * acts.d[b]).mul_add(isum as f32, acc);
+            summs = mw.mul_add(acts.s[b * acts.s_stride], summs);
+        }
+    }
+    // SAFETY: this thread owns weight row r.
+    unsafe { out.write(r, acc + summs) };
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
+}
+
+/// Weight rows whose bytes stay in L1 while every activation group passes over them.
+const ROW_BLOCK: usize = 16;
+
+/// Two or more activation rows, grouped: for each block of [`ROW_BLOCK`] weight rows, the
+/// activation groups pass two at a time (a weight block unpacked once serves both).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn grouped_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr) {
+    let (nb, groups) = (acts.nb, acts.groups);
+    let slots = nb * groups * GROUP;
+    assert!(acts.qs.len() == slots * QK && acts.d.len() == slots && acts.s.len() == slots);
+    let row_bytes = w.row_bytes();
+    let mut start = rows.start;
+    while start < rows.end {
+        let end = (start + ROW_BLOCK).min(rows.end);
+        let mut g = 0;
+        while g < groups {
+            let pair = groups - g >= 2;
+            for row in start..end {
+                // SAFETY: `row` < w.rows; groups g (and g+1) exist.
+                unsafe {
+                    let wp = w.data.as_ptr().add(row * row_bytes);
+                    if pair {
+                        let sums = group_tile::<2>(wp, acts, g);
+                        write_group(sums[0], acts, g, row, w.rows, out);
+                        write_group(sums[1], acts, g + 1, row, w.rows, out);
+                    } else {
+                        let sums = group_tile::<1>(wp, acts, g);
+                        write_group(sums[0], acts, g, row, w.rows, out);
+                    }
+                }
+            }
+            g += if pair { 2 } else { 1 };
+        }
+        start = end;
+    }
+}
+
+/// Writes lane `j` of `sums` as activation row `8g + j`'s output for weight row `row` (lanes of
+/// the padding rows past `m` are dropped).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn write_group(
+    sums: __m256,
+    acts: &PackedActs,
+    g: usize,
+    row: usize,
+    rows: usize,
+    out: OutPtr,
+) {
+    let live = (acts.m - g * GROUP).min(GROUP);
+    let mut results = [0.0f32; GROUP];
+    // SAFETY: `results` holds 8 floats.
+    unsafe { _mm256_storeu_ps(results.as_mut_ptr(), sums) };
+    for (j, &value) in results[..live].iter().enumerate() {
+        // SAFETY: this thread owns weight row `row`.
+        unsafe { out.write((g * GROUP + j) * rows + row, value) };
+    }
+}
+
+/// The Q4_1 row at `wp` × activation groups `g0..g0+G`; lane `j` of result `i` is activation row
+/// `8(g0+i) + j`. `G` ≤ 2 keeps the eight broadcast weight pieces and the accumulators in the
+/// sixteen vector registers.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_tile<const G: usize>(wp: *const u8, acts: &PackedActs, g0: usize) -> [__m256; G] {
+    let (nb, groups) = (acts.nb, acts.groups);
+    let ones = _mm256_set1_epi16(1);
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); G];
+    for b in 0..nb {
+        // SAFETY: block b of the row and groups g0..g0+G of block b exist.
+        unsafe {
+            let p = wp.add(b * Q4_1_BLOCK_BYTES);
+            // Both 128-bit halves hold the 16 nibble bytes: low nibbles are elements 0..16,
+            // high nibbles 16..32, and an in-lane dword shuffle broadcasts one 4-element piece.
+            let raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(4).cast()));
+            let lo = _mm256_and_si256(raw, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            let wq = [
+                _mm256_shuffle_epi32::<0x00>(lo),
+                _mm256_shuffle_epi32::<0x55>(lo),
+                _mm256_shuffle_epi32::<0xAA>(lo),
+                _mm256_shuffle_epi32::<0xFF>(lo),
+                _mm256_shuffle_epi32::<0x00>(hi),
+                _mm256_shuffle_epi32::<0x55>(hi),
+                _mm256_shuffle_epi32::<0xAA>(hi),
+                _mm256_shuffle_epi32::<0xFF>(hi),
+            ];
+            let dw = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                p.cast::<u16>().read_unaligned(),
+            )))));
+            for (gi, acc_g) in acc.iter_mut().enumerate() {
+                let slot = (b * groups + g0 + gi) * GROUP;
+                let av = acts.qs.as_ptr().add(slot * QK);
+                let piece = |j: usize| {
+                    _mm256_maddubs_epi16(wq[j], _mm256_loadu_si256(av.add(j * QK).cast()))
+                };
+                let s16 = _mm256_add_epi16(
+                    _mm256_add_epi16(
+                        _mm256_add_epi16(piece(0), piece(1)),
+                        _mm256_add_epi16(piece(2), piece(3)),
+                    ),
+                    _mm256_add_epi16(
+                        _mm256_add_epi16(piece(4), piece(5)),
+                        _mm256_add_epi16(piece(6), piece(7)),
+                    ),
+                );
+                let isum = _mm256_madd_epi16(s16, ones);
+                let scale = _mm256_mul_ps(dw, _mm256_loadu_ps(acts.d.as_ptr().add(slot)));
+                *acc_g = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), *acc_g);
+            }
+        }
+    }
+    // The Σ mw·s chains, in a pass of their own (fewer live registers in the main loop).
+    let mut summs = [_mm256_setzero_ps(); G];
+    for b in 0..nb {
+        // SAFETY: as above.
+        unsafe {
+            let p = wp.add(b * Q4_1_BLOCK_BYTES);
+            let mw = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                p.add(2).cast::<u16>().read_unaligned(),
+            )))));
+            for (gi, summs_g) in summs.iter_mut().enumerate() {
+                let slot = (b * groups + g0 + gi) * GROUP;
+                *summs_g =
+                    _mm256_fmadd_ps(mw, _mm256_loadu_ps(acts.s.as_ptr().add(slot)), *summs_g);
+            }
+        }
+    }
+    std::array::from_fn(|gi| _mm256_add_ps(acc[gi], summs[gi]))
+}
