@@ -201,6 +201,65 @@ mod tests {
         }
     }
 
+    /// ggml's eight-lane Q4_1 order, kept here only to compare accuracy with the block-sum form.
+    fn dot_q4_1_q8_1_lanes(w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = [0.0f32; 8];
+        let mut summs = 0.0f32;
+        for (wb, xb) in w
+            .chunks_exact(Q4_1_BLOCK_BYTES)
+            .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
+        {
+            let d = read_f16(wb, 0) * read_f16(xb, 0);
+            summs = read_f16(wb, 2).mul_add(read_f16(xb, 2), summs);
+            fma_lanes(
+                &mut acc,
+                d,
+                &lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..]),
+            );
+        }
+        hsum8(&acc) + summs
+    }
+
+    /// The same quantized operands summed exactly (f64, whose 53 bits hold every product here).
+    fn dot_q4_1_q8_1_exact(w: &[u8], x: &[u8]) -> f64 {
+        let mut total = 0.0f64;
+        for (wb, xb) in w
+            .chunks_exact(Q4_1_BLOCK_BYTES)
+            .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
+        {
+            let isum: i32 = lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..])
+                .iter()
+                .sum();
+            let d = f64::from(read_f16(wb, 0) * read_f16(xb, 0));
+            total += d * f64::from(isum) + f64::from(read_f16(wb, 2)) * f64::from(read_f16(xb, 2));
+        }
+        total
+    }
+
+    #[test]
+    fn q4_1_block_sum_form_is_no_less_accurate_than_ggml_lanes() {
+        // kvgate's Q4_1 departs from ggml's rounding order (see `dot_q4_1_q8_1`); this checks
+        // that the departure costs no accuracy: against the exact sum of the same quantized
+        // operands, the block-sum form's error is no larger than the eight-lane form's.
+        let mut rng = StdRng::seed_from_u64(11);
+        let (mut err_blocks, mut err_lanes) = (0.0f64, 0.0f64);
+        for _ in 0..400 {
+            let nb = 48;
+            let w = random_blocks(&mut rng, WeightType::Q4_1, nb);
+            let x: Vec<f32> = (0..nb * QK).map(|_| rng.random_range(-4.0..4.0)).collect();
+            let mut q = vec![0u8; nb * Q8_1_BLOCK_BYTES];
+            quantize_row_q8_1(&x, &mut q);
+            let exact = dot_q4_1_q8_1_exact(&w, &q);
+            err_blocks += (f64::from(dot_q4_1_q8_1(&w, &q)) - exact).abs();
+            err_lanes += (f64::from(dot_q4_1_q8_1_lanes(&w, &q)) - exact).abs();
+        }
+        assert!(err_lanes > 0.0, "the comparison must see rounding at all");
+        assert!(
+            err_blocks <= err_lanes,
+            "block-sum error {err_blocks:e} vs eight-lane error {err_lanes:e}"
+        );
+    }
+
     #[test]
     fn hsum8_uses_ggml_pairing() {
         // Values chosen so that any other association order gives a different f32.
