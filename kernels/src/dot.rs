@@ -77,18 +77,36 @@ pub fn dot_q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
 pub fn dot_q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = 0.0f32;
     let mut summs = 0.0f32;
-    for (wb, xb) in w
-        .chunks_exact(Q4_1_BLOCK_BYTES)
-        .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
-    {
-        let d = read_f16(wb, 0) * read_f16(xb, 0);
-        summs = read_f16(wb, 2).mul_add(read_f16(xb, 2), summs);
-        let isum: i32 = lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..])
-            .iter()
-            .sum();
-        acc = d.mul_add(isum as f32, acc);
+    for block in q4_1_blocks(w, x) {
+        summs = block.m.mul_add(block.s, summs);
+        let isum: i32 = block.lanes.iter().sum();
+        acc = block.d.mul_add(isum as f32, acc);
     }
     acc + summs
+}
+
+/// One block of a Q4_1 weight row against its Q8_1 activation block.
+pub(crate) struct Q4_1Block {
+    /// `dw·da`.
+    pub(crate) d: f32,
+    /// The weight block's minimum `mw`.
+    pub(crate) m: f32,
+    /// The activation block's `s = da·Σq`.
+    pub(crate) s: f32,
+    /// Integer lane sums (ggml's lanes; their total is the block's integer dot product).
+    pub(crate) lanes: [i32; 8],
+}
+
+/// The blocks of a Q4_1 weight row `w` and a Q8_1 activation row `x`.
+pub(crate) fn q4_1_blocks<'a>(w: &'a [u8], x: &'a [u8]) -> impl Iterator<Item = Q4_1Block> + 'a {
+    w.chunks_exact(Q4_1_BLOCK_BYTES)
+        .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
+        .map(|(wb, xb)| Q4_1Block {
+            d: read_f16(wb, 0) * read_f16(xb, 0),
+            m: read_f16(wb, 2),
+            s: read_f16(xb, 2),
+            lanes: lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..]),
+        })
 }
 
 /// Q8_0 weight row · Q8_0 activation row.
@@ -205,35 +223,21 @@ mod tests {
     fn dot_q4_1_q8_1_lanes(w: &[u8], x: &[u8]) -> f32 {
         let mut acc = [0.0f32; 8];
         let mut summs = 0.0f32;
-        for (wb, xb) in w
-            .chunks_exact(Q4_1_BLOCK_BYTES)
-            .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
-        {
-            let d = read_f16(wb, 0) * read_f16(xb, 0);
-            summs = read_f16(wb, 2).mul_add(read_f16(xb, 2), summs);
-            fma_lanes(
-                &mut acc,
-                d,
-                &lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..]),
-            );
+        for block in q4_1_blocks(w, x) {
+            summs = block.m.mul_add(block.s, summs);
+            fma_lanes(&mut acc, block.d, &block.lanes);
         }
         hsum8(&acc) + summs
     }
 
     /// The same quantized operands summed exactly (f64, whose 53 bits hold every product here).
     fn dot_q4_1_q8_1_exact(w: &[u8], x: &[u8]) -> f64 {
-        let mut total = 0.0f64;
-        for (wb, xb) in w
-            .chunks_exact(Q4_1_BLOCK_BYTES)
-            .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
-        {
-            let isum: i32 = lane_sums(&unpack_nibbles(&wb[4..], 0), &xb[4..])
-                .iter()
-                .sum();
-            let d = f64::from(read_f16(wb, 0) * read_f16(xb, 0));
-            total += d * f64::from(isum) + f64::from(read_f16(wb, 2)) * f64::from(read_f16(xb, 2));
-        }
-        total
+        q4_1_blocks(w, x)
+            .map(|block| {
+                let isum: i32 = block.lanes.iter().sum();
+                f64::from(block.d) * f64::from(isum) + f64::from(block.m) * f64::from(block.s)
+            })
+            .sum()
     }
 
     #[test]
