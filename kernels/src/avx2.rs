@@ -71,6 +71,26 @@ unsafe fn hsum8(x: __m256) -> f32 {
     _mm_cvtss_f32(r)
 }
 
+/// Sum of the eight i32 lanes (exact; any order).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_i32_8(a: __m256i) -> i32 {
+    let sum128 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    let hi64 = _mm_unpackhi_epi64(sum128, sum128);
+    let sum64 = _mm_add_epi32(hi64, sum128);
+    let hi32 = _mm_shuffle_epi32(sum64, 0b10_11_00_01);
+    _mm_cvtsi128_si32(_mm_add_epi32(sum64, hi32))
+}
+
+/// The f16 at `p` (a block scale or minimum) as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
 /// One signed quantized weight format (Q4_0, Q8_0) as the kernels of this module see it.
 trait WeightBlock {
     const BYTES: usize;
@@ -103,10 +123,7 @@ impl WeightBlock for Q4_0 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn scale(p: *const u8) -> f32 {
-        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(unsafe {
-            p.cast::<u16>().read_unaligned()
-        })));
-        _mm_cvtss_f32(d)
+        unsafe { f16_at(p) }
     }
 }
 

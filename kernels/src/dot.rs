@@ -86,19 +86,19 @@ pub fn dot_q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
 }
 
 /// One block of a Q4_1 weight row against its Q8_1 activation block.
-pub(crate) struct Q4_1Block {
+struct Q4_1Block {
     /// `dw·da`.
-    pub(crate) d: f32,
+    d: f32,
     /// The weight block's minimum `mw`.
-    pub(crate) m: f32,
+    m: f32,
     /// The activation block's `s = da·Σq`.
-    pub(crate) s: f32,
+    s: f32,
     /// Integer lane sums (ggml's lanes; their total is the block's integer dot product).
-    pub(crate) lanes: [i32; 8],
+    lanes: [i32; 8],
 }
 
 /// The blocks of a Q4_1 weight row `w` and a Q8_1 activation row `x`.
-pub(crate) fn q4_1_blocks<'a>(w: &'a [u8], x: &'a [u8]) -> impl Iterator<Item = Q4_1Block> + 'a {
+fn q4_1_blocks<'a>(w: &'a [u8], x: &'a [u8]) -> impl Iterator<Item = Q4_1Block> + 'a {
     w.chunks_exact(Q4_1_BLOCK_BYTES)
         .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
         .map(|(wb, xb)| Q4_1Block {

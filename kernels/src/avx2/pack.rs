@@ -2,6 +2,7 @@
 //! `quantize_row_q8_1` arithmetic, stored block-major with f32 scales so that a tile reads the
 //! activation rows of one weight block from adjacent memory and never converts f16 scales.
 
+use super::hsum_i32_8;
 use crate::quant::QK;
 use std::arch::x86_64::*;
 
@@ -131,7 +132,8 @@ unsafe fn quantize_row(x: &[f32], a: usize, p: &mut PackedActs, with_sums: bool)
     for (b, xb) in x.chunks_exact(QK).enumerate() {
         let px = xb.as_ptr();
         let (slot, s_slot, offset, stride) = place(b);
-        // SAFETY: `xb` has 32 elements; `qs` has 32 bytes at `slot * 32` (asserted above).
+        // SAFETY: `xb` has 32 elements; `qs` holds this block's 32 bytes at `offset` (+ 4 bytes
+        // at each of the 8 strides when grouped), within the lengths asserted above.
         unsafe {
             let v = [
                 _mm256_loadu_ps(px),
@@ -187,16 +189,6 @@ unsafe fn quantize_row(x: &[f32], a: usize, p: &mut PackedActs, with_sums: bool)
 #[inline(always)]
 fn round_f16(v: f32) -> f32 {
     half::f16::from_f32(v).to_f32()
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum_i32_8(a: __m256i) -> i32 {
-    let sum128 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    let hi64 = _mm_unpackhi_epi64(sum128, sum128);
-    let sum64 = _mm_add_epi32(hi64, sum128);
-    let hi32 = _mm_shuffle_epi32(sum64, 0b10_11_00_01);
-    _mm_cvtsi128_si32(_mm_add_epi32(sum64, hi32))
 }
 
 #[cfg(test)]

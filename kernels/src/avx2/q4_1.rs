@@ -20,6 +20,7 @@
 //! so a sequence's logits do not depend on whether it was decoded alone or in a batch.
 
 use super::pack::{GROUP, PackedActs};
+use super::{f16_at, hsum_i32_8, nibbles};
 use crate::matmul::{OutPtr, QMatrix};
 use crate::quant::{Q4_1_BLOCK_BYTES, QK};
 use std::arch::x86_64::*;
@@ -29,14 +30,12 @@ use std::ops::Range;
 const DECODE_ROWS: usize = 4;
 const _: () = assert!(super::ROW_TILE.is_multiple_of(DECODE_ROWS));
 
-/// The 32 values of the Q4_1 block at `p` as bytes 0..15, low nibbles first (element order).
+/// The 32 values (0..15) of the Q4_1 block at `p`, in element order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn values(p: *const u8) -> __m256i {
-    // SAFETY: the caller guarantees a whole block at `p`.
-    let packed = unsafe { _mm_loadu_si128(p.add(4).cast()) };
-    let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+    // SAFETY: the caller guarantees a whole block at `p`; its nibbles start after (d, m).
+    unsafe { nibbles(p.add(4)) }
 }
 
 /// Weight rows `rows` of the Q4_1 matrix `w` × the activations packed by `pack_acts`.
@@ -135,23 +134,14 @@ unsafe fn decode_tile1(wp: *const u8, acts: &PackedActs, r: usize, out: OutPtr) 
         unsafe {
             let p = wp.add(b * Q4_1_BLOCK_BYTES);
             let av = _mm256_loadu_si256(acts.qs.as_ptr().add(b * QK).cast());
-            let isum = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(values(p), av), ones));
-            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
-            let (dw, mw) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+            let isum = hsum_i32_8(_mm256_madd_epi16(_mm256_maddubs_epi16(values(p), av), ones));
+            let (dw, mw) = (f16_at(p), f16_at(p.add(2)));
             acc = (dw * acts.d[b]).mul_add(isum as f32, acc);
             summs = mw.mul_add(acts.s[b * acts.s_stride], summs);
         }
     }
     // SAFETY: this thread owns weight row r.
     unsafe { out.write(r, acc + summs) };
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_i32(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
 }
 
 /// Weight rows whose bytes stay in L1 while every activation group passes over them.
@@ -242,9 +232,7 @@ unsafe fn group_tile<const G: usize>(wp: *const u8, acts: &PackedActs, g0: usize
                 _mm256_shuffle_epi32::<0xAA>(hi),
                 _mm256_shuffle_epi32::<0xFF>(hi),
             ];
-            let dw = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
-                p.cast::<u16>().read_unaligned(),
-            )))));
+            let dw = _mm256_set1_ps(f16_at(p));
             for (gi, acc_g) in acc.iter_mut().enumerate() {
                 let slot = (b * groups + g0 + gi) * GROUP;
                 let av = acts.qs.as_ptr().add(slot * QK);
@@ -273,9 +261,7 @@ unsafe fn group_tile<const G: usize>(wp: *const u8, acts: &PackedActs, g0: usize
         // SAFETY: as above.
         unsafe {
             let p = wp.add(b * Q4_1_BLOCK_BYTES);
-            let mw = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
-                p.add(2).cast::<u16>().read_unaligned(),
-            )))));
+            let mw = _mm256_set1_ps(f16_at(p.add(2)));
             for (gi, summs_g) in summs.iter_mut().enumerate() {
                 let slot = (b * groups + g0 + gi) * GROUP;
                 *summs_g =
