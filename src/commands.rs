@@ -10,7 +10,7 @@ use kvgate_runtime::chat_template::ChatMessage;
 use kvgate_runtime::engine::{GenerationRequest, TokenEvent};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::kv_math::parse_size;
-use kvgate_runtime::loader::{Runtime, RuntimeOptions};
+use kvgate_runtime::loader::{LoadError, Runtime, RuntimeOptions};
 use kvgate_runtime::plan::{PlanArgs, PlanReport};
 use kvgate_runtime::provision;
 use kvgate_runtime::sequence::{SamplingParams, StopParams};
@@ -31,7 +31,11 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
         max_num_seqs: args.max_num_seqs,
         max_batched_tokens: args.max_batched_tokens,
     };
-    Runtime::start(&path, opts).with_context(|| format!("loading {}", path.display()))
+    Runtime::start(&path, opts).map_err(|error| match error {
+        // Its message names the file and what is wrong with it.
+        LoadError::Gguf(_) => anyhow::Error::new(error),
+        other => anyhow::Error::new(other).context(format!("loading {}", path.display())),
+    })
 }
 
 pub fn generate(args: GenerateArgs) -> Result<()> {
@@ -128,6 +132,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
 }
 
 pub fn plan(args: PlanCliArgs) -> Result<()> {
+    if let Some(model) = &args.model {
+        provision::check_model_file(model)?;
+    }
     let report = PlanReport::compute(&PlanArgs {
         model: args.model,
         layers: args.layers,

@@ -2,6 +2,8 @@
 
 mod cli;
 mod commands;
+#[cfg(test)]
+mod readme_commands;
 mod serve;
 mod top;
 
@@ -24,8 +26,49 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("kvgate: error: {err:#}");
+            eprintln!("kvgate: error: {}", one_line(&err));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The error and its causes on one line, each cause only where its text is not already in the
+/// line: many errors write their cause into their own message *and* return it as `source()`,
+/// and printing the chain as is said the same OS error up to three times.
+fn one_line(err: &anyhow::Error) -> String {
+    let mut line = err.to_string();
+    for cause in err.chain().skip(1) {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use anyhow::Context;
+
+    use super::*;
+
+    #[test]
+    fn a_cause_already_in_the_message_is_said_once() {
+        let os = std::io::Error::from_raw_os_error(2);
+        let os_text = os.to_string();
+        let wrapped = std::io::Error::other(format!("cannot open /m.gguf: {os_text}"));
+        let err = Err::<(), _>(os)
+            .context(wrapped.to_string())
+            .context("loading /m.gguf")
+            .unwrap_err();
+        let line = one_line(&err);
+        assert_eq!(line.matches(&os_text).count(), 1, "{line}");
+        assert_eq!(
+            line,
+            format!("loading /m.gguf: cannot open /m.gguf: {os_text}")
+        );
+        let plain = anyhow::anyhow!("first").context("second");
+        assert_eq!(one_line(&plain), "second: first");
     }
 }

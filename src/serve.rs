@@ -1,16 +1,21 @@
-//! `kvgate serve`: load the model, start the engine, load the policy, serve the OpenAI API (and
-//! proxy the `--upstream` models) until SIGTERM/SIGINT, drain in-flight requests within the
-//! grace period, exit 0.
+//! `kvgate serve`: load the policy, bind the listener, load the model, start the engine, serve
+//! the OpenAI API (and proxy the `--upstream` models) until SIGTERM/SIGINT, drain in-flight
+//! requests within the grace period, exit 0.
 
+use std::io::IsTerminal;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use kvgate_gateway::admission::Admission;
 use kvgate_gateway::metrics::{Compat, MetricsConfig};
+use kvgate_gateway::policy::parse_policy;
 use kvgate_gateway::reload::PolicyStore;
-use kvgate_gateway::server::{self, ServeConfig};
+use kvgate_gateway::server::{self, ServeConfig, ServeError};
 use kvgate_gateway::shutdown;
 use kvgate_gateway::upstream::Upstreams;
+use kvgate_gateway::validate::PromptCodec;
 use tracing_subscriber::EnvFilter;
 
 use kvgate_runtime::kv_math::parse_size;
@@ -18,16 +23,31 @@ use kvgate_runtime::kv_math::parse_size;
 use crate::cli::{LogFormat, MetricsCompat, ServeArgs};
 use crate::commands::start_runtime;
 
+/// `policies/default.toml`, built in: `kvgate serve` without `--policy` works from any
+/// directory, not only from a checkout.
+pub const DEFAULT_POLICY: &str = include_str!("../policies/default.toml");
+/// How the built-in policy is named in logs and errors.
+const DEFAULT_POLICY_NAME: &str = "(built-in policies/default.toml)";
+
 pub fn run(args: ServeArgs) -> Result<()> {
     init_logging(args.log_format);
     // Check the policy before spending time on the model: a typo should fail in milliseconds.
-    let store = PolicyStore::load(&args.policy)?;
+    let store = load_policy(args.policy.as_deref())?;
     let memory_budget_bytes = match &args.memory_budget {
         Some(text) => Some(parse_size(text).context("--memory-budget")? as u64),
         None => None,
     };
     // Also before the model: builds the upstreams' tiktoken encodings once, up front.
     let upstreams = Upstreams::new(args.upstreams.clone())?;
+    let tokio = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    // Bind before loading the model: a taken port fails at once, not after the load, and
+    // "ready" is logged only once the listener exists.
+    let listener = tokio
+        .block_on(server::listen(args.listen))
+        .map_err(bind_error)?;
     let runtime = start_runtime(&args.model)?;
     let config = ServeConfig {
         listen: args.listen,
@@ -46,40 +66,149 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ..ServeConfig::default()
     };
     let engine = runtime.engine.clone();
-    let tokio = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let codec: Arc<dyn PromptCodec> = runtime.tokenizer.clone();
     tokio.block_on(async {
-        let _reload = store
-            .watch()
-            .context("watching the policy file for changes")?;
+        let _reload = match &args.policy {
+            Some(_) => Some(
+                store
+                    .watch()
+                    .context("watching the policy file for changes")?,
+            ),
+            None => {
+                ignore_hangups()?;
+                None
+            }
+        };
         let admission =
             Admission::with_pools(store.clone(), engine.pool().clone(), upstreams.pools());
-        tracing::info!(listen = %config.listen, policy = %args.policy.display(), "kvgate ready");
-        server::serve(
-            config,
+        let server = server::bind_on(
+            listener,
+            &config,
             engine.clone(),
-            runtime.tokenizer.clone(),
-            store,
+            codec,
+            store.clone(),
             admission,
             upstreams,
-            shutdown::signal(),
         )
-        .await
-        .context("serving")
+        .await?;
+        let listen = server.local_addr().context("reading the bound address")?;
+        tracing::info!(
+            %listen,
+            policy = %store.path().display(),
+            model = %config.model_name,
+            "kvgate ready"
+        );
+        server.run(shutdown::signal()).await;
+        anyhow::Ok(())
     })?;
     engine.shutdown();
     Ok(())
 }
 
+/// `--policy FILE`, or the built-in default policy (logged, so nobody wonders which limits
+/// apply).
+fn load_policy(path: Option<&Path>) -> Result<PolicyStore> {
+    let Some(path) = path else {
+        let policy = parse_policy(DEFAULT_POLICY_NAME, DEFAULT_POLICY)
+            .context("the built-in default policy is invalid")?;
+        tracing::info!(
+            "no --policy given: using the built-in default policy (policies/default.toml: one \
+             anonymous tenant, any or no API key)"
+        );
+        return Ok(PolicyStore::from_policy(policy));
+    };
+    if !path.exists() {
+        bail!(
+            "--policy {}: no such file; pass the path of a policy TOML file (examples: \
+             policies/ in the repository), or leave out --policy to use the built-in default",
+            path.display()
+        );
+    }
+    Ok(PolicyStore::load(path)?)
+}
+
+/// With the built-in policy there is no file to reload; SIGHUP (which would otherwise end the
+/// process) only says so.
+fn ignore_hangups() -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangups = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            tracing::warn!(
+                "SIGHUP: the built-in default policy has no file to reload; start with \
+                 --policy FILE to change limits while serving"
+            );
+        }
+    });
+    Ok(())
+}
+
+/// One line for a listener that could not be bound, naming the usual cause.
+fn bind_error(error: ServeError) -> anyhow::Error {
+    match &error {
+        ServeError::Bind { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => {
+            anyhow::anyhow!(
+                "cannot listen on {addr}: the address is already in use (is another kvgate \
+                 running?); pick a free one with --listen"
+            )
+        }
+        _ => error.into(),
+    }
+}
+
 fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let ansi = use_color(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    );
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Plain => builder.init(),
+    }
+}
+
+/// Colour only on a terminal, and never when `NO_COLOR` is set to anything non-empty
+/// (<https://no-color.org>): logs piped to files or journald stay plain text.
+fn use_color(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|value| value.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+
+    use super::*;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(use_color(true, None));
+        assert!(use_color(true, Some(OsStr::new(""))), "an empty NO_COLOR is unset");
+        assert!(!use_color(true, Some(OsStr::new("1"))));
+        assert!(!use_color(false, None));
+    }
+
+    #[test]
+    fn without_a_policy_file_the_built_in_default_loads() {
+        let store = load_policy(None).unwrap();
+        assert_eq!(store.path(), Path::new(DEFAULT_POLICY_NAME));
+        assert!(store.current().anonymous_tenant().is_some());
+    }
+
+    #[test]
+    fn a_missing_policy_file_says_how_to_pass_one() {
+        let error = load_policy(Some(Path::new("/nonexistent/policy.toml")))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            error.starts_with("--policy /nonexistent/policy.toml: no such file;"),
+            "{error}"
+        );
+        assert!(error.contains("leave out --policy"), "{error}");
     }
 }

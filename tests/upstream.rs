@@ -143,7 +143,11 @@ async fn chat_and_completions_through_the_proxy_carry_the_upstreams_answer() {
         answer["choices"][0]["message"]["content"], direct["choices"][0]["message"]["content"],
         "greedy decoding upstream gives the same text as asking it directly"
     );
-    assert_eq!(answer["model"], MODEL, "the upstream's answer, unchanged");
+    assert_eq!(direct["model"], MODEL, "the upstream calls itself by its own id");
+    assert_eq!(
+        answer["model"], REMOTE,
+        "the client is told the name it asked for"
+    );
     assert_eq!(
         answer["usage"], direct["usage"],
         "the upstream's own token counts"
@@ -164,6 +168,7 @@ async fn chat_and_completions_through_the_proxy_carry_the_upstreams_answer() {
         .await;
     assert_eq!(completion.status, StatusCode::OK, "{:?}", completion.body);
     assert_eq!(completion.json()["object"], "text_completion");
+    assert_eq!(completion.json()["model"], REMOTE);
     let usage = &completion.json()["usage"];
     assert!(usage["completion_tokens"].as_u64().unwrap() <= 4, "{usage}");
 
@@ -217,6 +222,10 @@ async fn a_stream_is_relayed_chunk_by_chunk_to_done() {
     );
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage, &direct["usage"], "the usage chunk comes through");
+    assert!(
+        chunks.iter().all(|chunk| chunk["model"] == REMOTE),
+        "every chunk names the model the client asked for: {chunks:?}"
+    );
 
     capacity_returned(&gateway).await;
 }

@@ -11,7 +11,7 @@ use http::header::AUTHORIZATION;
 use sha2::{Digest, Sha256};
 use subtle::{Choice, ConditionallySelectable, ConstantTimeEq};
 
-use crate::policy::{KeyDigest, Policy, TenantPolicy};
+use crate::policy::{KeyDigest, Policy, TenantPolicy, UnknownKeys};
 
 /// Why a request could not be authenticated. All are HTTP 401.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -54,8 +54,9 @@ pub fn digest_key(key: &str) -> KeyDigest {
 }
 
 /// Maps a request's key to its tenant. No key: the anonymous tenant if the policy names one,
-/// else 401. A wrong key is always 401, even when anonymous access is allowed, so a typo in a
-/// key never silently downgrades a caller to anonymous limits.
+/// else 401. A key that matches no tenant follows the policy's `unknown_keys`: the anonymous
+/// tenant (a keyless policy, where SDKs send a placeholder key), or 401, so that on a policy
+/// with keys a typo never silently downgrades a caller to anonymous limits.
 pub fn authenticate(policy: &Policy, headers: &HeaderMap) -> Result<Arc<TenantPolicy>, AuthError> {
     let Some(key) = bearer_key(headers)? else {
         return policy
@@ -64,10 +65,14 @@ pub fn authenticate(policy: &Policy, headers: &HeaderMap) -> Result<Arc<TenantPo
             .ok_or(AuthError::MissingKey);
     };
     let digests = policy.tenant_key_digests();
-    find_digest(&digest_key(key), digests.iter().map(|(digest, _)| digest))
+    let known = find_digest(&digest_key(key), digests.iter().map(|(digest, _)| digest))
         .and_then(|index| digests.get(index))
-        .map(|(_, tenant)| Arc::clone(tenant))
-        .ok_or(AuthError::InvalidKey)
+        .map(|(_, tenant)| Arc::clone(tenant));
+    match (known, policy.unknown_keys(), policy.anonymous_tenant()) {
+        (Some(tenant), _, _) => Ok(tenant),
+        (None, UnknownKeys::Anonymous, Some(anonymous)) => Ok(Arc::clone(anonymous)),
+        (None, _, _) => Err(AuthError::InvalidKey),
+    }
 }
 
 /// Checks that the request carries one of the policy's admin keys.
@@ -124,8 +129,13 @@ mod tests {
         } else {
             ""
         };
+        policy_with(anonymous)
+    }
+
+    /// The test policy (three tenants, two with keys, and an admin key) under `header`.
+    fn policy_with(header: &str) -> Policy {
         let text = format!(
-            "{anonymous}admin_key_sha256 = [\"{admin}\"]\n\
+            "{header}admin_key_sha256 = [\"{admin}\"]\n\
              [tenants.guest]\n\
              [tenants.alpha]\nkey_sha256 = [\"{alpha}\"]\n\
              [tenants.beta]\nkey_sha256 = [\"{beta_old}\", \"{beta_new}\"]\n",
@@ -178,7 +188,7 @@ mod tests {
     }
 
     #[test]
-    fn unknown_key_is_rejected_even_with_anonymous_access() {
+    fn unknown_key_is_rejected_on_a_policy_with_keys_even_with_anonymous_access() {
         for anonymous in [false, true] {
             let policy = policy(anonymous);
             assert_eq!(
@@ -190,6 +200,44 @@ mod tests {
                 Err(AuthError::InvalidKey)
             );
         }
+    }
+
+    #[test]
+    fn unknown_keys_can_be_served_as_the_anonymous_tenant_when_written() {
+        let policy = policy_with("anonymous_tenant = \"guest\"\nunknown_keys = \"anonymous\"\n");
+        assert_eq!(
+            tenant_of(&policy, Some("Bearer sk-typo")),
+            Ok("guest".into())
+        );
+        assert_eq!(
+            tenant_of(&policy, Some("Bearer sk-alpha")),
+            Ok("alpha".into()),
+            "a known key still selects its tenant"
+        );
+        assert_eq!(
+            tenant_of(&policy, Some("Basic sk-typo")),
+            Err(AuthError::MalformedHeader)
+        );
+    }
+
+    #[test]
+    fn a_keyless_policy_serves_placeholder_keys_anonymously_unless_it_rejects_them() {
+        let keyless = |extra: &str| {
+            let text = format!("anonymous_tenant = \"local\"\n{extra}[tenants.local]\n");
+            parse_policy("keyless.toml", &text).unwrap()
+        };
+        let default = keyless("");
+        assert_eq!(default.unknown_keys(), UnknownKeys::Anonymous);
+        for presented in [None, Some("Bearer unused-for-anonymous"), Some("Bearer sk-x")] {
+            assert_eq!(tenant_of(&default, presented), Ok("local".into()));
+        }
+        let strict = keyless("unknown_keys = \"reject\"\n");
+        assert_eq!(strict.unknown_keys(), UnknownKeys::Reject);
+        assert_eq!(tenant_of(&strict, None), Ok("local".into()));
+        assert_eq!(
+            tenant_of(&strict, Some("Bearer sk-x")),
+            Err(AuthError::InvalidKey)
+        );
     }
 
     #[test]

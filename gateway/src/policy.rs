@@ -1,7 +1,7 @@
 //! Tenant policy: who may call the gateway and under which limits.
 //!
 //! A policy file is TOML (`policies/*.toml`): `[defaults]`, `[tenants.NAME]` overrides, optional
-//! `anonymous_tenant`, `admin_key_sha256`, `[kv]` and `[lanes]`. Loading is two-phase, like
+//! `anonymous_tenant`, `unknown_keys`, `admin_key_sha256`, `[kv]` and `[lanes]`. Loading is two-phase, like
 //! ripgrep's lowargs/hiargs: `raw` records what was written (with spans), then `build` (with
 //! `limits` for per-tenant inheritance) checks meaning into a typed [`Policy`]. Every error
 //! names the file, line, column and field (`source`), because a bad policy reload must be
@@ -34,6 +34,8 @@ pub struct Policy {
     source: PathBuf,
     tenants: BTreeMap<String, Arc<TenantPolicy>>,
     anonymous_tenant: Option<Arc<TenantPolicy>>,
+    /// What a bearer key that matches no tenant gets.
+    unknown_keys: UnknownKeysPolicy,
     tenant_keys: Vec<(KeyDigest, Arc<TenantPolicy>)>,
     admin_keys: Vec<KeyDigest>,
     /// The `[defaults]` rate limits: what a newly added tenant would get.
@@ -78,6 +80,24 @@ pub struct TenantPolicy {
 pub struct DefaultRates {
     pub requests_per_minute: Option<NonZeroU32>,
     pub tokens_per_minute: Option<NonZeroU32>,
+}
+
+/// What a request whose bearer key matches no tenant gets (`unknown_keys`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownKeys {
+    /// Served as the anonymous tenant, as if it had sent no key. Clients such as the official
+    /// OpenAI SDK always send a key, so on a policy without keys a placeholder must not be a 401.
+    Anonymous,
+    /// 401 `invalid_api_key`, so a mistyped key is never served at anonymous limits.
+    Reject,
+}
+
+/// The `unknown_keys` mode in force and whether the file wrote it (else the default applied:
+/// `anonymous` for a policy with an anonymous tenant and no tenant keys, `reject` otherwise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnknownKeysPolicy {
+    pub mode: UnknownKeys,
+    pub written: bool,
 }
 
 /// What validation does with a prompt that is too long.
@@ -170,6 +190,12 @@ impl Policy {
         self.anonymous_tenant.as_ref()
     }
 
+    /// What a bearer key that matches no tenant gets. `Anonymous` implies
+    /// [`Policy::anonymous_tenant`] is set.
+    pub fn unknown_keys(&self) -> UnknownKeys {
+        self.unknown_keys.mode
+    }
+
     /// Every (key digest, tenant) pair; auth compares against all of them.
     pub fn tenant_key_digests(&self) -> &[(KeyDigest, Arc<TenantPolicy>)] {
         &self.tenant_keys
@@ -208,6 +234,7 @@ impl Policy {
             source: self.source.clone(),
             tenants,
             anonymous_tenant: self.anonymous_tenant.as_ref().map(|t| t.name.clone()),
+            unknown_keys: self.unknown_keys,
             admin_keys: self.admin_keys.len(),
             kv: self.kv,
             lanes: self.lanes,
@@ -221,6 +248,7 @@ pub struct PolicySummary {
     pub source: PathBuf,
     pub tenants: Vec<TenantSummary>,
     pub anonymous_tenant: Option<String>,
+    pub unknown_keys: UnknownKeysPolicy,
     pub admin_keys: usize,
     pub kv: KvPolicy,
     pub lanes: LanePolicy,
@@ -236,12 +264,25 @@ pub struct TenantSummary {
 
 impl fmt::Display for PolicySummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "{}: ok", self.source.display())?;
         let anonymous = self
             .anonymous_tenant
             .as_deref()
             .unwrap_or("(none: a key is required)");
         writeln!(f, "anonymous tenant: {anonymous}")?;
+        let origin = if self.unknown_keys.written {
+            "as written"
+        } else if self.unknown_keys.mode == UnknownKeys::Anonymous {
+            "default for a policy without tenant keys"
+        } else {
+            "default for a policy with tenant keys or no anonymous tenant"
+        };
+        match (self.unknown_keys.mode, &self.anonymous_tenant) {
+            (UnknownKeys::Anonymous, Some(tenant)) => writeln!(
+                f,
+                "unknown keys: anonymous (any other bearer key is served as tenant {tenant}; {origin})"
+            )?,
+            _ => writeln!(f, "unknown keys: reject (401 invalid_api_key; {origin})")?,
+        }
         writeln!(f, "admin keys: {}", self.admin_keys)?;
         let mode = match self.kv.reservation {
             ReservationMode::Full => "full".to_string(),

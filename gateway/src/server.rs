@@ -1,4 +1,5 @@
-//! The HTTP server: [`ServeConfig`], the routes, and [`bind`] → [`Server::run`].
+//! The HTTP server: [`ServeConfig`], the routes, and [`bind`] → [`Server::run`] (or
+//! [`listen`] → [`bind_on`] → [`Server::run`], to bind before anything slow happens).
 //!
 //! Binding and running are separate so callers (main, the end-to-end tests) can listen on
 //! port 0 and learn the real address from [`Server::local_addr`] before traffic starts.
@@ -120,13 +121,29 @@ pub async fn bind_with_upstreams(
     admission: Admission,
     upstreams: Upstreams,
 ) -> Result<Server, ServeError> {
-    let upstream_routes = upstreams.routes(&config.model_name, |pool| admission.pool_id(pool))?;
-    let listener = TcpListener::bind(config.listen)
+    let listener = listen(config.listen).await?;
+    bind_on(listener, config, engine, codec, store, admission, upstreams).await
+}
+
+/// Binds `addr`. `kvgate serve` calls this before loading the model, so a taken port fails in
+/// milliseconds, and hands the listener to [`bind_on`].
+pub async fn listen(addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
         .await
-        .map_err(|source| ServeError::Bind {
-            addr: config.listen,
-            source,
-        })?;
+        .map_err(|source| ServeError::Bind { addr, source })
+}
+
+/// [`bind_with_upstreams`] on an already bound `listener` (`config.listen` is not used).
+pub async fn bind_on(
+    listener: TcpListener,
+    config: &ServeConfig,
+    engine: Engine,
+    codec: Arc<dyn PromptCodec>,
+    store: PolicyStore,
+    admission: Admission,
+    upstreams: Upstreams,
+) -> Result<Server, ServeError> {
+    let upstream_routes = upstreams.routes(&config.model_name, |pool| admission.pool_id(pool))?;
     let mut metrics_config = config.metrics.clone();
     if metrics_config.model.is_empty() {
         metrics_config.model = config.model_name.clone();
@@ -184,7 +201,9 @@ impl Server {
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let state = self.state;
         let sampler = state.metrics().spawn_sampler(METRICS_SAMPLE_INTERVAL);
-        tracing::info!(addr = ?self.listener.local_addr().ok(), "serving");
+        if let Ok(addr) = self.listener.local_addr() {
+            tracing::debug!(%addr, "serving");
+        }
         shutdown::serve_until(
             self.listener,
             self.service,

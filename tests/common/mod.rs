@@ -8,6 +8,8 @@
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
 pub mod client;
+pub mod process;
+pub mod readme;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

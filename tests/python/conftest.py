@@ -1,9 +1,11 @@
 """Starts a real `kvgate serve` (the default model, a test policy) for the openai-client tests.
 
-The binary comes from $KVGATE_BIN (default: target/debug/kvgate under the repository root).
+The binary comes from $KVGATE_BIN (default: target/debug/kvgate under the repository root);
+`running_kvgate` also serves test_readme.py.
 The server is stopped with SIGTERM at the end and must exit 0: a graceful drain.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -72,21 +74,17 @@ def _served_model(base: str) -> str:
         return json.load(reply)["data"][0]["id"]
 
 
-@pytest.fixture(scope="session")
-def server():
-    binary = os.environ.get("KVGATE_BIN", os.path.join(ROOT, "target", "debug", "kvgate"))
-    policy = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
-    policy.write(POLICY)
-    policy.close()
+@contextlib.contextmanager
+def running_kvgate(args, cwd):
+    """`kvgate serve --listen 127.0.0.1:PORT ARGS` in `cwd` until the block ends; yields its base
+    URL. The server must then exit 0 on SIGTERM (a graceful drain)."""
+    binary = os.path.abspath(os.environ.get("KVGATE_BIN", os.path.join(ROOT, "target", "debug", "kvgate")))
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [binary, "serve", "--policy", policy.name, "--listen", f"127.0.0.1:{port}", "--kv-memory", "64MiB"],
-        cwd=ROOT,
-    )
+    process = subprocess.Popen([binary, "serve", "--listen", f"127.0.0.1:{port}", *args], cwd=cwd)
     try:
         _wait_ready(base, process)
-        yield {"base_url": f"{base}/v1", "keys": KEYS, "model": _served_model(base)}
+        yield base
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -94,5 +92,16 @@ def server():
         except subprocess.TimeoutExpired:
             process.kill()
             raise
-        os.unlink(policy.name)
         assert code == 0, f"kvgate must exit 0 after SIGTERM, got {code}"
+
+
+@pytest.fixture(scope="session")
+def server():
+    policy = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+    policy.write(POLICY)
+    policy.close()
+    try:
+        with running_kvgate(["--policy", policy.name, "--kv-memory", "64MiB"], ROOT) as base:
+            yield {"base_url": f"{base}/v1", "keys": KEYS, "model": _served_model(base)}
+    finally:
+        os.unlink(policy.name)

@@ -1,6 +1,6 @@
 //! Phase two of policy loading: raw file → typed [`Policy`]. Tenant limits are resolved in
 //! `limits.rs`; this file checks what spans tenants: names, key digests (unique across
-//! tenants), the anonymous tenant, admin keys, `[kv]` and `[lanes]`.
+//! tenants), the anonymous tenant and what unknown keys get, admin keys, `[kv]` and `[lanes]`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -9,11 +9,11 @@ use std::sync::Arc;
 use toml::Spanned;
 
 use super::limits::{Limits, int_field};
-use super::raw::{RawKv, RawLanes, RawPolicy, RawReservation};
+use super::raw::{RawKv, RawLanes, RawPolicy, RawReservation, RawUnknownKeys};
 use super::source::Source;
 use super::{
     DefaultRates, KeyDigest, KvPolicy, LanePolicy, Policy, PolicyError, ReservationMode,
-    TenantPolicy,
+    TenantPolicy, UnknownKeys, UnknownKeysPolicy,
 };
 
 // Built-in pool and lane settings (tenant limits are in `limits.rs`).
@@ -67,6 +67,13 @@ pub(super) fn build(path: &Path, text: &str) -> Result<Policy, PolicyError> {
         })?),
     };
 
+    let unknown_keys = build_unknown_keys(
+        &source,
+        &raw,
+        anonymous_tenant.is_some(),
+        !tenant_keys.is_empty(),
+    )?;
+
     let mut admin_keys = Vec::new();
     for key in &raw.admin_key_sha256 {
         let digest = parse_digest(&source, key, "admin_key_sha256")?;
@@ -85,10 +92,47 @@ pub(super) fn build(path: &Path, text: &str) -> Result<Policy, PolicyError> {
         },
         tenants,
         anonymous_tenant,
+        unknown_keys,
         tenant_keys,
         admin_keys,
         kv: build_kv(&source, &raw.kv)?,
         lanes: build_lanes(&source, &raw.lanes)?,
+    })
+}
+
+/// `unknown_keys`: as written, or by default `anonymous` when the policy has an anonymous
+/// tenant and no tenant keys (a single-user setup, where clients such as the official OpenAI
+/// SDK send a placeholder key they cannot leave out), `reject` otherwise (a typo of a real key
+/// must not be served at anonymous limits).
+fn build_unknown_keys(
+    source: &Source,
+    raw: &RawPolicy,
+    has_anonymous: bool,
+    has_tenant_keys: bool,
+) -> Result<UnknownKeysPolicy, PolicyError> {
+    let Some(written) = &raw.unknown_keys else {
+        let mode = if has_anonymous && !has_tenant_keys {
+            UnknownKeys::Anonymous
+        } else {
+            UnknownKeys::Reject
+        };
+        return Ok(UnknownKeysPolicy {
+            mode,
+            written: false,
+        });
+    };
+    let mode = match written.get_ref() {
+        RawUnknownKeys::Reject => UnknownKeys::Reject,
+        RawUnknownKeys::Anonymous if has_anonymous => UnknownKeys::Anonymous,
+        RawUnknownKeys::Anonymous => {
+            let message = "\"anonymous\" serves unknown keys as the anonymous tenant; \
+                           set `anonymous_tenant` too";
+            return Err(source.error(written.span(), "unknown_keys", message));
+        }
+    };
+    Ok(UnknownKeysPolicy {
+        mode,
+        written: true,
     })
 }
 

@@ -16,6 +16,7 @@ use toml::Spanned;
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPolicy {
     pub anonymous_tenant: Option<Spanned<String>>,
+    pub unknown_keys: Option<Spanned<RawUnknownKeys>>,
     #[serde(default)]
     pub admin_key_sha256: Vec<Spanned<String>>,
     #[serde(default)]
@@ -26,6 +27,14 @@ pub(super) struct RawPolicy {
     pub kv: RawKv,
     #[serde(default)]
     pub lanes: RawLanes,
+}
+
+/// `unknown_keys`: what a bearer key that matches no tenant gets.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum RawUnknownKeys {
+    Anonymous,
+    Reject,
 }
 
 /// `[defaults]` and each `[tenants.NAME]`: every limit is optional so a tenant inherits what it

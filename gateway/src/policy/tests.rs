@@ -187,3 +187,63 @@ fn read_errors_name_the_file() {
         "{error}"
     );
 }
+
+#[test]
+fn unknown_keys_default_to_anonymous_only_on_a_keyless_policy_with_an_anonymous_tenant() {
+    let default = load_policy(shipped("default.toml")).unwrap();
+    assert_eq!(default.unknown_keys(), UnknownKeys::Anonymous);
+    let multi = load_policy(shipped("multi-tenant.toml")).unwrap();
+    assert_eq!(multi.unknown_keys(), UnknownKeys::Reject);
+    let keyed_with_anonymous = format!(
+        "anonymous_tenant = \"a\"\n[tenants.a]\n[tenants.b]\nkey_sha256 = [\"{}\"]\n",
+        "ab".repeat(32)
+    );
+    let policy = parse_policy("p.toml", &keyed_with_anonymous).unwrap();
+    assert_eq!(policy.unknown_keys(), UnknownKeys::Reject);
+    let no_anonymous = parse_policy("p.toml", "[tenants.a]\n").unwrap();
+    assert_eq!(no_anonymous.unknown_keys(), UnknownKeys::Reject);
+    let written = format!("unknown_keys = \"anonymous\"\n{keyed_with_anonymous}");
+    let policy = parse_policy("p.toml", &written).unwrap();
+    assert_eq!(policy.unknown_keys(), UnknownKeys::Anonymous);
+}
+
+#[test]
+fn unknown_keys_errors_name_the_setting() {
+    let (line, column, field, message) =
+        error_of("unknown_keys = \"anonymous\"\n[tenants.a]\n");
+    assert_eq!((line, column, field.as_str()), (1, 16, "unknown_keys"));
+    assert!(message.contains("anonymous_tenant"), "{message}");
+    let (line, _, field, _) = error_of("unknown_keys = \"allow\"\n[tenants.a]\n");
+    assert_eq!((line, field.as_str()), (1, "unknown_keys"));
+}
+
+#[test]
+fn the_summary_says_which_unknown_keys_mode_is_in_force_and_why() {
+    let default = check_policy_file(shipped("default.toml")).unwrap().to_string();
+    assert!(
+        default.contains(
+            "unknown keys: anonymous (any other bearer key is served as tenant local; \
+             default for a policy without tenant keys)"
+        ),
+        "{default}"
+    );
+    let multi = check_policy_file(shipped("multi-tenant.toml"))
+        .unwrap()
+        .to_string();
+    assert!(
+        multi.contains("unknown keys: reject (401 invalid_api_key; default for a policy"),
+        "{multi}"
+    );
+    assert!(!multi.to_lowercase().contains(": ok"), "no second OK line: {multi}");
+    let written = parse_policy(
+        "p.toml",
+        "anonymous_tenant = \"a\"\nunknown_keys = \"reject\"\n[tenants.a]\n",
+    )
+    .unwrap()
+    .summary()
+    .to_string();
+    assert!(
+        written.contains("unknown keys: reject (401 invalid_api_key; as written)"),
+        "{written}"
+    );
+}

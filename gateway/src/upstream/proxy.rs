@@ -8,7 +8,8 @@
 //!   pooled client. No connection, or no response headers within the upstream's `timeout`, is
 //!   a 502 `upstream_unavailable`.
 //! * [`relay`]: the upstream's status, headers (less hop-by-hop ones and the ones kvgate sets
-//!   itself) and body, frame by frame: an SSE stream is forwarded chunk by chunk as it arrives,
+//!   itself) and body, with `model` renamed to the name the client asked for (`rename.rs`),
+//!   frame by frame: an SSE stream is forwarded chunk by chunk as it arrives,
 //!   with no buffering beyond the frame in flight (hyper stops reading the upstream when the
 //!   client stops reading). The body owns the admission guard, which goes back when the body
 //!   ends; if the client leaves, hyper drops the body, which drops the upstream response and
@@ -26,7 +27,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderName};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderName};
 use http::{HeaderMap, Request};
 use http_body::{Frame, SizeHint};
 use http_body_util::Full;
@@ -34,6 +35,7 @@ use hyper::body::Incoming;
 use serde_json::Value;
 
 use super::Upstream;
+use super::rename::{Framing, RenameModel};
 use crate::error::GatewayError;
 use crate::ratelimit::HEADER_NAMES as RATE_LIMIT_HEADERS;
 use crate::stack::REQUEST_ID_HEADER;
@@ -162,11 +164,25 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
 ) -> Response {
     let (mut parts, body) = upstream.into_parts();
     strip_own_headers(&mut parts.headers);
-    let sse = parts
+    let content_type = parts
         .headers
         .get(CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.trim_start().starts_with("text/event-stream"));
+        .map(|value| value.trim_start().to_ascii_lowercase())
+        .unwrap_or_default();
+    let sse = content_type.starts_with("text/event-stream");
+    let framing = if sse {
+        Framing::Sse
+    } else if content_type.starts_with("application/json") {
+        Framing::Json
+    } else {
+        Framing::Verbatim
+    };
+    if framing != Framing::Verbatim {
+        // The renamed body's length is not the upstream's.
+        parts.headers.remove(CONTENT_LENGTH);
+    }
+    let body = RenameModel::new(body, from.spec.name.clone(), framing);
     let body = GuardedBody::new(body, guard);
     let body = if sse {
         body.watching(from.spec.name.clone(), from.spec.timeout)

@@ -292,7 +292,7 @@ fn message_content_cannot_inject_control_tokens() {
     use kvgate_runtime::gguf::GgufFile;
     use kvgate_runtime::tokenizer::Tokenizer;
 
-    let path = kvgate_runtime::provision::default_model_location();
+    let path = kvgate_runtime::provision::default_model_location().expect("a cache folder");
     if !path.is_file() {
         eprintln!("skipping: {} is not provisioned", path.display());
         return;
@@ -353,4 +353,23 @@ fn message_content_cannot_inject_control_tokens() {
         )
         .expect("renders");
     assert_eq!(benign.prompt_ids, tokenizer.encode(&rendered, true));
+}
+
+#[test]
+fn an_oversized_completion_budget_names_what_sets_the_limit_not_an_api_key() {
+    let body = json!({"model": "m", "messages": [user("hi")], "max_tokens": 51});
+    let message = chat(body.clone()).unwrap_err().to_string();
+    assert_eq!(
+        message,
+        "`max_tokens` is too large: 51. This tenant's policy allows at most 50 completion tokens."
+    );
+    let small_model = Limits {
+        model_context: 40,
+        ..limits()
+    };
+    let message = chat_with(body, &small_model).unwrap_err().to_string();
+    assert!(
+        message.contains("The model's context length allows at most 40 completion tokens"),
+        "{message}"
+    );
 }

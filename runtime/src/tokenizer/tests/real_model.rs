@@ -11,7 +11,7 @@ pub(super) fn smollm() -> Option<&'static Tokenizer> {
     static TOKENIZER: OnceLock<Option<Tokenizer>> = OnceLock::new();
     TOKENIZER
         .get_or_init(|| {
-            let path = default_model_location();
+            let path = default_model_location().expect("a cache folder for the model");
             if !path.is_file() {
                 eprintln!("skipping: {} is not provisioned", path.display());
                 return None;
@@ -23,7 +23,7 @@ pub(super) fn smollm() -> Option<&'static Tokenizer> {
 }
 
 fn smollm_vocab() -> Option<Vocab> {
-    let path = default_model_location();
+    let path = default_model_location().ok()?;
     let gguf = GgufFile::open(path).ok()?;
     Some(Vocab::from_gguf(&gguf).expect("SmolLM2 vocabulary parses"))
 }

@@ -1,0 +1,274 @@
+//! The relayed answer names the model the client asked for.
+//!
+//! A client asks for `NAME`; the upstream is sent its own id (`model=ID`) and answers with
+//! whatever it calls itself (llama.cpp's server: the path of its GGUF file). OpenAI's API, and
+//! vLLM's `--served-model-name`, answer with the name that was requested, and clients match
+//! on it, so [`RenameModel`] rewrites the top-level `model` field of the relayed JSON body, or
+//! of each SSE `data:` event, to `NAME`.
+//!
+//! An SSE stream is still relayed as it arrives: every complete line goes out as soon as its
+//! newline does; only a line split across frames waits for its end. A JSON body is held until
+//! it is complete (it is one non-streamed answer) and rewritten once. Anything that is not an
+//! object with a string `model` (an error body, `data: [DONE]`, a comment) passes unchanged,
+//! as does a body or line larger than [`MAX_HELD_BYTES`], so memory per response stays bounded.
+//! Rewritten JSON is re-serialized, so its keys may come back in another order.
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Frame, SizeHint};
+use serde_json::Value;
+
+/// Most bytes held back to rewrite (one JSON answer, or one SSE line); beyond that the rest is
+/// relayed unchanged.
+pub(crate) const MAX_HELD_BYTES: usize = 4 << 20;
+
+/// How the body is framed, which decides what is held back and rewritten.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// One JSON document: held to its end, then rewritten.
+    Json,
+    /// Server-sent events: rewritten line by line.
+    Sse,
+    /// Relayed as is (unknown content, or too large to hold).
+    Verbatim,
+}
+
+/// A body whose `model` values are rewritten to the name the client asked for.
+pub(crate) struct RenameModel<B> {
+    inner: B,
+    name: String,
+    framing: Framing,
+    held: BytesMut,
+    /// The inner body has ended (its trailers, if any, wait in `trailers`).
+    ended: bool,
+    trailers: Option<Frame<Bytes>>,
+}
+
+impl<B> RenameModel<B> {
+    pub(crate) fn new(inner: B, name: String, framing: Framing) -> RenameModel<B> {
+        RenameModel {
+            inner,
+            name,
+            framing,
+            held: BytesMut::new(),
+            ended: false,
+            trailers: None,
+        }
+    }
+
+    /// The held bytes that can go out now, rewritten; `None` while more must be read first.
+    fn ready_bytes(&mut self) -> Option<Bytes> {
+        match self.framing {
+            Framing::Sse => {
+                if let Some(end) = self.held.iter().rposition(|&b| b == b'\n') {
+                    let lines = self.held.split_to(end + 1);
+                    return Some(rename_in_lines(&lines, &self.name));
+                }
+                if self.held.len() > MAX_HELD_BYTES {
+                    self.framing = Framing::Verbatim;
+                    return Some(self.held.split().freeze());
+                }
+                None
+            }
+            Framing::Json if self.held.len() > MAX_HELD_BYTES => {
+                self.framing = Framing::Verbatim;
+                Some(self.held.split().freeze())
+            }
+            Framing::Json => None,
+            Framing::Verbatim => Some(self.held.split().freeze()),
+        }
+    }
+
+    /// Everything still held, at the end of the body.
+    fn rest(&mut self) -> Bytes {
+        let rest = self.held.split();
+        match self.framing {
+            Framing::Sse => rename_in_lines(&rest, &self.name),
+            Framing::Json => rename_in_json(&rest, &self.name).map_or(rest.freeze(), Bytes::from),
+            Framing::Verbatim => rest.freeze(),
+        }
+    }
+}
+
+impl<B> http_body::Body for RenameModel<B>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.get_mut();
+        loop {
+            if this.ended {
+                if !this.held.is_empty() {
+                    return Poll::Ready(Some(Ok(Frame::data(this.rest()))));
+                }
+                return Poll::Ready(this.trailers.take().map(Ok));
+            }
+            match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+                None => this.ended = true,
+                Some(Err(error)) => return Poll::Ready(Some(Err(error))),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        this.held.extend_from_slice(&data);
+                        if let Some(out) = this.ready_bytes() {
+                            return Poll::Ready(Some(Ok(Frame::data(out))));
+                        }
+                    }
+                    // Trailers end a body: send what is held first.
+                    Err(trailers) => {
+                        this.trailers = Some(trailers);
+                        this.ended = true;
+                    }
+                },
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended && self.held.is_empty() && self.trailers.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        // A rewritten body's length differs from the upstream's.
+        SizeHint::default()
+    }
+}
+
+/// Rewrites the `data:` lines among `lines` (each ending in `\n`, except perhaps the last).
+fn rename_in_lines(lines: &[u8], name: &str) -> Bytes {
+    let mut out = Vec::with_capacity(lines.len());
+    for line in lines.split_inclusive(|&b| b == b'\n') {
+        match rename_in_event_line(line, name) {
+            Some(renamed) => out.extend_from_slice(&renamed),
+            None => out.extend_from_slice(line),
+        }
+    }
+    Bytes::from(out)
+}
+
+/// `data: {...,"model":"x",...}` with `model` set to `name`, keeping the line ending; `None`
+/// for any other line.
+fn rename_in_event_line(line: &[u8], name: &str) -> Option<Vec<u8>> {
+    let content_end = line
+        .iter()
+        .rposition(|&b| b != b'\n' && b != b'\r')
+        .map_or(0, |i| i + 1);
+    let (content, ending) = line.split_at(content_end);
+    let payload = content.strip_prefix(b"data:")?;
+    let payload = payload.strip_prefix(b" ").unwrap_or(payload);
+    let renamed = rename_in_json(payload, name)?;
+    let mut out = Vec::with_capacity(renamed.len() + 8);
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(&renamed);
+    out.extend_from_slice(ending);
+    Some(out)
+}
+
+/// The JSON object `json` with its string `model` set to `name`; `None` when there is nothing
+/// to change (not an object, no string `model`, or already `name`).
+fn rename_in_json(json: &[u8], name: &str) -> Option<Vec<u8>> {
+    let mut value: Value = serde_json::from_slice(json).ok()?;
+    let object = value.as_object_mut()?;
+    match object.get("model") {
+        Some(Value::String(model)) if model != name => {}
+        _ => return None,
+    }
+    object.insert("model".to_owned(), Value::from(name));
+    serde_json::to_vec(&value).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::{BodyExt, Full, StreamBody};
+    use serde_json::json;
+
+    use super::*;
+
+    /// The body `chunks` would become, split into frames exactly as given.
+    async fn relayed(chunks: &[&[u8]], framing: Framing) -> Vec<Bytes> {
+        let frames: Vec<Result<Frame<Bytes>, std::convert::Infallible>> = chunks
+            .iter()
+            .map(|chunk| Ok(Frame::data(Bytes::copy_from_slice(chunk))))
+            .collect();
+        let mut body = RenameModel::new(
+            StreamBody::new(futures::stream::iter(frames)),
+            "remote".to_owned(),
+            framing,
+        );
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            out.push(frame.unwrap().into_data().unwrap());
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_json_answer_reports_the_requested_name() {
+        let answer = json!({"id": "c1", "model": "/models/llama.gguf", "choices": []});
+        let text = serde_json::to_vec(&answer).unwrap();
+        let (head, tail) = text.split_at(10);
+        let out = relayed(&[head, tail], Framing::Json).await;
+        assert_eq!(out.len(), 1, "held to the end, sent once");
+        let renamed: Value = serde_json::from_slice(&out[0]).unwrap();
+        assert_eq!(renamed["model"], "remote");
+        assert_eq!(renamed["id"], "c1");
+
+        let error: &[u8] = br#"{"error":{"message":"model /m.gguf is busy","code":503}}"#;
+        let out = relayed(&[error], Framing::Json).await;
+        assert_eq!(out.concat(), error.to_vec(), "no top-level model: unchanged");
+    }
+
+    #[tokio::test]
+    async fn sse_events_are_renamed_line_by_line_as_they_arrive() {
+        let first: &[u8] = b"data: {\"model\":\"/m.gguf\",\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n";
+        let split: &[u8] = b"data: {\"model\":\"/m.gg";
+        let rest: &[u8] = b"uf\",\"choices\":[]}\r\n\r\n: keep-alive\n\ndata: [DONE]\n\n";
+        let out = relayed(&[first, split, rest], Framing::Sse).await;
+        assert_eq!(out.len(), 2, "the split line waits for its end: {out:?}");
+        let first_out = std::str::from_utf8(&out[0]).unwrap();
+        assert!(first_out.starts_with("data: {"), "{first_out}");
+        assert!(first_out.ends_with("}\n\n"), "{first_out}");
+        let event: Value = serde_json::from_str(first_out["data: ".len()..].trim()).unwrap();
+        assert_eq!(event["model"], "remote");
+        assert_eq!(event["choices"][0]["delta"]["content"], "Hi");
+        let second = std::str::from_utf8(&out[1]).unwrap();
+        assert!(second.contains("\"model\":\"remote\""), "{second}");
+        assert!(
+            second.ends_with("}\r\n\r\n: keep-alive\n\ndata: [DONE]\n\n"),
+            "{second}"
+        );
+    }
+
+    #[tokio::test]
+    async fn verbatim_bodies_and_oversized_lines_pass_unchanged() {
+        let text: &[u8] = br#"{"model":"/m.gguf"}"#;
+        assert_eq!(relayed(&[text], Framing::Verbatim).await.concat(), text);
+
+        let mut long = b"data: {\"model\":\"/m.gguf\",\"pad\":\"".to_vec();
+        long.extend(std::iter::repeat_n(b'x', MAX_HELD_BYTES));
+        let out = relayed(&[&long[..], &b"\"}\n\n"[..]], Framing::Sse).await;
+        let mut expected = long.clone();
+        expected.extend_from_slice(b"\"}\n\n");
+        assert_eq!(out.concat(), expected);
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_already_has_the_name_is_not_reserialized() {
+        let text = br#"{"model":"remote",  "id":"x"}"#;
+        let mut body = RenameModel::new(
+            Full::new(Bytes::from_static(text)),
+            "remote".to_owned(),
+            Framing::Json,
+        );
+        let out = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(&out[..], text);
+        assert!(body.frame().await.is_none());
+    }
+}

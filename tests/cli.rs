@@ -1,0 +1,197 @@
+//! The `kvgate` binary as a new user meets it: run from a directory that is not the checkout,
+//! logs piped to a file, a taken port, a mistyped `--model` or `--policy`. Each failure must be
+//! one line on stderr that names the cause once.
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::Path;
+
+use common::process::{run, scratch_dir, serve};
+use common::{Client, MODEL, chat};
+use hyper::StatusCode;
+
+/// The stderr of a failed command: exactly one line, `kvgate: error: ...`, returned.
+fn one_error_line(output: &std::process::Output) -> String {
+    assert!(!output.status.success(), "expected a failure");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line on stderr, got:\n{stderr}");
+    let line = lines[0];
+    assert!(line.starts_with("kvgate: error: "), "{line}");
+    line.to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_from_any_directory_on_the_built_in_policy_with_plain_piped_logs() {
+    // No policies/ folder and no model under this directory: the built-in default policy and
+    // the user-wide model cache (KVGATE_CACHE_DIR here) must be used.
+    let home = scratch_dir("serve-anywhere");
+    let server = serve(
+        &["--listen", "localhost:0", "--kv-memory", "64MiB"],
+        &home,
+    );
+    assert!(server.addr.ip().is_loopback(), "{}", server.addr);
+    assert!(server.addr.port() != 0, "the bound port, not the requested 0");
+    let ready = server.log.last().unwrap().clone();
+    assert!(ready.contains("policy=(built-in policies/default.toml)"), "{ready}");
+    assert!(
+        server
+            .log
+            .iter()
+            .any(|line| line.contains("using the built-in default policy")),
+        "{:#?}",
+        server.log
+    );
+
+    // The official SDKs always send a key; on the keyless default policy a placeholder is
+    // served as the anonymous tenant.
+    let client = Client::new(server.addr);
+    let reply = client
+        .post(
+            "/v1/chat/completions",
+            Some("unused-for-anonymous"),
+            &chat("Say hi.", 4),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["model"], MODEL);
+
+    let mut log = server.log.clone();
+    let (status, rest) = server.stop();
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    log.extend(rest);
+    assert!(
+        log.iter().all(|line| !line.contains('\u{1b}')),
+        "no ANSI escapes in a piped log: {log:#?}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn a_taken_port_is_one_error_line_before_the_model_loads_and_never_ready() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let home = scratch_dir("port-taken");
+    let output = common::process::kvgate()
+        .args(["serve", "--listen", &addr.to_string()])
+        // A model that does not exist: if the port were bound after loading, this would be the
+        // error instead.
+        .args(["--model", "/nonexistent/model.gguf"])
+        .env("RUST_LOG", "info")
+        .current_dir(&home)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    assert!(!stderr.contains("kvgate ready"), "{stderr}");
+    let error = stderr
+        .lines()
+        .filter(|line| line.starts_with("kvgate: error: "))
+        .collect::<Vec<_>>();
+    assert_eq!(
+        error,
+        [format!(
+            "kvgate: error: cannot listen on {addr}: the address is already in use (is another \
+             kvgate running?); pick a free one with --listen"
+        )],
+        "{stderr}"
+    );
+    assert!(!output.status.success());
+    drop(taken);
+}
+
+#[test]
+fn model_path_mistakes_are_one_line_naming_what_was_expected_and_found() {
+    let home = scratch_dir("model-errors");
+    let missing = one_error_line(&run(
+        &["generate", "--model", "/nonexistent/m.gguf", "hi"],
+        &home,
+    ));
+    assert_eq!(
+        missing,
+        "kvgate: error: --model /nonexistent/m.gguf: expected a GGUF model file, found nothing \
+         at that path"
+    );
+
+    let dir = home.display().to_string();
+    let directory = one_error_line(&run(&["tokenize", "--model", &dir, "hi"], &home));
+    assert_eq!(
+        directory,
+        format!("kvgate: error: --model {dir}: expected a GGUF model file, found a directory")
+    );
+
+    let text = home.join("notes.txt");
+    std::fs::write(&text, "just some text\n").unwrap();
+    let text = text.display().to_string();
+    let not_gguf = one_error_line(&run(&["generate", "--model", &text, "hi"], &home));
+    assert_eq!(
+        not_gguf,
+        format!(
+            "kvgate: error: {text}: not a GGUF file: expected it to start with \"GGUF\", found \
+             \"just\""
+        )
+    );
+    let plan = one_error_line(&run(
+        &["plan", "--model", "/nonexistent/m.gguf", "--memory", "1GiB", "--max-context", "64"],
+        &home,
+    ));
+    assert!(plan.contains("found nothing at that path"), "{plan}");
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn a_missing_policy_file_says_so_and_how_to_pass_one() {
+    let home = scratch_dir("policy-missing");
+    let line = one_error_line(&run(&["serve", "--policy", "nope.toml"], &home));
+    assert_eq!(
+        line,
+        "kvgate: error: --policy nope.toml: no such file; pass the path of a policy TOML file \
+         (examples: policies/ in the repository), or leave out --policy to use the built-in \
+         default"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn listen_takes_ip_port_or_host_port_and_explains_anything_else() {
+    let home = scratch_dir("listen");
+    let output = run(&["serve", "--listen", "8080"], &home);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("expected IP:PORT or HOST:PORT"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("invalid socket address syntax"), "{stderr}");
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn policy_check_says_ok_once_and_which_unknown_keys_mode_applies() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let check = |file: &str| {
+        let output = run(&["policy", "check", file], root);
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let default = check("policies/default.toml");
+    assert!(default.starts_with("policies/default.toml: OK\n"), "{default}");
+    assert_eq!(default.to_lowercase().matches(": ok").count(), 1, "{default}");
+    assert!(default.contains("\nunknown keys: anonymous ("), "{default}");
+    let multi = check("policies/multi-tenant.toml");
+    assert!(multi.contains("\nunknown keys: reject ("), "{multi}");
+}
+
+#[test]
+fn an_invalid_policy_is_one_line_with_its_location() {
+    let home = scratch_dir("policy-invalid");
+    let file = home.join("p.toml");
+    std::fs::write(&file, "unknown_keys = \"anonymous\"\n[tenants.a]\n").unwrap();
+    let file = file.display().to_string();
+    let line = one_error_line(&run(&["policy", "check", &file], &home));
+    assert!(
+        line.starts_with(&format!("kvgate: error: {file}:1:16: `unknown_keys`: ")),
+        "{line}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}

@@ -1,0 +1,139 @@
+//! The `kvgate` binary as a user runs it: a child process with its own working directory, its
+//! stderr read line by line (a pipe, as under systemd or `2> file`), stopped with SIGTERM.
+//!
+//! The environment is inherited, so `KVGATE_CACHE_DIR` (where the tests' model is) reaches the
+//! child, as it reaches a user's shell.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::time::{Duration, Instant};
+
+/// Longest wait for "kvgate ready" (the model loads first; the machine may be busy).
+const READY_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The binary cargo built for this test run.
+pub fn kvgate() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    command.stdin(Stdio::null());
+    command
+}
+
+/// Runs `kvgate ARGS` in `cwd` to completion.
+pub fn run(args: &[&str], cwd: &Path) -> Output {
+    kvgate()
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("kvgate runs")
+}
+
+/// A fresh empty directory outside the repository (a user's home, say).
+pub fn scratch_dir(name: &str) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "kvgate-{name}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// A running `kvgate serve`.
+pub struct Served {
+    child: Child,
+    /// The address from the "kvgate ready" log line.
+    pub addr: SocketAddr,
+    /// stderr lines up to and including "kvgate ready".
+    pub log: Vec<String>,
+    lines: Receiver<String>,
+}
+
+/// Starts `kvgate serve ARGS` in `cwd` and waits for its "kvgate ready listen=ADDR" line.
+pub fn serve(args: &[&str], cwd: &Path) -> Served {
+    let mut child = kvgate()
+        .arg("serve")
+        .args(args)
+        .current_dir(cwd)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvgate serve starts");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (sender, lines) = channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if sender.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let mut log = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => {
+                let ready = ready_addr(&line);
+                log.push(line);
+                if let Some(addr) = ready {
+                    return Served {
+                        child,
+                        addr,
+                        log,
+                        lines,
+                    };
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                let _ = child.kill();
+                panic!("no \"kvgate ready\" within {READY_TIMEOUT:?}; log:\n{}", log.join("\n"));
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                let status = child.wait().expect("wait");
+                panic!("kvgate serve exited ({status}) before ready; log:\n{}", log.join("\n"));
+            }
+        }
+    }
+}
+
+/// `ADDR` of a "kvgate ready ... listen=ADDR ..." line.
+pub fn ready_addr(line: &str) -> Option<SocketAddr> {
+    if !line.contains("kvgate ready") {
+        return None;
+    }
+    let value = line.split_whitespace().find_map(|word| word.strip_prefix("listen="))?;
+    Some(value.parse().unwrap_or_else(|_| panic!("unparsable listen= in {line:?}")))
+}
+
+impl Served {
+    /// SIGTERM, then the exit status and the rest of stderr.
+    pub fn stop(mut self) -> (ExitStatus, Vec<String>) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "SIGTERM to {pid}");
+        let status = self.child.wait().expect("wait");
+        // The reader thread ends at EOF, which the exit brings.
+        let rest = self.lines.iter().collect();
+        (status, rest)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        // A failed test must not leave a server behind.
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
