@@ -264,9 +264,18 @@ mod tests {
         let local = parse_listen_addr("localhost:8080").expect("localhost resolves");
         assert!(local.ip().is_loopback(), "{local}");
         assert_eq!(local.port(), 8080);
-        for bad in ["8080", "localhost", ":8080", "localhost:http", "localhost:70000"] {
+        for bad in [
+            "8080",
+            "localhost",
+            ":8080",
+            "localhost:http",
+            "localhost:70000",
+        ] {
             let error = parse_listen_addr(bad).expect_err(bad);
-            assert!(error.starts_with("expected IP:PORT or HOST:PORT"), "{bad}: {error}");
+            assert!(
+                error.starts_with("expected IP:PORT or HOST:PORT"),
+                "{bad}: {error}"
+            );
         }
     }
 }

@@ -45,7 +45,10 @@ fn every_kvgate_command_in_the_readme_parses() {
         }
     }
     // serve (cargo run), plan twice, top, the upstream example: the README has at least these.
-    assert!(checked >= 5, "only {checked} kvgate commands found in README.md");
+    assert!(
+        checked >= 5,
+        "only {checked} kvgate commands found in README.md"
+    );
 }
 
 #[test]
@@ -59,7 +62,11 @@ fn command_lines_are_found_in_console_and_shell_blocks() {
     assert_eq!(readme::console_output(&block), "shape  2 layers\n");
     assert_eq!(
         kvgate_args("cargo run --release -- serve --listen localhost:8080"),
-        Some(vec!["serve".into(), "--listen".into(), "localhost:8080".into()])
+        Some(vec![
+            "serve".into(),
+            "--listen".into(),
+            "localhost:8080".into()
+        ])
     );
     assert_eq!(kvgate_args("curl -s http://x"), None);
 }

@@ -187,7 +187,10 @@ mod tests {
     #[test]
     fn colour_only_on_a_terminal_without_no_color() {
         assert!(use_color(true, None));
-        assert!(use_color(true, Some(OsStr::new(""))), "an empty NO_COLOR is unset");
+        assert!(
+            use_color(true, Some(OsStr::new(""))),
+            "an empty NO_COLOR is unset"
+        );
         assert!(!use_color(true, Some(OsStr::new("1"))));
         assert!(!use_color(false, None));
     }

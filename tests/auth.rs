@@ -13,7 +13,9 @@ use kvgate_gateway::metrics::exposition::Scrape;
 use serde_json::json;
 
 fn shipped(name: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies").join(name);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("policies")
+        .join(name);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -25,7 +27,12 @@ async fn the_default_policy_serves_placeholder_keys_as_its_anonymous_tenant() {
         let reply = client
             .post("/v1/chat/completions", key, &chat("Name three colors.", 6))
             .await;
-        assert_eq!(reply.status, StatusCode::OK, "key {key:?}: {:?}", reply.body);
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "key {key:?}: {:?}",
+            reply.body
+        );
         assert_eq!(reply.json()["model"], MODEL);
     }
 
@@ -60,7 +67,11 @@ async fn the_multi_tenant_policy_refuses_unknown_keys() {
         assert_eq!(reply.error_code(), "invalid_api_key");
     }
     let reply = client
-        .post("/v1/chat/completions", Some("sk-demo-alpha"), &chat("Hi.", 2))
+        .post(
+            "/v1/chat/completions",
+            Some("sk-demo-alpha"),
+            &chat("Hi.", 2),
+        )
         .await;
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
     server.shutdown().await;

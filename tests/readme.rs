@@ -22,7 +22,11 @@ const README_ADDR: &str = "127.0.0.1:8080";
 /// A README command line split as a shell would, without the leading `kvgate`.
 fn kvgate_args(command: &str) -> Vec<String> {
     let words = shlex::split(command).unwrap_or_else(|| panic!("unbalanced quotes: {command}"));
-    assert_eq!(words.first().map(String::as_str), Some("kvgate"), "{command}");
+    assert_eq!(
+        words.first().map(String::as_str),
+        Some("kvgate"),
+        "{command}"
+    );
     words[1..].to_vec()
 }
 
@@ -33,7 +37,12 @@ fn readme_command(lang: &str, marker: &str, prefix: &str) -> String {
         .into_iter()
         .filter(|command| command.starts_with(prefix))
         .collect();
-    assert_eq!(found.len(), 1, "README.md:{}: one `{prefix}` command", block.line);
+    assert_eq!(
+        found.len(),
+        1,
+        "README.md:{}: one `{prefix}` command",
+        block.line
+    );
     found.remove(0)
 }
 
@@ -41,10 +50,9 @@ fn readme_command(lang: &str, marker: &str, prefix: &str) -> String {
 /// `cargo install --path .`); its stdout, which must be a success's.
 fn shell(script: &str, cwd: &Path) -> String {
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_kvgate")).parent().unwrap();
-    let path = std::env::join_paths(
-        std::iter::once(bin_dir.to_path_buf())
-            .chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
-    )
+    let path = std::env::join_paths(std::iter::once(bin_dir.to_path_buf()).chain(
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+    ))
     .unwrap();
     let output = Command::new("sh")
         .args(["-c", script])
@@ -72,12 +80,18 @@ async fn the_readme_run_command_curl_top_and_plan_examples_work_on_a_live_server
     let addr = server.addr.to_string();
 
     // First request: the curl example, verbatim but for the port.
-    let block = the_block(&readme(), "sh", "curl -s http://127.0.0.1:8080/v1/chat/completions");
+    let block = the_block(
+        &readme(),
+        "sh",
+        "curl -s http://127.0.0.1:8080/v1/chat/completions",
+    );
     assert!(block.body.contains(README_ADDR));
     let answer = shell(&block.body.replace(README_ADDR, &addr), &home);
     let answer: Value = serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{e}: {answer}"));
     assert_eq!(answer["model"], MODEL);
-    let content = answer["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    let content = answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default();
     assert!(!content.trim().is_empty(), "{answer}");
 
     // `kvgate top`, once instead of forever.
@@ -87,7 +101,10 @@ async fn the_readme_run_command_curl_top_and_plan_examples_work_on_a_live_server
     let output = kvgate().args(&args).output().unwrap();
     let screen = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{top}: {output:?}");
-    assert!(screen.contains(&format!("kvgate top — http://{addr}")), "{screen}");
+    assert!(
+        screen.contains(&format!("kvgate top — http://{addr}")),
+        "{screen}"
+    );
     assert!(screen.contains("\nKV   ["), "{screen}");
 
     // The README says plan's block count is exactly what serve allocates for the same budget:
@@ -96,7 +113,10 @@ async fn the_readme_run_command_curl_top_and_plan_examples_work_on_a_live_server
     assert!(plan.contains("--memory 256MiB"), "{plan}");
     let report: Value = serde_json::from_str(&shell(&plan, &home)).expect("--json output");
     assert_eq!(report["max_context"], 8192, "{report}");
-    assert!(report["weights_bytes"].as_u64().unwrap_or(0) > 0, "{report}");
+    assert!(
+        report["weights_bytes"].as_u64().unwrap_or(0) > 0,
+        "{report}"
+    );
     let metrics = Client::new(server.addr).get("/metrics", None).await;
     let scrape = Scrape::parse(&String::from_utf8_lossy(&metrics.body)).unwrap();
     assert_eq!(
@@ -115,7 +135,10 @@ fn the_readme_plan_output_is_what_kvgate_plan_prints() {
     let block = the_block(&readme(), "console", "$ kvgate plan");
     let command = commands(&block).remove(0);
     let output = run(
-        &kvgate_args(&command).iter().map(String::as_str).collect::<Vec<_>>(),
+        &kvgate_args(&command)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
         Path::new(env!("CARGO_MANIFEST_DIR")),
     );
     assert!(output.status.success(), "{output:?}");

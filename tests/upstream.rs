@@ -143,7 +143,10 @@ async fn chat_and_completions_through_the_proxy_carry_the_upstreams_answer() {
         answer["choices"][0]["message"]["content"], direct["choices"][0]["message"]["content"],
         "greedy decoding upstream gives the same text as asking it directly"
     );
-    assert_eq!(direct["model"], MODEL, "the upstream calls itself by its own id");
+    assert_eq!(
+        direct["model"], MODEL,
+        "the upstream calls itself by its own id"
+    );
     assert_eq!(
         answer["model"], REMOTE,
         "the client is told the name it asked for"

@@ -228,7 +228,11 @@ mod tests {
         };
         let default = keyless("");
         assert_eq!(default.unknown_keys(), UnknownKeys::Anonymous);
-        for presented in [None, Some("Bearer unused-for-anonymous"), Some("Bearer sk-x")] {
+        for presented in [
+            None,
+            Some("Bearer unused-for-anonymous"),
+            Some("Bearer sk-x"),
+        ] {
             assert_eq!(tenant_of(&default, presented), Ok("local".into()));
         }
         let strict = keyless("unknown_keys = \"reject\"\n");

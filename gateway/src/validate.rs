@@ -92,7 +92,9 @@ pub enum ValidationError {
     EmptyPrompt,
     #[error("`{param}` must be at least 1 (got {given})")]
     MaxTokensTooSmall { param: &'static str, given: i64 },
-    #[error("`{param}` is too large: {given}. {limit_name} allows at most {limit} completion tokens.")]
+    #[error(
+        "`{param}` is too large: {given}. {limit_name} allows at most {limit} completion tokens."
+    )]
     MaxTokensTooLarge {
         param: &'static str,
         given: i64,

@@ -69,7 +69,10 @@ fn cache_dir_from(
         return Ok(PathBuf::from(dir));
     }
     // The XDG spec ignores a relative XDG_CACHE_HOME.
-    if let Some(dir) = xdg_cache_home.map(PathBuf::from).filter(|d| d.is_absolute()) {
+    if let Some(dir) = xdg_cache_home
+        .map(PathBuf::from)
+        .filter(|d| d.is_absolute())
+    {
         return Ok(dir.join("kvgate"));
     }
     match home {

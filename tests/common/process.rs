@@ -93,11 +93,17 @@ pub fn serve(args: &[&str], cwd: &Path) -> Served {
             }
             Err(RecvTimeoutError::Timeout) => {
                 let _ = child.kill();
-                panic!("no \"kvgate ready\" within {READY_TIMEOUT:?}; log:\n{}", log.join("\n"));
+                panic!(
+                    "no \"kvgate ready\" within {READY_TIMEOUT:?}; log:\n{}",
+                    log.join("\n")
+                );
             }
             Err(RecvTimeoutError::Disconnected) => {
                 let status = child.wait().expect("wait");
-                panic!("kvgate serve exited ({status}) before ready; log:\n{}", log.join("\n"));
+                panic!(
+                    "kvgate serve exited ({status}) before ready; log:\n{}",
+                    log.join("\n")
+                );
             }
         }
     }
@@ -108,8 +114,14 @@ pub fn ready_addr(line: &str) -> Option<SocketAddr> {
     if !line.contains("kvgate ready") {
         return None;
     }
-    let value = line.split_whitespace().find_map(|word| word.strip_prefix("listen="))?;
-    Some(value.parse().unwrap_or_else(|_| panic!("unparsable listen= in {line:?}")))
+    let value = line
+        .split_whitespace()
+        .find_map(|word| word.strip_prefix("listen="))?;
+    Some(
+        value
+            .parse()
+            .unwrap_or_else(|_| panic!("unparsable listen= in {line:?}")),
+    )
 }
 
 impl Served {

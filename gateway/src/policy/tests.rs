@@ -209,8 +209,7 @@ fn unknown_keys_default_to_anonymous_only_on_a_keyless_policy_with_an_anonymous_
 
 #[test]
 fn unknown_keys_errors_name_the_setting() {
-    let (line, column, field, message) =
-        error_of("unknown_keys = \"anonymous\"\n[tenants.a]\n");
+    let (line, column, field, message) = error_of("unknown_keys = \"anonymous\"\n[tenants.a]\n");
     assert_eq!((line, column, field.as_str()), (1, 16, "unknown_keys"));
     assert!(message.contains("anonymous_tenant"), "{message}");
     let (line, _, field, _) = error_of("unknown_keys = \"allow\"\n[tenants.a]\n");
@@ -219,7 +218,9 @@ fn unknown_keys_errors_name_the_setting() {
 
 #[test]
 fn the_summary_says_which_unknown_keys_mode_is_in_force_and_why() {
-    let default = check_policy_file(shipped("default.toml")).unwrap().to_string();
+    let default = check_policy_file(shipped("default.toml"))
+        .unwrap()
+        .to_string();
     assert!(
         default.contains(
             "unknown keys: anonymous (any other bearer key is served as tenant local; \
@@ -234,7 +235,10 @@ fn the_summary_says_which_unknown_keys_mode_is_in_force_and_why() {
         multi.contains("unknown keys: reject (401 invalid_api_key; default for a policy"),
         "{multi}"
     );
-    assert!(!multi.to_lowercase().contains(": ok"), "no second OK line: {multi}");
+    assert!(
+        !multi.to_lowercase().contains(": ok"),
+        "no second OK line: {multi}"
+    );
     let written = parse_policy(
         "p.toml",
         "anonymous_tenant = \"a\"\nunknown_keys = \"reject\"\n[tenants.a]\n",

@@ -222,12 +222,17 @@ mod tests {
 
         let error: &[u8] = br#"{"error":{"message":"model /m.gguf is busy","code":503}}"#;
         let out = relayed(&[error], Framing::Json).await;
-        assert_eq!(out.concat(), error.to_vec(), "no top-level model: unchanged");
+        assert_eq!(
+            out.concat(),
+            error.to_vec(),
+            "no top-level model: unchanged"
+        );
     }
 
     #[tokio::test]
     async fn sse_events_are_renamed_line_by_line_as_they_arrive() {
-        let first: &[u8] = b"data: {\"model\":\"/m.gguf\",\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n";
+        let first: &[u8] =
+            b"data: {\"model\":\"/m.gguf\",\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n";
         let split: &[u8] = b"data: {\"model\":\"/m.gg";
         let rest: &[u8] = b"uf\",\"choices\":[]}\r\n\r\n: keep-alive\n\ndata: [DONE]\n\n";
         let out = relayed(&[first, split, rest], Framing::Sse).await;

@@ -183,7 +183,10 @@ fn bars_never_overflow_and_ignore_nonsense() {
 #[test]
 fn without_a_budget_the_memory_line_has_no_level_bar() {
     let (_, after) = two_frames();
-    let no_budget = AFTER.replace("kvgate_memory_budget_bytes 8388608", "kvgate_memory_budget_bytes 0");
+    let no_budget = AFTER.replace(
+        "kvgate_memory_budget_bytes 8388608",
+        "kvgate_memory_budget_bytes 0",
+    );
     let mut view = TopView::build(&frame(&no_budget, after.at), None);
     // Allocation at its peak: a bar scaled to the peak would be full.
     view.memory_peak = view.memory_allocated;
@@ -192,9 +195,16 @@ fn without_a_budget_the_memory_line_has_no_level_bar() {
     assert!(!mem.contains('#'), "{mem}");
     assert!(mem.contains("no --memory-budget"), "{mem}");
     assert!(mem.contains("budget none"), "{mem}");
-    assert_eq!(mem.find("  allocated"), Some("MEM  ".len() + BAR_WIDTH + 2), "aligned like a bar: {mem}");
+    assert_eq!(
+        mem.find("  allocated"),
+        Some("MEM  ".len() + BAR_WIDTH + 2),
+        "aligned like a bar: {mem}"
+    );
 
     let with_budget = TopView::build(&after, None).render("u", Duration::from_secs(1));
     let mem = with_budget.lines().find(|l| l.starts_with("MEM")).unwrap();
-    assert!(mem.starts_with(&format!("MEM  [{}{}", "#".repeat(15), "^".repeat(5))), "{mem}");
+    assert!(
+        mem.starts_with(&format!("MEM  [{}{}", "#".repeat(15), "^".repeat(5))),
+        "{mem}"
+    );
 }
