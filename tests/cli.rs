@@ -213,3 +213,35 @@ fn an_invalid_policy_is_one_line_with_its_location() {
     );
     std::fs::remove_dir_all(&home).ok();
 }
+
+#[test]
+fn logs_are_coloured_on_a_terminal_unless_no_color_is_set() {
+    // `script` (util-linux, essential on Debian) gives the child a pseudo-terminal. A taken port
+    // makes serve log one line and exit before any model work.
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let command = format!(
+        "{} serve --listen {}",
+        env!("CARGO_BIN_EXE_kvgate"),
+        taken.local_addr().unwrap()
+    );
+    let on_terminal = |no_color: Option<&str>| {
+        let mut script = std::process::Command::new("script");
+        script.args(["-q", "-e", "-c", &command, "/dev/null"]);
+        script.env_remove("NO_COLOR").env("RUST_LOG", "info");
+        if let Some(value) = no_color {
+            script.env("NO_COLOR", value);
+        }
+        let output = script.output().expect("script runs");
+        let text = String::from_utf8_lossy(&output.stdout).to_string();
+        assert!(
+            text.contains("using the built-in default policy"),
+            "the log line was written: {text:?}"
+        );
+        text
+    };
+    assert!(
+        on_terminal(None).contains("\u{1b}["),
+        "colour on a terminal"
+    );
+    assert!(!on_terminal(Some("1")).contains("\u{1b}["), "NO_COLOR=1");
+}
