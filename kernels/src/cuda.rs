@@ -114,6 +114,8 @@ pub fn attention_partitions(max_context: usize) -> usize {
     max_context.div_ceil(ATTN_PARTITION).max(1)
 }
 
+pub mod nvrtc;
+
 #[cfg(test)]
 mod emu;
 #[cfg(test)]

@@ -4,147 +4,40 @@
 //! fails. Without NVRTC the check is skipped, which `KVGATE_REQUIRE_NVRTC=1` (set by `.ci/run`)
 //! turns into a failure.
 
+use super::nvrtc::{CacheOutcome, CubinCache, ELF_MAGIC, Nvrtc, NvrtcError};
 use super::{PROGRAMS, nvrtc_options};
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::PathBuf;
 
+/// NVRTC as the tests find it: `KVGATE_NVRTC_LIB`, the wheel `scripts/test.sh` installs in
+/// `.cache/kvgate/nvrtc`, then the system's library. `None` means skip, which
+/// `KVGATE_REQUIRE_NVRTC=1` turns into a failure.
+fn nvrtc_for_tests() -> Option<Nvrtc> {
+    let mut candidates: Vec<PathBuf> = std::env::var_os("KVGATE_NVRTC_LIB")
+        .map(PathBuf::from)
+        .into_iter()
+        .collect();
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/kvgate/nvrtc/lib");
+    if let Ok(entries) = std::fs::read_dir(&venv) {
+        for entry in entries.flatten() {
+            let lib = "site-packages/nvidia/cuda_nvrtc/lib/libnvrtc.so.12";
+            candidates.push(entry.path().join(lib));
+        }
+    }
+    candidates.extend(["libnvrtc.so.13", "libnvrtc.so.12"].map(PathBuf::from));
+    match Nvrtc::open_first(candidates) {
+        Ok(nvrtc) => Some(nvrtc),
+        Err(e) => {
+            assert!(
+                std::env::var("KVGATE_REQUIRE_NVRTC").as_deref() != Ok("1"),
+                "KVGATE_REQUIRE_NVRTC=1 but: {e}"
+            );
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
 const ARCHS: &[&str] = &["sm_80", "sm_90"];
-
-type Program = *mut c_void;
-type CreateProgram = unsafe extern "C" fn(
-    *mut Program,
-    *const c_char,
-    *const c_char,
-    c_int,
-    *const *const c_char,
-    *const *const c_char,
-) -> c_int;
-type CompileProgram = unsafe extern "C" fn(Program, c_int, *const *const c_char) -> c_int;
-type GetSize = unsafe extern "C" fn(Program, *mut usize) -> c_int;
-type GetBytes = unsafe extern "C" fn(Program, *mut c_char) -> c_int;
-type DestroyProgram = unsafe extern "C" fn(*mut Program) -> c_int;
-type Version = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
-
-/// libnvrtc, opened by path (the wheel's copy is not on the loader's search path).
-struct Nvrtc {
-    lib: libloading::Library,
-    path: String,
-}
-
-/// What one compile produced.
-struct Compiled {
-    log: String,
-    cubin: Vec<u8>,
-}
-
-impl Nvrtc {
-    /// `KVGATE_NVRTC_LIB`, else the wheel in `.cache/kvgate/nvrtc` (scripts/test.sh), else
-    /// the system's libnvrtc.
-    fn open() -> Result<Nvrtc, String> {
-        let mut candidates: Vec<PathBuf> = Vec::new();
-        if let Some(path) = std::env::var_os("KVGATE_NVRTC_LIB") {
-            candidates.push(path.into());
-        }
-        let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/kvgate/nvrtc/lib");
-        if let Ok(entries) = std::fs::read_dir(&venv) {
-            for entry in entries.flatten() {
-                candidates.push(
-                    entry
-                        .path()
-                        .join("site-packages/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"),
-                );
-            }
-        }
-        candidates.extend(["libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so"].map(PathBuf::from));
-        let mut tried = Vec::new();
-        for path in candidates {
-            // SAFETY: loading libnvrtc runs no initialisers with preconditions; symbols are
-            // looked up with their documented C signatures below.
-            match unsafe { libloading::Library::new(&path) } {
-                Ok(lib) => {
-                    return Ok(Nvrtc {
-                        lib,
-                        path: path.display().to_string(),
-                    });
-                }
-                Err(e) => tried.push(format!("{}: {e}", path.display())),
-            }
-        }
-        Err(tried.join("; "))
-    }
-
-    fn symbol<T: Copy>(&self, name: &[u8]) -> T {
-        // SAFETY: each call site names the NVRTC function whose C signature `T` is.
-        unsafe {
-            *self
-                .lib
-                .get::<T>(name)
-                .unwrap_or_else(|e| panic!("{}: {e}", self.path))
-        }
-    }
-
-    fn version(&self) -> (i32, i32) {
-        let (mut major, mut minor) = (0, 0);
-        // SAFETY: nvrtcVersion writes two ints.
-        unsafe { self.symbol::<Version>(b"nvrtcVersion\0")(&mut major, &mut minor) };
-        (major, minor)
-    }
-
-    /// Compiles `source` with `options`: Ok with the log and CUBIN, or Err with the log.
-    fn compile(&self, name: &str, source: &str, options: &[String]) -> Result<Compiled, String> {
-        let src = CString::new(source).expect("sources contain no NUL");
-        let cname = CString::new(name).expect("names contain no NUL");
-        let opts: Vec<CString> = options
-            .iter()
-            .map(|o| CString::new(o.as_str()).expect("options contain no NUL"))
-            .collect();
-        let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
-        let mut prog: Program = std::ptr::null_mut();
-        // SAFETY: every pointer is a live NUL-terminated string or array of them for the call;
-        // the program handle is destroyed before returning.
-        unsafe {
-            let rc = self.symbol::<CreateProgram>(b"nvrtcCreateProgram\0")(
-                &mut prog,
-                src.as_ptr(),
-                cname.as_ptr(),
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
-            );
-            assert_eq!(rc, 0, "nvrtcCreateProgram failed ({rc})");
-            let rc = self.symbol::<CompileProgram>(b"nvrtcCompileProgram\0")(
-                prog,
-                opt_ptrs.len() as c_int,
-                opt_ptrs.as_ptr(),
-            );
-            let log = self.read(prog, b"nvrtcGetProgramLogSize\0", b"nvrtcGetProgramLog\0");
-            let log = CStr::from_bytes_until_nul(&log)
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let result = if rc == 0 {
-                let cubin = self.read(prog, b"nvrtcGetCUBINSize\0", b"nvrtcGetCUBIN\0");
-                Ok(Compiled { log, cubin })
-            } else {
-                Err(format!("nvrtcCompileProgram returned {rc}:\n{log}"))
-            };
-            self.symbol::<DestroyProgram>(b"nvrtcDestroyProgram\0")(&mut prog);
-            result
-        }
-    }
-
-    /// # Safety
-    /// `prog` must be a live, compiled program; the symbols a (size, bytes) getter pair.
-    unsafe fn read(&self, prog: Program, size_fn: &[u8], bytes_fn: &[u8]) -> Vec<u8> {
-        let mut size = 0usize;
-        // SAFETY: per this function's contract.
-        unsafe {
-            self.symbol::<GetSize>(size_fn)(prog, &mut size);
-            let mut buf = vec![0u8; size];
-            self.symbol::<GetBytes>(bytes_fn)(prog, buf.as_mut_ptr().cast());
-            buf
-        }
-    }
-}
 
 /// ptxas' verdict on one kernel.
 #[derive(Debug, PartialEq, Eq)]
@@ -199,35 +92,26 @@ fn problems(log: &str) -> Vec<&str> {
 
 #[test]
 fn every_kernel_compiles_for_sm80_and_sm90_without_warnings_or_spills() {
-    let nvrtc = match Nvrtc::open() {
-        Ok(nvrtc) => nvrtc,
-        Err(tried) => {
-            assert!(
-                std::env::var("KVGATE_REQUIRE_NVRTC").as_deref() != Ok("1"),
-                "KVGATE_REQUIRE_NVRTC=1 but libnvrtc was not found (tried {tried})"
-            );
-            eprintln!("skipped: libnvrtc not found (set KVGATE_NVRTC_LIB); tried {tried}");
-            return;
-        }
+    let Some(nvrtc) = nvrtc_for_tests() else {
+        return;
     };
     let (major, minor) = nvrtc.version();
-    eprintln!("NVRTC {major}.{minor} from {}", nvrtc.path);
+    eprintln!("NVRTC {major}.{minor} from {}", nvrtc.path());
     let mut failures = Vec::new();
     for program in PROGRAMS {
         for arch in ARCHS {
-            let compiled =
-                match nvrtc.compile(program.name, &program.full_source(), &nvrtc_options(arch)) {
-                    Ok(c) => c,
-                    Err(log) => {
-                        failures.push(format!("{} {arch}: {log}", program.name));
-                        continue;
-                    }
-                };
+            let compiled = match nvrtc.compile(program, &nvrtc_options(arch)) {
+                Ok(c) => c,
+                Err(e) => {
+                    failures.push(format!("{arch}: {e}"));
+                    continue;
+                }
+            };
             let bad = problems(&compiled.log);
             if !bad.is_empty() {
                 failures.push(format!("{} {arch}: {}", program.name, bad.join("\n")));
             }
-            if !compiled.cubin.starts_with(b"\x7fELF") {
+            if !compiled.cubin.starts_with(ELF_MAGIC) {
                 failures.push(format!("{} {arch}: output is not a CUBIN", program.name));
             }
             let reports = parse_ptxas_log(&compiled.log);
@@ -295,5 +179,56 @@ ptxas info    : Used 255 registers, used 1 barriers, 64 bytes smem
     assert_eq!(
         problems("a.cu(3): warning #177-D: unused\nok\n"),
         ["a.cu(3): warning #177-D: unused"]
+    );
+}
+
+#[test]
+fn cubins_are_cached_per_architecture_and_reused() {
+    let Some(nvrtc) = nvrtc_for_tests() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvgate-cubin-cache-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    let cache = CubinCache::new(&dir);
+    let program = &PROGRAMS[0];
+    let (sm80, sm90) = (nvrtc_options("sm_80"), nvrtc_options("sm_90"));
+    let (first, outcome) = cache
+        .get_or_compile(&nvrtc, program, &sm80)
+        .expect("compiles");
+    assert_eq!(outcome, CacheOutcome::Compiled);
+    let (again, outcome) = cache
+        .get_or_compile(&nvrtc, program, &sm80)
+        .expect("cached");
+    assert_eq!(outcome, CacheOutcome::Cached);
+    assert_eq!(first, again);
+    let (other, outcome) = cache
+        .get_or_compile(&nvrtc, program, &sm90)
+        .expect("compiles");
+    assert_eq!(
+        outcome,
+        CacheOutcome::Compiled,
+        "another architecture is another entry"
+    );
+    assert_ne!(first, other);
+    // A damaged entry is recompiled, not loaded.
+    let path = cache.path_for(program, &sm80, nvrtc.version());
+    std::fs::write(&path, b"garbage").expect("damage the entry");
+    let (fixed, outcome) = cache
+        .get_or_compile(&nvrtc, program, &sm80)
+        .expect("recompiles");
+    assert_eq!((fixed, outcome), (first, CacheOutcome::Compiled));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_missing_library_is_an_error_naming_what_was_tried() {
+    let err = Nvrtc::open_first(vec![PathBuf::from("/nonexistent/libnvrtc.so.12")])
+        .err()
+        .expect("no library there");
+    assert!(matches!(err, NvrtcError::NotFound(_)));
+    let msg = err.to_string();
+    assert!(
+        msg.contains("/nonexistent/libnvrtc.so.12") && msg.contains("KVGATE_NVRTC_LIB"),
+        "{msg}"
     );
 }
