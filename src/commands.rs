@@ -1,4 +1,5 @@
-//! The one-shot commands: generate, tokenize, bench, plan, policy, top, fetch-model.
+//! The one-shot commands: generate, tokenize, bench, plan, policy, top, fetch-model,
+//! synth-model.
 
 use std::io::{Read, Write};
 use std::time::Duration;
