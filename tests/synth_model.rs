@@ -18,12 +18,9 @@ fn temp_dir() -> PathBuf {
     dir
 }
 
-#[test]
-fn readme_example_writes_a_tiny_model_and_generates_from_it() {
-    let dir = temp_dir();
-    let model = dir.join("tiny.gguf");
-    let model = model.to_str().expect("utf-8 temp path");
-    let out = kvgate(&[
+/// The README's command: `kvgate synth-model --shape tiny --dtype q4_1 --seed 1 OUT`.
+fn synth_tiny_seed_1(out: &str) -> Output {
+    kvgate(&[
         "synth-model",
         "--shape",
         "tiny",
@@ -31,8 +28,16 @@ fn readme_example_writes_a_tiny_model_and_generates_from_it() {
         "q4_1",
         "--seed",
         "1",
-        model,
-    ]);
+        out,
+    ])
+}
+
+#[test]
+fn readme_example_writes_a_tiny_model_and_generates_from_it() {
+    let dir = temp_dir();
+    let model = dir.join("tiny.gguf");
+    let model = model.to_str().expect("utf-8 temp path");
+    let out = synth_tiny_seed_1(model);
     assert!(
         out.status.success(),
         "{}",
@@ -64,16 +69,7 @@ fn readme_example_writes_a_tiny_model_and_generates_from_it() {
 
     let again = dir.join("again.gguf");
     let again = again.to_str().expect("utf-8 temp path");
-    let out = kvgate(&[
-        "synth-model",
-        "--shape",
-        "tiny",
-        "--dtype",
-        "q4_1",
-        "--seed",
-        "1",
-        again,
-    ]);
+    let out = synth_tiny_seed_1(again);
     assert!(out.status.success());
     assert!(
         std::fs::read(model).expect("read") == std::fs::read(again).expect("read"),
