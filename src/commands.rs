@@ -1,4 +1,5 @@
-//! The one-shot commands: generate, tokenize, bench, plan, policy, top, fetch-model.
+//! The one-shot commands: generate, tokenize, bench, plan, policy, top, fetch-model,
+//! synth-model.
 
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -9,15 +10,17 @@ use kvgate_runtime::bench::{BenchOptions, KvWasteOptions, measure_kv_waste};
 use kvgate_runtime::chat_template::ChatMessage;
 use kvgate_runtime::engine::{GenerationRequest, TokenEvent};
 use kvgate_runtime::gguf::GgufFile;
-use kvgate_runtime::kv_math::parse_size;
+use kvgate_runtime::kv_math::{HumanSize, parse_size};
 use kvgate_runtime::loader::{LoadError, Runtime, RuntimeOptions};
 use kvgate_runtime::plan::{PlanArgs, PlanReport};
 use kvgate_runtime::provision;
 use kvgate_runtime::sequence::{SamplingParams, StopParams};
+use kvgate_runtime::synth::{SynthModel, SynthSpec};
 use kvgate_runtime::tokenizer::Tokenizer;
 
 use crate::cli::{
-    BenchArgs, GenerateArgs, ModelArgs, PlanCliArgs, PolicyCommand, TokenizeArgs, TopArgs,
+    BenchArgs, GenerateArgs, ModelArgs, PlanCliArgs, PolicyCommand, SynthModelArgs, TokenizeArgs,
+    TopArgs,
 };
 
 /// Loads the model named by `args` (fetching the default one if needed) and starts the engine.
@@ -197,5 +200,32 @@ pub fn top(args: TopArgs) -> Result<()> {
 pub fn fetch_model() -> Result<()> {
     let path = provision::default_model_path()?;
     println!("{}", path.display());
+    Ok(())
+}
+
+pub fn synth_model(args: SynthModelArgs) -> Result<()> {
+    let model = SynthModel::new(SynthSpec {
+        shape: args.shape,
+        dtype: args.dtype,
+        seed: args.seed,
+    });
+    // Large shapes take a while (a 13B Q4_0 file is 7 GiB): show progress on stderr only.
+    let bar = indicatif::ProgressBar::new(model.file_len());
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bytes}/{total_bytes} {wide_bar} {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let header = model.header_len();
+    model.write_to(&args.out, &mut |written| bar.set_position(header + written))?;
+    bar.finish_and_clear();
+    println!(
+        "{}: synthetic {} {} seed {} ({} tensors, {})",
+        args.out.display(),
+        args.shape,
+        args.dtype,
+        args.seed,
+        model.num_tensors(),
+        HumanSize(model.file_len() as usize)
+    );
     Ok(())
 }

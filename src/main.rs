@@ -22,6 +22,7 @@ fn main() -> ExitCode {
         cli::Command::Policy(cmd) => commands::policy(cmd),
         cli::Command::Top(args) => commands::top(args),
         cli::Command::FetchModel => commands::fetch_model(),
+        cli::Command::SynthModel(args) => commands::synth_model(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,6 +12,7 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod cuda;
 pub mod dot;
 pub mod matmul;
 pub mod mmap;

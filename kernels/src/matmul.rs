@@ -362,4 +362,4 @@ fn split_join(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -17,4 +17,5 @@ pub mod provision;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+pub mod synth;
 pub mod tokenizer;

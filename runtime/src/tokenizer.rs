@@ -23,6 +23,7 @@ mod stream;
 mod tests;
 mod vocab;
 
+pub(crate) use byte_level::byte_to_char;
 pub use stream::{StreamDecoder, Utf8Stream};
 pub use vocab::TokenKind;
 

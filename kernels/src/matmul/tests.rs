@@ -11,7 +11,7 @@ fn pool(threads: usize) -> rayon::ThreadPool {
 }
 
 /// Random but realistic blocks: small positive scales, mins of both signs, random quants.
-fn random_matrix(rng: &mut StdRng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
+pub(crate) fn random_matrix(rng: &mut StdRng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
     let mut data = vec![0u8; rows * ty.row_bytes(cols)];
     rng.fill(&mut data[..]);
     match ty {

@@ -7,7 +7,7 @@
 //! generated tokens back into text, every token string has to be mapped back to its raw bytes.
 
 /// The character GPT-2 uses for each byte value.
-pub(super) fn byte_to_char(byte: u8) -> char {
+pub(crate) fn byte_to_char(byte: u8) -> char {
     let b = u32::from(byte);
     if is_printable(b) {
         return char::from(byte);

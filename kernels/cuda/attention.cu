@@ -1,0 +1,238 @@
+// The paged KV cache on the device: the cache write through the slot mapping, and paged
+// attention over 16-token f16 blocks read through block tables.
+//
+// Layout (per layer, K and V alike): [num_blocks][n_kv_heads][KV_BLOCK][head_dim] f16, so one
+// (block, kv_head) is one contiguous run of KV_BLOCK * head_dim halves (4 KiB at head_dim 128).
+// Slot s of the pool is token s % KV_BLOCK of block s / KV_BLOCK, as on the CPU.
+//
+// Numerics follow kernels/src/attention.rs (llama.cpp's non-flash path): q rounded to f16,
+// scores = f16.f16 dots in f32 times scale, softmax in f32, probabilities rounded to f16,
+// output = sum p.v in f32. Contexts longer than one partition (ATTN_PARTITION tokens) are
+// split: each partition normalises its own probabilities, and attention_reduce merges the
+// partitions with their max and sum. The partition size is a constant, so how a row is split
+// depends on its context length only, never on the batch: a sequence's output does not depend
+// on what else is in the step.
+
+#define KV_BLOCK 16
+#define ATTN_WARPS 4
+#define ATTN_THREADS (ATTN_WARPS * WARP)
+#define ATTN_PARTITION 512
+#define ATTN_MAX_GROUP 8
+
+// Writes each token's K and V (f32, [tokens][n_kv_heads * head_dim]) into its slot, rounded to
+// f16. slots[t] < 0 marks a padding token and writes nothing. Grid (tokens), any block size.
+KERNEL void write_kv(uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache,
+                     const float* __restrict__ k, const float* __restrict__ v,
+                     const int32_t* __restrict__ slots, int n_kv_heads, int head_dim) {
+    const int t = blockIdx.x;
+    const int slot = slots[t];
+    if (slot < 0) return;
+    const long long block = slot / KV_BLOCK;
+    const int offset = slot % KV_BLOCK;
+    const int width = n_kv_heads * head_dim;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const int h = i / head_dim, d = i % head_dim;
+        const long long at = ((block * n_kv_heads + h) * KV_BLOCK + offset) * head_dim + d;
+        k_cache[at] = f32_to_f16(k[(long long)t * width + i]);
+        v_cache[at] = f32_to_f16(v[(long long)t * width + i]);
+    }
+}
+
+// Dynamic shared memory of one attention block, in floats.
+//   q_s     [group][D]                     the group's queries, rounded to f16
+//   logits  [group][ATTN_PARTITION]        scores, then probabilities
+//   red     [ATTN_WARPS][group][D]         per-warp partial outputs
+//   stats   [group][2]                     max and sum of each head's exponentials
+// attention_smem_bytes() on the host computes the same size.
+
+// One query row against one KV head's group of query heads over one partition of its context.
+// Grid (n_kv_heads, rows, max_parts), block ATTN_THREADS. A row is one query token: a decode
+// step has one per sequence; a prefill chunk has one per token, each with context_len =
+// position + 1 (causal) over the same block table, so chunked prefill reads earlier chunks
+// from the cache.
+template <int D>
+DEVICE void paged_attention(float* __restrict__ out, float* __restrict__ part_out,
+                            float* __restrict__ part_stats, const float* __restrict__ q,
+                            const uint16_t* __restrict__ k_cache,
+                            const uint16_t* __restrict__ v_cache,
+                            const int32_t* __restrict__ block_tables,
+                            const int32_t* __restrict__ row_seq,
+                            const int32_t* __restrict__ row_ctx, int max_blocks_per_seq,
+                            int n_kv_heads, int group, int max_parts, float scale) {
+    static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head_dim must be 32..256, a multiple of 32");
+    const int kv_head = blockIdx.x, row = blockIdx.y, part = blockIdx.z;
+    const int ctx = row_ctx[row];
+    const int n_parts = (ctx + ATTN_PARTITION - 1) / ATTN_PARTITION;
+    if (part >= n_parts) return;  // uniform over the block
+    const int start = part * ATTN_PARTITION;
+    const int n = min(ctx - start, ATTN_PARTITION);
+    const int n_heads = n_kv_heads * group;
+    const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
+
+    DYN_SMEM(float, smem);
+    float* q_s = smem;
+    float* logits = q_s + group * D;
+    float* red = logits + group * ATTN_PARTITION;
+    float* stats = red + ATTN_WARPS * group * D;
+
+    const float* q_row = q + ((long long)row * n_heads + (long long)kv_head * group) * D;
+    for (int i = tid; i < group * D; i += ATTN_THREADS) q_s[i] = round_f16(q_row[i]);
+    __syncthreads();
+
+    const int32_t* table = block_tables + (long long)row_seq[row] * max_blocks_per_seq;
+    const long long head_stride = (long long)KV_BLOCK * D;
+
+    // Scores: LPT lanes share a token, each loading 8 halves (16 bytes) of its K row, so K is
+    // read once for the whole query group.
+    constexpr int LPT = D / 8;
+    constexpr int TPW = WARP / LPT;
+    const int sub = lane / LPT, sl = lane % LPT;
+    for (int base = warp * TPW; base < n; base += ATTN_WARPS * TPW) {
+        const int t = base + sub;
+        const bool valid = t < n;
+        float k8[8];
+        if (valid) {
+            const int pos = start + t;
+            const long long blk = table[pos / KV_BLOCK];
+            const uint16_t* kp = k_cache + (blk * n_kv_heads + kv_head) * head_stride +
+                                 (pos % KV_BLOCK) * D + sl * 8;
+            const u32x4 raw = *reinterpret_cast<const u32x4*>(kp);
+            const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                k8[2 * j] = f16_to_f32((uint16_t)(words[j] & 0xffff));
+                k8[2 * j + 1] = f16_to_f32((uint16_t)(words[j] >> 16));
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) k8[j] = 0.0f;
+        }
+        for (int g = 0; g < group; ++g) {
+            const float* qg = q_s + g * D + sl * 8;
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc = fmaf(k8[j], qg[j], acc);
+#pragma unroll
+            for (int o = LPT / 2; o > 0; o >>= 1) acc += SHFL_XOR(acc, o);
+            if (valid && sl == 0) logits[g * ATTN_PARTITION + t] = acc * scale;
+        }
+    }
+    __syncthreads();
+
+    // Softmax over the partition, one warp per query head.
+    for (int g = warp; g < group; g += ATTN_WARPS) {
+        float* lg = logits + g * ATTN_PARTITION;
+        float m = NEG_INF;
+        for (int t = lane; t < n; t += WARP) m = fmaxf(m, lg[t]);
+        m = warp_max_f(m);
+        float s = 0.0f;
+        for (int t = lane; t < n; t += WARP) {
+            const float e = expf(lg[t] - m);
+            lg[t] = e;
+            s += e;
+        }
+        s = warp_sum(s);
+        if (lane == 0) {
+            stats[2 * g] = m;
+            stats[2 * g + 1] = s;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < group * n; i += ATTN_THREADS) {
+        const int g = i / n, t = i % n;
+        float* p = logits + g * ATTN_PARTITION + t;
+        *p = round_f16(*p * (1.0f / stats[2 * g + 1]));
+    }
+    __syncthreads();
+
+    // Output: each warp takes every ATTN_WARPS-th token, each lane D/32 dimensions of its V row.
+    constexpr int DPL = D / WARP;
+    float acc[ATTN_MAX_GROUP][DPL];
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) acc[g][j] = 0.0f;
+    for (int t = warp; t < n; t += ATTN_WARPS) {
+        const int pos = start + t;
+        const long long blk = table[pos / KV_BLOCK];
+        const uint16_t* vp = v_cache + (blk * n_kv_heads + kv_head) * head_stride +
+                             (pos % KV_BLOCK) * D + lane * DPL;
+        float vv[DPL];
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) vv[j] = f16_to_f32(vp[j]);
+#pragma unroll
+        for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+            if (g < group) {
+                const float p = logits[g * ATTN_PARTITION + t];
+#pragma unroll
+                for (int j = 0; j < DPL; ++j) acc[g][j] = fmaf(p, vv[j], acc[g][j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+        if (g < group) {
+#pragma unroll
+            for (int j = 0; j < DPL; ++j) red[(warp * group + g) * D + lane * DPL + j] = acc[g][j];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < group * D; i += ATTN_THREADS) {
+        float o = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; ++w) o += red[w * group * D + i];
+        const int g = i / D, d = i % D;
+        const long long head = (long long)row * n_heads + (long long)kv_head * group + g;
+        if (n_parts == 1) {
+            out[head * D + d] = o;
+        } else {
+            part_out[(head * max_parts + part) * D + d] = o;
+            if (d == 0) {
+                part_stats[(head * max_parts + part) * 2] = stats[2 * g];
+                part_stats[(head * max_parts + part) * 2 + 1] = stats[2 * g + 1];
+            }
+        }
+    }
+}
+
+#define PAGED_ATTENTION(D)                                                                       \
+    KERNEL void __launch_bounds__(ATTN_THREADS) paged_attention_d##D(                            \
+        float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_stats,   \
+        const float* __restrict__ q, const uint16_t* __restrict__ k_cache,                       \
+        const uint16_t* __restrict__ v_cache, const int32_t* __restrict__ block_tables,          \
+        const int32_t* __restrict__ row_seq, const int32_t* __restrict__ row_ctx,                \
+        int max_blocks_per_seq, int n_kv_heads, int group, int max_parts, float scale) {         \
+        paged_attention<D>(out, part_out, part_stats, q, k_cache, v_cache, block_tables,         \
+                           row_seq, row_ctx, max_blocks_per_seq, n_kv_heads, group, max_parts,   \
+                           scale);                                                               \
+    }
+
+PAGED_ATTENTION(32)
+PAGED_ATTENTION(64)
+PAGED_ATTENTION(128)
+
+// Merges the partitions of rows whose context spans more than one: M = max m_p,
+// w_p = l_p * exp(m_p - M), out = sum w_p o_p / sum w_p, in partition order (deterministic).
+// Rows with one partition were written directly and are skipped. Grid (n_heads, rows), any block.
+KERNEL void attention_reduce(float* __restrict__ out, const float* __restrict__ part_out,
+                             const float* __restrict__ part_stats,
+                             const int32_t* __restrict__ row_ctx, int n_heads, int head_dim,
+                             int max_parts) {
+    const int head = blockIdx.x, row = blockIdx.y;
+    const int n_parts = (row_ctx[row] + ATTN_PARTITION - 1) / ATTN_PARTITION;
+    if (n_parts <= 1) return;
+    const long long h = (long long)row * n_heads + head;
+    const float* stats = part_stats + h * max_parts * 2;
+    float m = NEG_INF;
+    for (int p = 0; p < n_parts; ++p) m = fmaxf(m, stats[2 * p]);
+    float total = 0.0f;
+    for (int p = 0; p < n_parts; ++p) total += stats[2 * p + 1] * expf(stats[2 * p] - m);
+    const float inv = 1.0f / total;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int p = 0; p < n_parts; ++p) {
+            const float w = stats[2 * p + 1] * expf(stats[2 * p] - m);
+            o = fmaf(w, part_out[(h * max_parts + p) * head_dim + d], o);
+        }
+        out[h * head_dim + d] = o * inv;
+    }
+}

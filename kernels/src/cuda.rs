@@ -1,0 +1,122 @@
+//! The CUDA C kernels (`kernels/cuda/*.cu`), embedded in the binary, and the facts their
+//! launch code needs: program sources for NVRTC, the kernel names, compile options and the
+//! launch geometry constants the sources define.
+//!
+//! The sources are compiled at start-up by NVRTC for the device's exact architecture (a CUBIN,
+//! not PTX). Nothing here needs a GPU or the CUDA toolkit: CI checks every kernel two ways
+//! without one — NVRTC from the PyPI wheel compiles each program for sm_80 and sm_90 and fails
+//! on any warning or register spill ([`nvrtc_check`]), and the same sources run on the CPU
+//! under a small C++ emulation of the CUDA execution model (`kernels/cuda/emu/`), compared with
+//! this crate's CPU kernels ([`emu`]).
+
+/// Included at the top of every program (integer types, f16 and dp4a through inline PTX, warp
+/// reductions, GGML block sizes).
+pub const PRELUDE: &str = include_str!("../cuda/prelude.cuh");
+
+/// One NVRTC program: a `.cu` file and the kernels it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct Program {
+    /// File name under `kernels/cuda/`.
+    pub name: &'static str,
+    pub source: &'static str,
+    pub kernels: &'static [&'static str],
+}
+
+/// Every program kvgate compiles.
+pub const PROGRAMS: &[Program] = &[
+    Program {
+        name: "elementwise.cu",
+        source: include_str!("../cuda/elementwise.cu"),
+        kernels: &[
+            "embed_rows",
+            "dequantize_f16",
+            "rms_norm",
+            "rope_norm",
+            "swiglu",
+            "add_inplace",
+            "argmax_rows",
+        ],
+    },
+    Program {
+        name: "attention.cu",
+        source: include_str!("../cuda/attention.cu"),
+        kernels: &[
+            "write_kv",
+            "paged_attention_d32",
+            "paged_attention_d64",
+            "paged_attention_d128",
+            "attention_reduce",
+        ],
+    },
+    Program {
+        name: "matvec.cu",
+        source: include_str!("../cuda/matvec.cu"),
+        kernels: &[
+            "quantize_q8_1",
+            "matvec_q4_0",
+            "matvec_q4_1",
+            "matvec_q8_0",
+            "matvec_f16",
+        ],
+    },
+];
+
+impl Program {
+    /// The text NVRTC compiles: the prelude, then the file (with a `#line` so that messages
+    /// name the file's own lines).
+    pub fn full_source(&self) -> String {
+        format!("{PRELUDE}\n#line 1 \"{}\"\n{}", self.name, self.source)
+    }
+}
+
+/// NVRTC options for `arch` (e.g. `sm_90`): a CUBIN for that exact architecture, C++17, the
+/// ptxas report that the compile check reads register and spill counts from.
+pub fn nvrtc_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".into(),
+        "--ptxas-options=--verbose".into(),
+    ]
+}
+
+/// Tokens per KV block the kernels are written for (`KV_BLOCK` in attention.cu).
+pub const KV_BLOCK: usize = 16;
+/// Threads of one attention block (`ATTN_THREADS`).
+pub const ATTN_THREADS: u32 = 128;
+/// Context tokens one attention block covers; longer contexts are split and reduced
+/// (`ATTN_PARTITION`). A constant, so a row's split never depends on the batch.
+pub const ATTN_PARTITION: usize = 512;
+const ATTN_WARPS: usize = 4;
+/// Most query heads per KV head (`ATTN_MAX_GROUP`).
+pub const ATTN_MAX_GROUP: usize = 8;
+/// Head dimensions with a paged-attention instance (`paged_attention_d{32,64,128}`).
+pub const ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
+/// Threads of a matvec block: one warp per weight row (`MV_THREADS`).
+pub const MV_THREADS: u32 = 128;
+/// Weight rows per matvec block (`MV_WARPS`).
+pub const MV_ROWS_PER_BLOCK: usize = 4;
+/// Most activation rows one matvec launch multiplies (`MV_MAX_BATCH`).
+pub const MV_MAX_BATCH: usize = 8;
+/// Threads of an rms_norm block (`NORM_THREADS`).
+pub const NORM_THREADS: u32 = 256;
+/// Threads of an argmax block (`ARGMAX_THREADS`).
+pub const ARGMAX_THREADS: u32 = 256;
+
+/// Dynamic shared memory of one paged-attention block for a query group of `group` heads of
+/// `head_dim`: queries, one partition of scores, per-warp partial outputs, max and sum.
+pub fn attention_smem_bytes(group: usize, head_dim: usize) -> usize {
+    4 * (group * head_dim + group * ATTN_PARTITION + ATTN_WARPS * group * head_dim + 2 * group)
+}
+
+/// Partitions of the longest context in a step: the z extent of the attention grid and the
+/// stride of the partial results.
+pub fn attention_partitions(max_context: usize) -> usize {
+    max_context.div_ceil(ATTN_PARTITION).max(1)
+}
+
+pub mod nvrtc;
+
+#[cfg(test)]
+mod emu;
+#[cfg(test)]
+mod nvrtc_check;

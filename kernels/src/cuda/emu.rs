@@ -1,0 +1,927 @@
+//! CI's execution check, no GPU needed: every CUDA kernel runs on the CPU from the same `.cu`
+//! source, compiled by g++ with the emulation layer in `kernels/cuda/emu/emu.h` (one OS thread
+//! per CUDA thread, `__syncthreads` as a barrier, shuffles through a per-warp exchange), and
+//! is compared with this crate's CPU kernels on random inputs. Outputs are poisoned before each
+//! launch (NaN), sizes are odd on purpose (rows not a multiple of the rows per block, contexts
+//! not a multiple of the block size, several partitions, GQA groups, scattered block ids).
+
+use super::{
+    ARGMAX_THREADS, ATTN_HEAD_DIMS, ATTN_THREADS, KV_BLOCK, MV_MAX_BATCH, MV_ROWS_PER_BLOCK,
+    MV_THREADS, NORM_THREADS, attention_partitions, attention_smem_bytes,
+};
+use crate::attention::{KvLayout, ReductionOrder, paged_attention_reference, write_kv};
+use crate::matmul::tests::random_matrix;
+use crate::matmul::{QMatrix, matmul_reference};
+use crate::ops::{RopeMode, rms_norm, rope, swiglu_reference};
+use crate::quant::{WeightType, dequantize_row, quantize_row_q8_1};
+use half::f16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+mod kernels;
+use kernels::Emu;
+
+/// The launch geometry, as `emu::Launch` in emu.h.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Launch {
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_bytes: u64,
+}
+
+impl Launch {
+    fn new(grid: [u32; 3], threads: u32, shared_bytes: usize) -> Launch {
+        Launch {
+            grid,
+            block: [threads, 1, 1],
+            shared_bytes: shared_bytes as u64,
+        }
+    }
+}
+
+/// The emulated kernels, built once per test process (and cached on disk by source hash).
+fn emu() -> &'static Emu {
+    static EMU: OnceLock<Emu> = OnceLock::new();
+    EMU.get_or_init(|| Emu::load(&build_library()))
+}
+
+fn build_library() -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
+    let files = [
+        "prelude.cuh",
+        "elementwise.cu",
+        "attention.cu",
+        "matvec.cu",
+        "emu/emu.h",
+        "emu/launchers.cpp",
+    ];
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for f in files {
+        std::fs::read(dir.join(f))
+            .unwrap_or_else(|e| panic!("{f}: {e}"))
+            .hash(&mut hasher);
+    }
+    let out_dir = std::env::temp_dir().join("kvgate-cuda-emu");
+    std::fs::create_dir_all(&out_dir).expect("temp dir");
+    let lib = out_dir.join(format!("emu-{:016x}.so", hasher.finish()));
+    if lib.exists() {
+        return lib;
+    }
+    let partial = out_dir.join(format!("emu-{}.so.partial", std::process::id()));
+    let output = Command::new("g++")
+        .args([
+            "-std=c++20",
+            "-O2",
+            "-fPIC",
+            "-shared",
+            "-pthread",
+            "-Wall",
+            "-Wextra",
+            "-Wno-unknown-pragmas",
+            "-Wno-unused-function",
+            "-o",
+        ])
+        .arg(&partial)
+        .arg(dir.join("emu/launchers.cpp"))
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run g++ ({e}): the CUDA emulation tests need a C++20 compiler (Debian: apt-get install g++)")
+        });
+    assert!(
+        output.status.success(),
+        "g++ failed to build the CUDA emulator:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    std::fs::rename(&partial, &lib).expect("rename the emulator library");
+    lib
+}
+
+/// A 16-byte aligned buffer (device allocations are 256-byte aligned; the kernels' 16-byte
+/// loads rely on it).
+struct Buf<T: Copy> {
+    storage: Vec<u128>,
+    len: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T: Copy> Buf<T> {
+    fn of(values: &[T]) -> Self {
+        let bytes = std::mem::size_of_val(values);
+        let mut storage = vec![0u128; bytes.div_ceil(16).max(1)];
+        // SAFETY: storage holds at least `bytes` bytes; T is Copy (plain data in these tests).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                values.as_ptr().cast::<u8>(),
+                storage.as_mut_ptr().cast::<u8>(),
+                bytes,
+            );
+        }
+        Buf {
+            storage,
+            len: values.len(),
+            _t: std::marker::PhantomData,
+        }
+    }
+
+    fn ptr(&self) -> *const T {
+        self.storage.as_ptr().cast()
+    }
+
+    fn mut_ptr(&mut self) -> *mut T {
+        self.storage.as_mut_ptr().cast()
+    }
+
+    fn to_vec(&self) -> Vec<T> {
+        // SAFETY: the storage holds `len` initialised values of T.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len).to_vec() }
+    }
+}
+
+/// An output buffer of `n` floats, every one NaN, so an element the kernel skips fails.
+fn poisoned(n: usize) -> Buf<f32> {
+    Buf::of(&vec![f32::NAN; n])
+}
+
+fn random(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// Asserts |a - b| <= tol * max(1, max|b|) element-wise, naming the first bad index.
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{what}: element {i}: got {g}, want {w} (tolerance {})",
+            tol * scale
+        );
+    }
+}
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let (rows, n) = (3, 203);
+    let x = random(&mut rng, rows * n, 2.0);
+    let w = random(&mut rng, n, 1.5);
+    let mut out = poisoned(rows * n);
+    let (xb, wb) = (Buf::of(&x), Buf::of(&w));
+    emu().rms_norm(
+        Launch::new([rows as u32, 1, 1], NORM_THREADS, 0),
+        out.mut_ptr(),
+        xb.ptr(),
+        wb.ptr(),
+        n as i32,
+        1e-5,
+    );
+    let mut want = vec![0f32; rows * n];
+    for (xr, wr) in x.chunks(n).zip(want.chunks_mut(n)) {
+        rms_norm(xr, &w, 1e-5, wr);
+    }
+    assert_close("rms_norm", &out.to_vec(), &want, 1e-6);
+}
+
+#[test]
+fn rope_norm_matches_cpu_at_large_positions() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let (n_heads, head_dim) = (3, 64);
+    let positions = [0i32, 1, 17, 300, 4095];
+    let x = random(&mut rng, positions.len() * n_heads * head_dim, 1.0);
+    let mut got = Buf::of(&x);
+    let pos = Buf::of(&positions);
+    emu().rope_norm(
+        Launch::new([positions.len() as u32, 1, 1], 64, 0),
+        got.mut_ptr(),
+        pos.ptr(),
+        n_heads as i32,
+        head_dim as i32,
+        head_dim as i32,
+        10_000.0,
+    );
+    let mut want = x.clone();
+    for (t, &p) in positions.iter().enumerate() {
+        let row = &mut want[t * n_heads * head_dim..(t + 1) * n_heads * head_dim];
+        rope(row, n_heads, head_dim, p as u32, 10_000.0, RopeMode::Norm);
+    }
+    // Same angles (cumulative theta in f32); cos/sin of large angles may differ in an ulp.
+    assert_close("rope", &got.to_vec(), &want, 2e-5);
+}
+
+#[test]
+fn swiglu_and_residual_add_match_cpu() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let n = 1001;
+    let gate = random(&mut rng, n, 8.0);
+    let up = random(&mut rng, n, 2.0);
+    let (gb, ub) = (Buf::of(&gate), Buf::of(&up));
+    let mut out = poisoned(n);
+    // Fewer threads than elements: the grid-stride loops must cover the tail.
+    emu().swiglu(
+        Launch::new([2, 1, 1], 64, 0),
+        out.mut_ptr(),
+        gb.ptr(),
+        ub.ptr(),
+        n as i64,
+    );
+    let mut want = vec![0f32; n];
+    swiglu_reference(&gate, &up, &mut want);
+    assert_close("swiglu", &out.to_vec(), &want, 1e-6);
+
+    let mut x = Buf::of(&gate);
+    emu().add_inplace(
+        Launch::new([3, 1, 1], 32, 0),
+        x.mut_ptr(),
+        ub.ptr(),
+        n as i64,
+    );
+    let sum: Vec<f32> = gate.iter().zip(&up).map(|(a, b)| a + b).collect();
+    assert_eq!(x.to_vec(), sum);
+}
+
+fn ggml_id(ty: WeightType) -> i32 {
+    match ty {
+        WeightType::F32 => 0,
+        WeightType::F16 => 1,
+        WeightType::Q4_0 => 2,
+        WeightType::Q4_1 => 3,
+        WeightType::Q8_0 => 8,
+    }
+}
+
+const ALL_TYPES: [WeightType; 5] = [
+    WeightType::F32,
+    WeightType::F16,
+    WeightType::Q4_0,
+    WeightType::Q4_1,
+    WeightType::Q8_0,
+];
+
+#[test]
+fn embedding_and_f16_dequantization_match_cpu_dequantize() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let (vocab, cols) = (11, 96);
+    for ty in ALL_TYPES {
+        let table = random_matrix(&mut rng, ty, vocab, cols);
+        let row_bytes = ty.row_bytes(cols);
+        let ids = [3i32, 0, 10, 3];
+        let (tb, ib) = (Buf::of(&table), Buf::of(&ids));
+        let mut out = poisoned(ids.len() * cols);
+        emu().embed_rows(
+            Launch::new([ids.len() as u32, 1, 1], 64, 0),
+            out.mut_ptr(),
+            tb.ptr(),
+            ib.ptr(),
+            ggml_id(ty),
+            cols as i32,
+            row_bytes as i64,
+        );
+        let mut want = vec![0f32; ids.len() * cols];
+        for (&id, w) in ids.iter().zip(want.chunks_mut(cols)) {
+            let row = &table[id as usize * row_bytes..(id as usize + 1) * row_bytes];
+            dequantize_row(ty, row, w).expect("valid row");
+        }
+        assert_eq!(out.to_vec(), want, "{ty:?} embedding");
+
+        let mut f16_out = Buf::of(&vec![0xFFFFu16; vocab * cols]);
+        emu().dequantize_f16(
+            Launch::new([3, 1, 1], 128, 0),
+            f16_out.mut_ptr(),
+            tb.ptr(),
+            ggml_id(ty),
+            cols as i32,
+            row_bytes as i64,
+            (vocab * cols) as i64,
+        );
+        let mut all = vec![0f32; vocab * cols];
+        for (row, w) in table.chunks(row_bytes).zip(all.chunks_mut(cols)) {
+            dequantize_row(ty, row, w).expect("valid row");
+        }
+        let want: Vec<u16> = all.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+        assert_eq!(f16_out.to_vec(), want, "{ty:?} to f16");
+    }
+}
+
+#[test]
+fn argmax_takes_the_lowest_index_of_the_maximum_and_skips_nan() {
+    let vocab = 1000;
+    let mut rows = vec![0f32; 4 * vocab];
+    rows[17] = 5.0;
+    rows[900] = 5.0; // tie: 17 wins
+    rows[vocab + 999] = 1.0; // the last element
+    rows[vocab] = f32::NAN;
+    rows[2 * vocab..3 * vocab].fill(f32::NEG_INFINITY);
+    rows[3 * vocab..].fill(f32::NAN);
+    rows[3 * vocab + 513] = -7.0;
+    let rb = Buf::of(&rows);
+    let mut out = Buf::of(&[-1i32; 4]);
+    emu().argmax_rows(
+        Launch::new([4, 1, 1], ARGMAX_THREADS, 0),
+        out.mut_ptr(),
+        rb.ptr(),
+        vocab as i32,
+    );
+    assert_eq!(out.to_vec(), [17, 999, 0, 513]);
+}
+
+#[test]
+fn q8_1_quantization_is_bit_identical_to_cpu() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let blocks = 13;
+    let mut x = random(&mut rng, blocks * 32, 3.0);
+    x[32..64].fill(0.0); // an all-zero block: d = 0, no division by zero
+    x[70] = 127.0 * 0.5; // exact halves exercise round-half-to-even
+    let xb = Buf::of(&x);
+    let mut out = Buf::of(&vec![0xAAu8; blocks * 36]);
+    // 4 warps per block and 13 blocks: the last CUDA block has idle warps.
+    emu().quantize_q8_1(
+        Launch::new([4, 1, 1], 128, 0),
+        out.mut_ptr(),
+        xb.ptr(),
+        blocks as i64,
+    );
+    let mut want = vec![0u8; blocks * 36];
+    quantize_row_q8_1(&x, &mut want);
+    assert_eq!(out.to_vec(), want);
+}
+
+#[test]
+fn quantized_matvec_matches_cpu_matmul_for_every_type_and_batch() {
+    let mut rng = StdRng::seed_from_u64(6);
+    // 37 rows: the last block has one busy warp; 96 columns: fewer blocks than lanes;
+    // 1088 columns: lanes wrap around the row's 34 blocks.
+    for (rows, cols) in [(37usize, 96usize), (9, 1088)] {
+        for ty in [
+            WeightType::Q4_0,
+            WeightType::Q4_1,
+            WeightType::Q8_0,
+            WeightType::F16,
+        ] {
+            let w = random_matrix(&mut rng, ty, rows, cols);
+            let wb = Buf::of(&w);
+            for batch in [1usize, 3, MV_MAX_BATCH] {
+                let x = random(&mut rng, batch * cols, 1.0);
+                let out = emu_matvec(ty, &wb, &Buf::of(&x), rows, cols, batch);
+                let mut want = vec![0f32; batch * rows];
+                let m = QMatrix::new(ty, &w, rows, cols).expect("valid matrix");
+                matmul_reference(&m, &x, batch, &mut want);
+                assert_close(
+                    &format!("{ty:?} {rows}x{cols} batch {batch}"),
+                    &out.to_vec(),
+                    &want,
+                    1e-5,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn kv_write_fills_exactly_the_mapped_slots() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let (n_kv_heads, head_dim, num_blocks) = (3, 32, 5);
+    let slots = [17i32, 0, 79, -1, 40, 41];
+    let width = n_kv_heads * head_dim;
+    let k = random(&mut rng, slots.len() * width, 2.0);
+    let v = random(&mut rng, slots.len() * width, 2.0);
+    let cache_len = num_blocks * KV_BLOCK * width;
+    let poison = 0x7E00u16; // an f16 NaN
+    let mut kc = Buf::of(&vec![poison; cache_len]);
+    let mut vc = Buf::of(&vec![poison; cache_len]);
+    let (kb, vb, sb) = (Buf::of(&k), Buf::of(&v), Buf::of(&slots));
+    emu().write_kv(
+        Launch::new([slots.len() as u32, 1, 1], 64, 0),
+        kc.mut_ptr(),
+        vc.mut_ptr(),
+        kb.ptr(),
+        vb.ptr(),
+        sb.ptr(),
+        n_kv_heads as i32,
+        head_dim as i32,
+    );
+    // The CPU cache ([slot][head][dim]) written by the CPU kernel, then laid out as the
+    // device's [block][head][slot][dim].
+    let layout = KvLayout {
+        block_size: KV_BLOCK,
+        num_kv_heads: n_kv_heads,
+        head_dim,
+    };
+    let nan = f16::from_bits(poison);
+    let (mut kw, mut vw) = (vec![nan; cache_len], vec![nan; cache_len]);
+    for (t, &slot) in slots.iter().enumerate() {
+        if slot >= 0 {
+            let r = t * width..(t + 1) * width;
+            write_kv(
+                &layout,
+                &mut kw,
+                &mut vw,
+                slot as usize,
+                &k[r.clone()],
+                &v[r],
+            );
+        }
+    }
+    assert_eq!(kc.to_vec(), to_device_layout(&kw, &layout));
+    assert_eq!(vc.to_vec(), to_device_layout(&vw, &layout));
+}
+
+/// CPU cache `[block][slot][head][dim]` → device cache `[block][head][slot][dim]`, as bits.
+fn to_device_layout(cpu: &[f16], layout: &KvLayout) -> Vec<u16> {
+    let (b, h, d) = (layout.block_size, layout.num_kv_heads, layout.head_dim);
+    let mut out = vec![0u16; cpu.len()];
+    for (i, v) in cpu.iter().enumerate() {
+        let (block, rest) = (i / (b * h * d), i % (b * h * d));
+        let (slot, rest) = (rest / (h * d), rest % (h * d));
+        let (head, dim) = (rest / d, rest % d);
+        out[((block * h + head) * b + slot) * d + dim] = v.to_bits();
+    }
+    out
+}
+
+/// One attention case: sequences (context lengths) over a shared pool with shuffled blocks,
+/// and query rows (sequence, context) — decode rows, or causal prefill rows of one sequence.
+struct AttentionCase {
+    n_kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+    seq_lens: Vec<usize>,
+    /// (sequence, context length) per query row.
+    rows: Vec<(usize, usize)>,
+}
+
+fn run_attention_case(case: &AttentionCase, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let layout = KvLayout {
+        block_size: KV_BLOCK,
+        num_kv_heads: case.n_kv_heads,
+        head_dim: case.head_dim,
+    };
+    let n_heads = case.n_kv_heads * case.group;
+    let blocks_per_seq: Vec<usize> = case.seq_lens.iter().map(|l| l.div_ceil(KV_BLOCK)).collect();
+    let max_blocks = *blocks_per_seq.iter().max().expect("sequences");
+    // A pool with spare blocks, handed out in shuffled order.
+    let num_blocks = blocks_per_seq.iter().sum::<usize>() + 3;
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.random_range(0..=i));
+    }
+    let mut tables = vec![0i32; case.seq_lens.len() * max_blocks];
+    let mut next = ids.into_iter();
+    for (s, &n) in blocks_per_seq.iter().enumerate() {
+        for b in 0..n {
+            tables[s * max_blocks + b] = next.next().expect("enough blocks") as i32;
+        }
+    }
+    let cache_len = num_blocks * layout.block_elems();
+    let k_cpu: Vec<f16> = (0..cache_len)
+        .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
+        .collect();
+    let v_cpu: Vec<f16> = (0..cache_len)
+        .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
+        .collect();
+    let width = n_heads * case.head_dim;
+    // Queries large enough that the softmax is far from uniform.
+    let q = random(&mut rng, case.rows.len() * width, 3.0);
+    let scale = 1.0 / (case.head_dim as f32).sqrt();
+
+    let max_ctx = case.rows.iter().map(|r| r.1).max().expect("rows");
+    let parts = attention_partitions(max_ctx);
+    let mut out = poisoned(case.rows.len() * width);
+    let mut part_out = poisoned(case.rows.len() * n_heads * parts * case.head_dim);
+    let mut part_stats = poisoned(case.rows.len() * n_heads * parts * 2);
+    let row_seq: Vec<i32> = case.rows.iter().map(|r| r.0 as i32).collect();
+    let row_ctx: Vec<i32> = case.rows.iter().map(|r| r.1 as i32).collect();
+    let (qb, kb, vb) = (
+        Buf::of(&q),
+        Buf::of(&to_device_layout(&k_cpu, &layout)),
+        Buf::of(&to_device_layout(&v_cpu, &layout)),
+    );
+    let (tb, sb, cb) = (Buf::of(&tables), Buf::of(&row_seq), Buf::of(&row_ctx));
+    let attention = match case.head_dim {
+        32 => Emu::paged_attention_d32,
+        64 => Emu::paged_attention_d64,
+        128 => Emu::paged_attention_d128,
+        d => panic!("no instance for head_dim {d}; have {ATTN_HEAD_DIMS:?}"),
+    };
+    attention(
+        emu(),
+        Launch::new(
+            [case.n_kv_heads as u32, case.rows.len() as u32, parts as u32],
+            ATTN_THREADS,
+            attention_smem_bytes(case.group, case.head_dim),
+        ),
+        out.mut_ptr(),
+        part_out.mut_ptr(),
+        part_stats.mut_ptr(),
+        qb.ptr(),
+        kb.ptr(),
+        vb.ptr(),
+        tb.ptr(),
+        sb.ptr(),
+        cb.ptr(),
+        max_blocks as i32,
+        case.n_kv_heads as i32,
+        case.group as i32,
+        parts as i32,
+        scale,
+    );
+    emu().attention_reduce(
+        Launch::new([n_heads as u32, case.rows.len() as u32, 1], 64, 0),
+        out.mut_ptr(),
+        part_out.ptr(),
+        part_stats.ptr(),
+        cb.ptr(),
+        n_heads as i32,
+        case.head_dim as i32,
+        parts as i32,
+    );
+    let got = out.to_vec();
+    for (r, &(seq, ctx)) in case.rows.iter().enumerate() {
+        let table: Vec<u32> = tables[seq * max_blocks..(seq + 1) * max_blocks]
+            .iter()
+            .map(|&b| b as u32)
+            .collect();
+        let mut want = vec![0f32; width];
+        paged_attention_reference(
+            &layout,
+            &q[r * width..(r + 1) * width],
+            n_heads,
+            &k_cpu,
+            &v_cpu,
+            &table,
+            ctx,
+            scale,
+            ReductionOrder::TinyBlas,
+            &mut want,
+        );
+        // f16 probabilities: a partitioned row rounds each partition's normalised
+        // probabilities, the CPU the global ones; both round to 2^-11 relative.
+        assert_close(
+            &format!("row {r} (seq {seq}, context {ctx})"),
+            &got[r * width..(r + 1) * width],
+            &want,
+            2e-3,
+        );
+    }
+}
+
+#[test]
+fn decode_attention_matches_cpu_with_gqa_partial_blocks_and_split_contexts() {
+    // SmolLM2's geometry (3 query heads per KV head, head_dim 64); contexts of 1 token, one
+    // short of a block, a block and one, and 1100 (three 512-token partitions reduced).
+    let seq_lens = vec![1, 15, 17, 100, 1100];
+    let rows = seq_lens.iter().copied().enumerate().collect();
+    run_attention_case(
+        &AttentionCase {
+            n_kv_heads: 2,
+            group: 3,
+            head_dim: 64,
+            seq_lens,
+            rows,
+        },
+        8,
+    );
+}
+
+#[test]
+fn decode_attention_matches_cpu_for_every_head_dim_and_the_largest_group() {
+    for (head_dim, group, n_kv_heads) in [(32, 8, 1), (128, 1, 3), (128, 4, 2)] {
+        let seq_lens = vec![33, 520, 16];
+        let rows = seq_lens.iter().copied().enumerate().collect();
+        run_attention_case(
+            &AttentionCase {
+                n_kv_heads,
+                group,
+                head_dim,
+                seq_lens,
+                rows,
+            },
+            9 + head_dim as u64,
+        );
+    }
+}
+
+#[test]
+fn prefill_rows_attend_causally_over_the_paged_cache() {
+    // A chunk of 6 tokens at positions 510..516 of a 516-token sequence (earlier chunks in the
+    // cache; the chunk crosses the 512-token partition), next to another sequence's decode row.
+    let mut rows: Vec<(usize, usize)> = (510..516).map(|pos| (0, pos + 1)).collect();
+    rows.push((1, 40));
+    run_attention_case(
+        &AttentionCase {
+            n_kv_heads: 3,
+            group: 3,
+            head_dim: 64,
+            seq_lens: vec![516, 40],
+            rows,
+        },
+        10,
+    );
+}
+
+/// `out = x · Wᵀ` for `m` activation rows on the emulated device, as the CUDA backend runs a
+/// decode-sized step: F16 weights directly, quantized ones after quantizing x to Q8_1.
+fn emu_matvec(
+    ty: WeightType,
+    w: &Buf<u8>,
+    x: &Buf<f32>,
+    rows: usize,
+    cols: usize,
+    m: usize,
+) -> Buf<f32> {
+    let mut out = poisoned(m * rows);
+    let launch = Launch::new(
+        [rows.div_ceil(MV_ROWS_PER_BLOCK) as u32, 1, 1],
+        MV_THREADS,
+        0,
+    );
+    let (r, c, b) = (rows as i32, cols as i32, m as i32);
+    if ty == WeightType::F16 {
+        emu().matvec_f16(launch, out.mut_ptr(), w.ptr().cast(), x.ptr(), r, c, b);
+        return out;
+    }
+    let blocks = m * cols / 32;
+    let mut xq = Buf::of(&vec![0u8; blocks * 36]);
+    emu().quantize_q8_1(
+        Launch::new([blocks.div_ceil(4) as u32, 1, 1], 128, 0),
+        xq.mut_ptr(),
+        x.ptr(),
+        blocks as i64,
+    );
+    let matvec = match ty {
+        WeightType::Q4_0 => Emu::matvec_q4_0,
+        WeightType::Q4_1 => Emu::matvec_q4_1,
+        WeightType::Q8_0 => Emu::matvec_q8_0,
+        other => panic!("no matvec kernel for {other:?}"),
+    };
+    matvec(emu(), launch, out.mut_ptr(), w.ptr(), xq.ptr(), r, c, b);
+    out
+}
+
+fn emu_rms_norm(x: &Buf<f32>, w: &Buf<f32>, rows: usize, n: usize) -> Buf<f32> {
+    let mut out = poisoned(rows * n);
+    emu().rms_norm(
+        Launch::new([rows as u32, 1, 1], NORM_THREADS, 0),
+        out.mut_ptr(),
+        x.ptr(),
+        w.ptr(),
+        n as i32,
+        1e-5,
+    );
+    out
+}
+
+#[test]
+fn tiny_llama_forward_step_through_emulated_kernels_matches_the_cpu_kernels() {
+    // Two layers of a GQA llama (4 query heads over 2 KV heads, head_dim 32) with Q4_1
+    // weights, one mixed step: a 5-token prefill chunk of sequence 0 at positions 3..8 (its
+    // first 3 tokens already cached) and a decode token of sequence 1 at position 19.
+    let (hidden, heads, kv_heads, head_dim, ffn, vocab, layers) = (128, 4, 2, 32, 320, 96, 2);
+    let kv_dim = kv_heads * head_dim;
+    let mut rng = StdRng::seed_from_u64(12);
+    let q41 = WeightType::Q4_1;
+    let mut mat = |rows: usize, cols: usize| random_matrix(&mut rng, q41, rows, cols);
+    let embd = mat(vocab, hidden);
+    let out_w = mat(vocab, hidden);
+    struct Layer {
+        wq: Vec<u8>,
+        wk: Vec<u8>,
+        wv: Vec<u8>,
+        wo: Vec<u8>,
+        wg: Vec<u8>,
+        wu: Vec<u8>,
+        wd: Vec<u8>,
+    }
+    let weights: Vec<Layer> = (0..layers)
+        .map(|_| Layer {
+            wq: mat(hidden, hidden),
+            wk: mat(kv_dim, hidden),
+            wv: mat(kv_dim, hidden),
+            wo: mat(hidden, hidden),
+            wg: mat(ffn, hidden),
+            wu: mat(ffn, hidden),
+            wd: mat(hidden, ffn),
+        })
+        .collect();
+    let norm: Vec<f32> = (0..hidden).map(|_| rng.random_range(0.8..1.2)).collect();
+    let layout = KvLayout {
+        block_size: KV_BLOCK,
+        num_kv_heads: kv_heads,
+        head_dim,
+    };
+    let num_blocks = 6;
+    let tables: Vec<Vec<u32>> = vec![vec![4, 1], vec![0, 5]];
+    // Cached history: random K/V for the tokens before this step, the same on both sides.
+    let cache_len = num_blocks * layout.block_elems();
+    let mut k_cpu: Vec<Vec<f16>> = (0..layers)
+        .map(|_| {
+            (0..cache_len)
+                .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
+                .collect()
+        })
+        .collect();
+    let mut v_cpu = k_cpu.clone();
+    let ids = [5u32, 17, 3, 88, 40, 61];
+    let pos = [3u32, 4, 5, 6, 7, 19];
+    let seq_of = [0usize, 0, 0, 0, 0, 1];
+    let slot = |t: usize| {
+        let p = pos[t] as usize;
+        tables[seq_of[t]][p / KV_BLOCK] as usize * KV_BLOCK + p % KV_BLOCK
+    };
+    let n = ids.len();
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let row_bytes = q41.row_bytes(hidden);
+
+    // CPU: the CPU backend's kernels, step by step.
+    let cpu_mm = |w: &[u8], rows: usize, cols: usize, x: &[f32]| {
+        let mut out = vec![0f32; n * rows];
+        matmul_reference(
+            &QMatrix::new(q41, w, rows, cols).expect("valid"),
+            x,
+            n,
+            &mut out,
+        );
+        out
+    };
+    let cpu_norm = |x: &[f32]| {
+        let mut out = vec![0f32; x.len()];
+        for (xr, or) in x.chunks(hidden).zip(out.chunks_mut(hidden)) {
+            rms_norm(xr, &norm, 1e-5, or);
+        }
+        out
+    };
+    let mut x = vec![0f32; n * hidden];
+    for (t, xr) in x.chunks_mut(hidden).enumerate() {
+        let id = ids[t] as usize;
+        dequantize_row(q41, &embd[id * row_bytes..(id + 1) * row_bytes], xr).expect("row");
+    }
+    // Device: the same weights and history, in device layouts.
+    let dev = |v: &[u8]| Buf::of(v);
+    let mut gx = Buf::of(&x);
+    let gnorm = Buf::of(&norm);
+    let mut gk_cache: Vec<Buf<u16>> = k_cpu
+        .iter()
+        .map(|c| Buf::of(&to_device_layout(c, &layout)))
+        .collect();
+    let mut gv_cache: Vec<Buf<u16>> = v_cpu
+        .iter()
+        .map(|c| Buf::of(&to_device_layout(c, &layout)))
+        .collect();
+    let gpos = Buf::of(&pos.map(|p| p as i32));
+    let gslots = Buf::of(&(0..n).map(|t| slot(t) as i32).collect::<Vec<_>>());
+    let max_blocks = 2;
+    let gtables = Buf::of(
+        &tables
+            .concat()
+            .iter()
+            .map(|&b| b as i32)
+            .collect::<Vec<_>>(),
+    );
+    let grow_seq = Buf::of(&seq_of.map(|s| s as i32));
+    let grow_ctx = Buf::of(&pos.map(|p| p as i32 + 1));
+
+    for (l, w) in weights.iter().enumerate() {
+        // CPU layer.
+        let h = cpu_norm(&x);
+        let mut q = cpu_mm(&w.wq, hidden, hidden, &h);
+        let mut k = cpu_mm(&w.wk, kv_dim, hidden, &h);
+        let v = cpu_mm(&w.wv, kv_dim, hidden, &h);
+        for t in 0..n {
+            rope(
+                &mut q[t * hidden..(t + 1) * hidden],
+                heads,
+                head_dim,
+                pos[t],
+                10_000.0,
+                RopeMode::Norm,
+            );
+            rope(
+                &mut k[t * kv_dim..(t + 1) * kv_dim],
+                kv_heads,
+                head_dim,
+                pos[t],
+                10_000.0,
+                RopeMode::Norm,
+            );
+            let r = t * kv_dim..(t + 1) * kv_dim;
+            write_kv(
+                &layout,
+                &mut k_cpu[l],
+                &mut v_cpu[l],
+                slot(t),
+                &k[r.clone()],
+                &v[r],
+            );
+        }
+        let mut attn = vec![0f32; n * hidden];
+        for t in 0..n {
+            let r = t * hidden..(t + 1) * hidden;
+            paged_attention_reference(
+                &layout,
+                &q[r.clone()],
+                heads,
+                &k_cpu[l],
+                &v_cpu[l],
+                &tables[seq_of[t]],
+                pos[t] as usize + 1,
+                scale,
+                ReductionOrder::TinyBlas,
+                &mut attn[r],
+            );
+        }
+        let o = cpu_mm(&w.wo, hidden, hidden, &attn);
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let h = cpu_norm(&x);
+        let g = cpu_mm(&w.wg, ffn, hidden, &h);
+        let u = cpu_mm(&w.wu, ffn, hidden, &h);
+        let mut a = vec![0f32; n * ffn];
+        swiglu_reference(&g, &u, &mut a);
+        let d = cpu_mm(&w.wd, hidden, ffn, &a);
+        x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+
+        // Device layer.
+        let gh = emu_rms_norm(&gx, &gnorm, n, hidden);
+        let mut gq = emu_matvec(q41, &dev(&w.wq), &gh, hidden, hidden, n);
+        let mut gk = emu_matvec(q41, &dev(&w.wk), &gh, kv_dim, hidden, n);
+        let gv = emu_matvec(q41, &dev(&w.wv), &gh, kv_dim, hidden, n);
+        let launch = Launch::new([n as u32, 1, 1], 64, 0);
+        emu().rope_norm(
+            launch,
+            gq.mut_ptr(),
+            gpos.ptr(),
+            heads as i32,
+            head_dim as i32,
+            head_dim as i32,
+            10_000.0,
+        );
+        emu().rope_norm(
+            launch,
+            gk.mut_ptr(),
+            gpos.ptr(),
+            kv_heads as i32,
+            head_dim as i32,
+            head_dim as i32,
+            10_000.0,
+        );
+        emu().write_kv(
+            launch,
+            gk_cache[l].mut_ptr(),
+            gv_cache[l].mut_ptr(),
+            gk.ptr(),
+            gv.ptr(),
+            gslots.ptr(),
+            kv_heads as i32,
+            head_dim as i32,
+        );
+        let mut gattn = poisoned(n * hidden);
+        let (mut po, mut ps) = (poisoned(n * heads * head_dim), poisoned(n * heads * 2));
+        emu().paged_attention_d32(
+            Launch::new(
+                [kv_heads as u32, n as u32, 1],
+                ATTN_THREADS,
+                attention_smem_bytes(heads / kv_heads, head_dim),
+            ),
+            gattn.mut_ptr(),
+            po.mut_ptr(),
+            ps.mut_ptr(),
+            gq.ptr(),
+            gk_cache[l].ptr(),
+            gv_cache[l].ptr(),
+            gtables.ptr(),
+            grow_seq.ptr(),
+            grow_ctx.ptr(),
+            max_blocks,
+            kv_heads as i32,
+            (heads / kv_heads) as i32,
+            1,
+            scale,
+        );
+        let go = emu_matvec(q41, &dev(&w.wo), &gattn, hidden, hidden, n);
+        emu().add_inplace(launch, gx.mut_ptr(), go.ptr(), (n * hidden) as i64);
+        let gh = emu_rms_norm(&gx, &gnorm, n, hidden);
+        let gg = emu_matvec(q41, &dev(&w.wg), &gh, ffn, hidden, n);
+        let gu = emu_matvec(q41, &dev(&w.wu), &gh, ffn, hidden, n);
+        let mut ga = poisoned(n * ffn);
+        emu().swiglu(launch, ga.mut_ptr(), gg.ptr(), gu.ptr(), (n * ffn) as i64);
+        let gd = emu_matvec(q41, &dev(&w.wd), &ga, hidden, ffn, n);
+        emu().add_inplace(launch, gx.mut_ptr(), gd.ptr(), (n * hidden) as i64);
+    }
+    let logits = cpu_mm(&out_w, vocab, hidden, &cpu_norm(&x));
+    let glogits = emu_matvec(
+        q41,
+        &dev(&out_w),
+        &emu_rms_norm(&gx, &gnorm, n, hidden),
+        vocab,
+        hidden,
+        n,
+    );
+    // Activations are requantized to 8 bits at every matmul: a value that rounds to the other
+    // side of a quantization step on one path moves a logit by about one step of that row.
+    assert_close("logits", &glogits.to_vec(), &logits, 2e-2);
+}

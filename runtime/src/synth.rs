@@ -1,0 +1,702 @@
+//! Synthetic llama-family GGUF files: the real shapes of SmolLM2-135M, Llama-2-7B and
+//! Llama-2-13B (or a tiny test shape), deterministic random weights, and a small self-contained
+//! byte-level BPE vocabulary of the model's real size.
+//!
+//! Why: device checks run on machines that cannot download anything and receive at most a few
+//! MiB, so they build their models on the spot (`kvgate synth-model`). The weights are random,
+//! so the text is gibberish, but every tensor has the shape, type and byte layout a real file of
+//! that model has, which is all that kernels, memory plans and throughput depend on.
+//!
+//! Determinism: every tensor row chunk draws from its own generator seeded by (seed, tensor,
+//! chunk), so the same spec gives the same bytes whatever the thread count. A file is written
+//! in one streaming pass (a 13B Q4_0 file is 7 GiB; nothing holds more than one batch of row
+//! chunks in memory) to `OUT.partial`, then renamed, so an interrupted run leaves no file that
+//! looks complete.
+
+use std::fmt;
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::gguf::MetaValue;
+use crate::tokenizer::byte_to_char;
+
+/// GGUF data alignment (the format's default; no `general.alignment` key is written).
+const ALIGNMENT: u64 = 32;
+/// Values generated per parallel task: big enough to amortise scheduling, small enough that a
+/// batch of tasks stays a few MiB.
+const VALUES_PER_TASK: usize = 1 << 16;
+/// Tasks whose bytes are held before they are written, in order.
+const TASKS_PER_BATCH: usize = 64;
+
+/// The model shapes `kvgate synth-model` knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthShape {
+    /// 2 layers, hidden 128, 4 heads over 2 KV heads, vocabulary 512: for tests.
+    Tiny,
+    /// SmolLM2-135M (kvgate's default model): 30 layers, hidden 576, GQA 9/3, tied embeddings.
+    Smollm2_135m,
+    /// Llama-2-7B: 32 layers, hidden 4096, 32 heads, vocabulary 32000.
+    Llama2_7b,
+    /// Llama-2-13B, the worked example of KV sizing: 40 layers, hidden 5120, 40 heads.
+    Llama2_13b,
+}
+
+/// Hyper-parameters of a shape, as its GGUF metadata states them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ShapeSpec {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub context: usize,
+    pub rope_freq_base: f32,
+    pub rms_eps: f32,
+    /// No `output.weight`: the token embedding is the output head (SmolLM2 ties them).
+    pub tied_embeddings: bool,
+}
+
+impl SynthShape {
+    pub const ALL: [SynthShape; 4] = [
+        SynthShape::Tiny,
+        SynthShape::Smollm2_135m,
+        SynthShape::Llama2_7b,
+        SynthShape::Llama2_13b,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SynthShape::Tiny => "tiny",
+            SynthShape::Smollm2_135m => "smollm2-135m",
+            SynthShape::Llama2_7b => "llama2-7b",
+            SynthShape::Llama2_13b => "llama2-13b",
+        }
+    }
+
+    /// The published configurations (HF `config.json` of each model).
+    pub fn spec(self) -> ShapeSpec {
+        match self {
+            SynthShape::Tiny => ShapeSpec {
+                layers: 2,
+                hidden: 128,
+                heads: 4,
+                kv_heads: 2,
+                ffn: 320,
+                vocab: 512,
+                context: 1024,
+                rope_freq_base: 10_000.0,
+                rms_eps: 1e-5,
+                tied_embeddings: false,
+            },
+            SynthShape::Smollm2_135m => ShapeSpec {
+                layers: 30,
+                hidden: 576,
+                heads: 9,
+                kv_heads: 3,
+                ffn: 1536,
+                vocab: 49152,
+                context: 8192,
+                rope_freq_base: 100_000.0,
+                rms_eps: 1e-5,
+                tied_embeddings: true,
+            },
+            SynthShape::Llama2_7b => ShapeSpec {
+                layers: 32,
+                hidden: 4096,
+                heads: 32,
+                kv_heads: 32,
+                ffn: 11008,
+                vocab: 32000,
+                context: 4096,
+                rope_freq_base: 10_000.0,
+                rms_eps: 1e-5,
+                tied_embeddings: false,
+            },
+            SynthShape::Llama2_13b => ShapeSpec {
+                layers: 40,
+                hidden: 5120,
+                heads: 40,
+                kv_heads: 40,
+                ffn: 13824,
+                vocab: 32000,
+                context: 4096,
+                rope_freq_base: 10_000.0,
+                rms_eps: 1e-5,
+                tied_embeddings: false,
+            },
+        }
+    }
+}
+
+impl FromStr for SynthShape {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|shape| shape.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|s| s.name()).collect();
+                format!("unknown shape `{s}` (known: {})", names.join(", "))
+            })
+    }
+}
+
+impl fmt::Display for SynthShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Storage type of the weight matrices (norm weights are always F32, as llama.cpp writes them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthDtype {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    F16,
+}
+
+impl SynthDtype {
+    pub const ALL: [SynthDtype; 4] = [
+        SynthDtype::Q4_0,
+        SynthDtype::Q4_1,
+        SynthDtype::Q8_0,
+        SynthDtype::F16,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SynthDtype::Q4_0 => "q4_0",
+            SynthDtype::Q4_1 => "q4_1",
+            SynthDtype::Q8_0 => "q8_0",
+            SynthDtype::F16 => "f16",
+        }
+    }
+
+    /// GGML tensor type id.
+    fn ggml_type(self) -> u32 {
+        match self {
+            SynthDtype::Q4_0 => 2,
+            SynthDtype::Q4_1 => 3,
+            SynthDtype::Q8_0 => 8,
+            SynthDtype::F16 => 1,
+        }
+    }
+
+    /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_MOSTLY_*`).
+    fn file_type(self) -> u32 {
+        match self {
+            SynthDtype::Q4_0 => 2,
+            SynthDtype::Q4_1 => 3,
+            SynthDtype::Q8_0 => 7,
+            SynthDtype::F16 => 1,
+        }
+    }
+
+    fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            SynthDtype::Q4_0 => cols / 32 * 18,
+            SynthDtype::Q4_1 => cols / 32 * 20,
+            SynthDtype::Q8_0 => cols / 32 * 34,
+            SynthDtype::F16 => cols * 2,
+        }
+    }
+
+    /// Converts one row of f32 values (a multiple of 32 long) into this type.
+    fn encode_row(self, x: &[f32], out: &mut Vec<u8>) {
+        match self {
+            SynthDtype::Q4_0 => x.chunks_exact(32).for_each(|b| quantize_block_q4_0(b, out)),
+            SynthDtype::Q4_1 => x.chunks_exact(32).for_each(|b| quantize_block_q4_1(b, out)),
+            SynthDtype::Q8_0 => {
+                let start = out.len();
+                out.resize(start + self.row_bytes(x.len()), 0);
+                kvgate_kernels::quant::quantize_row_q8_0(x, &mut out[start..]);
+            }
+            SynthDtype::F16 => {
+                out.extend(x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()));
+            }
+        }
+    }
+}
+
+impl FromStr for SynthDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|dtype| dtype.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| format!("unknown dtype `{s}` (known: q4_0, q4_1, q8_0, f16)"))
+    }
+}
+
+impl fmt::Display for SynthDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SynthSpec {
+    pub shape: SynthShape,
+    pub dtype: SynthDtype,
+    pub seed: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SynthError {
+    #[error("cannot write {path}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Fill {
+    /// RMSNorm weights: 1 ± 0.1, stored as F32.
+    Norm,
+    /// A weight matrix: uniform in ±`scale`, stored in the spec's dtype.
+    Matrix { scale: f32 },
+}
+
+#[derive(Clone, Debug)]
+struct SynthTensor {
+    name: String,
+    /// GGML order: cols (contiguous), then rows.
+    cols: usize,
+    rows: usize,
+    fill: Fill,
+    /// Offset from the start of the data section.
+    offset: u64,
+}
+
+/// A synthetic model laid out: metadata, tensor directory and offsets, ready to be written.
+#[derive(Clone, Debug)]
+pub struct SynthModel {
+    spec: SynthSpec,
+    metadata: Vec<(String, MetaValue)>,
+    tensors: Vec<SynthTensor>,
+    header_len: u64,
+    data_len: u64,
+}
+
+impl SynthModel {
+    pub fn new(spec: SynthSpec) -> SynthModel {
+        let s = spec.shape.spec();
+        let metadata = metadata(spec, &s);
+        let head_dim = s.hidden / s.heads;
+        let kv_dim = s.kv_heads * head_dim;
+        // Uniform(±a) has variance a²/3: a = sqrt(3 / cols) keeps each output's variance near
+        // its input's, so activations neither vanish nor blow up over the layers. The output
+        // head is 4x that, so logits are spread enough for greedy decoding to have clear
+        // winners (batch-invariance checks compare argmaxes).
+        let matrix = |cols: usize, gain: f32| Fill::Matrix {
+            scale: gain * (3.0 / cols as f32).sqrt(),
+        };
+        let mut tensors = Vec::new();
+        let mut add = |name: String, cols: usize, rows: usize, fill: Fill| {
+            tensors.push(SynthTensor {
+                name,
+                cols,
+                rows,
+                fill,
+                offset: 0,
+            })
+        };
+        add(
+            "token_embd.weight".into(),
+            s.hidden,
+            s.vocab,
+            matrix(s.hidden, if s.tied_embeddings { 4.0 } else { 1.0 }),
+        );
+        for i in 0..s.layers {
+            let n = |t: &str| format!("blk.{i}.{t}.weight");
+            add(n("attn_norm"), s.hidden, 1, Fill::Norm);
+            add(n("attn_q"), s.hidden, s.hidden, matrix(s.hidden, 1.0));
+            add(n("attn_k"), s.hidden, kv_dim, matrix(s.hidden, 1.0));
+            add(n("attn_v"), s.hidden, kv_dim, matrix(s.hidden, 1.0));
+            add(n("attn_output"), s.hidden, s.hidden, matrix(s.hidden, 1.0));
+            add(n("ffn_norm"), s.hidden, 1, Fill::Norm);
+            add(n("ffn_gate"), s.hidden, s.ffn, matrix(s.hidden, 1.0));
+            add(n("ffn_up"), s.hidden, s.ffn, matrix(s.hidden, 1.0));
+            add(n("ffn_down"), s.ffn, s.hidden, matrix(s.ffn, 1.0));
+        }
+        add("output_norm.weight".into(), s.hidden, 1, Fill::Norm);
+        if !s.tied_embeddings {
+            add(
+                "output.weight".into(),
+                s.hidden,
+                s.vocab,
+                matrix(s.hidden, 4.0),
+            );
+        }
+        let mut offset = 0u64;
+        for t in &mut tensors {
+            t.offset = offset;
+            offset = align(offset + tensor_bytes(spec.dtype, t));
+        }
+        let mut model = SynthModel {
+            spec,
+            metadata,
+            tensors,
+            header_len: 0,
+            data_len: offset,
+        };
+        model.header_len = model.header_bytes().len() as u64;
+        model
+    }
+
+    pub fn spec(&self) -> SynthSpec {
+        self.spec
+    }
+
+    /// Bytes of the whole file.
+    pub fn file_len(&self) -> u64 {
+        self.header_len + self.data_len
+    }
+
+    /// Bytes of the header (metadata and tensor directory, padded to the data alignment).
+    pub fn header_len(&self) -> u64 {
+        self.header_len
+    }
+
+    pub fn num_tensors(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Writes the header: magic, version 3, metadata, tensor directory, padding.
+    pub fn write_header(&self, w: &mut impl Write) -> io::Result<()> {
+        w.write_all(&self.header_bytes())
+    }
+
+    fn header_bytes(&self) -> Vec<u8> {
+        let mut buf = Vec::new();
+        buf.extend(b"GGUF");
+        buf.extend(3u32.to_le_bytes());
+        buf.extend((self.tensors.len() as u64).to_le_bytes());
+        buf.extend((self.metadata.len() as u64).to_le_bytes());
+        for (key, value) in &self.metadata {
+            put_string(&mut buf, key);
+            put_value(&mut buf, value);
+        }
+        for t in &self.tensors {
+            put_string(&mut buf, &t.name);
+            let dims: &[u64] = if t.rows == 1 {
+                &[t.cols as u64]
+            } else {
+                &[t.cols as u64, t.rows as u64]
+            };
+            buf.extend((dims.len() as u32).to_le_bytes());
+            for d in dims {
+                buf.extend(d.to_le_bytes());
+            }
+            buf.extend(tensor_type(self.spec.dtype, t).to_le_bytes());
+            buf.extend(t.offset.to_le_bytes());
+        }
+        buf.resize(align(buf.len() as u64) as usize, 0);
+        buf
+    }
+
+    /// Writes every tensor's values, in directory order, padded to the alignment.
+    /// `progress` is called with the bytes written so far after each batch.
+    pub fn write_data(&self, w: &mut impl Write, progress: &mut dyn FnMut(u64)) -> io::Result<()> {
+        let mut written = 0u64;
+        for (index, t) in self.tensors.iter().enumerate() {
+            let rows_per_task = (VALUES_PER_TASK / t.cols).max(1);
+            let tasks = t.rows.div_ceil(rows_per_task);
+            let mut first = 0;
+            while first < tasks {
+                let last = (first + TASKS_PER_BATCH).min(tasks);
+                let chunks: Vec<Vec<u8>> = (first..last)
+                    .into_par_iter()
+                    .map(|task| {
+                        let rows = task * rows_per_task..((task + 1) * rows_per_task).min(t.rows);
+                        self.tensor_rows(index, t, task, rows.len())
+                    })
+                    .collect();
+                for chunk in &chunks {
+                    w.write_all(chunk)?;
+                    written += chunk.len() as u64;
+                }
+                progress(written);
+                first = last;
+            }
+            let bytes = tensor_bytes(self.spec.dtype, t);
+            let pad = align(bytes) - bytes;
+            w.write_all(&vec![0u8; pad as usize])?;
+            written += pad;
+        }
+        progress(written);
+        Ok(())
+    }
+
+    /// The bytes of `rows` rows of tensor `index` starting at row chunk `task`.
+    fn tensor_rows(&self, index: usize, t: &SynthTensor, task: usize, rows: usize) -> Vec<u8> {
+        let mut rng = SplitMix64::new(
+            self.spec.seed ^ mix(index as u64 + 1) ^ mix((task as u64) << 32 | 0x5eed),
+        );
+        let mut values = vec![0f32; t.cols];
+        match t.fill {
+            Fill::Norm => {
+                values
+                    .iter_mut()
+                    .for_each(|v| *v = 1.0 + 0.1 * rng.symmetric());
+                values.iter().flat_map(|v| v.to_le_bytes()).collect()
+            }
+            Fill::Matrix { scale } => {
+                let mut out = Vec::with_capacity(rows * self.spec.dtype.row_bytes(t.cols));
+                for _ in 0..rows {
+                    values.iter_mut().for_each(|v| *v = scale * rng.symmetric());
+                    self.spec.dtype.encode_row(&values, &mut out);
+                }
+                out
+            }
+        }
+    }
+
+    /// Writes the whole file to `path` (through `path.partial`, renamed when complete).
+    pub fn write_to(&self, path: &Path, progress: &mut dyn FnMut(u64)) -> Result<(), SynthError> {
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        let partial = PathBuf::from(partial);
+        let io_err = |p: &Path| {
+            let p = p.to_path_buf();
+            move |source| SynthError::Io { path: p, source }
+        };
+        let file = File::create(&partial).map_err(io_err(&partial))?;
+        let mut w = BufWriter::with_capacity(8 << 20, file);
+        self.write_header(&mut w)
+            .and_then(|()| self.write_data(&mut w, progress))
+            .and_then(|()| w.flush())
+            .map_err(io_err(&partial))?;
+        drop(w);
+        std::fs::rename(&partial, path).map_err(io_err(path))
+    }
+}
+
+fn align(n: u64) -> u64 {
+    n.div_ceil(ALIGNMENT) * ALIGNMENT
+}
+
+fn tensor_type(dtype: SynthDtype, t: &SynthTensor) -> u32 {
+    match t.fill {
+        Fill::Norm => 0,
+        Fill::Matrix { .. } => dtype.ggml_type(),
+    }
+}
+
+fn tensor_bytes(dtype: SynthDtype, t: &SynthTensor) -> u64 {
+    match t.fill {
+        Fill::Norm => (t.cols * 4) as u64,
+        Fill::Matrix { .. } => (t.rows * dtype.row_bytes(t.cols)) as u64,
+    }
+}
+
+/// The llama hyper-parameters and the tokenizer, in the keys llama.cpp writes.
+fn metadata(spec: SynthSpec, s: &ShapeSpec) -> Vec<(String, MetaValue)> {
+    let vocab = Vocabulary::new(s.vocab);
+    let u32v = |n: usize| MetaValue::U32(n as u32);
+    let entries = [
+        ("general.architecture", MetaValue::String("llama".into())),
+        (
+            "general.name",
+            MetaValue::String(format!(
+                "synthetic {} {} seed {}",
+                spec.shape, spec.dtype, spec.seed
+            )),
+        ),
+        ("general.file_type", MetaValue::U32(spec.dtype.file_type())),
+        ("kvgate.synthetic.seed", MetaValue::U64(spec.seed)),
+        ("llama.context_length", u32v(s.context)),
+        ("llama.embedding_length", u32v(s.hidden)),
+        ("llama.block_count", u32v(s.layers)),
+        ("llama.feed_forward_length", u32v(s.ffn)),
+        ("llama.attention.head_count", u32v(s.heads)),
+        ("llama.attention.head_count_kv", u32v(s.kv_heads)),
+        ("llama.rope.dimension_count", u32v(s.hidden / s.heads)),
+        ("llama.rope.freq_base", MetaValue::F32(s.rope_freq_base)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            MetaValue::F32(s.rms_eps),
+        ),
+        ("llama.vocab_size", u32v(s.vocab)),
+        ("tokenizer.ggml.model", MetaValue::String("gpt2".into())),
+        ("tokenizer.ggml.pre", MetaValue::String("gpt-2".into())),
+        ("tokenizer.ggml.tokens", strings(vocab.tokens)),
+        (
+            "tokenizer.ggml.token_type",
+            MetaValue::Array(vocab.types.into_iter().map(MetaValue::I32).collect()),
+        ),
+        ("tokenizer.ggml.merges", strings(vocab.merges)),
+        ("tokenizer.ggml.bos_token_id", MetaValue::U32(IM_START)),
+        ("tokenizer.ggml.eos_token_id", MetaValue::U32(IM_END)),
+        ("tokenizer.ggml.add_bos_token", MetaValue::Bool(false)),
+    ];
+    entries
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+}
+
+fn strings(items: Vec<String>) -> MetaValue {
+    MetaValue::Array(items.into_iter().map(MetaValue::String).collect())
+}
+
+/// Control tokens, at SmolLM2's ids, so the ChatML fallback template applies.
+const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+const IM_START: u32 = 1;
+const IM_END: u32 = 2;
+
+/// A byte-level BPE vocabulary: the control tokens, the 256 byte tokens, then two-byte merges
+/// (printable ASCII pairs first) until the vocabulary has the model's size. Every token spells
+/// real bytes, so generated ids decode to text as a real model's would.
+struct Vocabulary {
+    tokens: Vec<String>,
+    types: Vec<i32>,
+    merges: Vec<String>,
+}
+
+impl Vocabulary {
+    fn new(size: usize) -> Vocabulary {
+        let mut tokens: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
+        let mut types = vec![3; SPECIALS.len()];
+        let mut bytes: Vec<u8> = (0x20..0x7f).collect();
+        bytes.extend((0..=255u8).filter(|b| !(0x20..0x7f).contains(b)));
+        for b in 0..=255u8 {
+            tokens.push(byte_to_char(b).to_string());
+            types.push(1);
+        }
+        let mut merges = Vec::new();
+        'fill: for &a in &bytes {
+            for &b in &bytes {
+                if tokens.len() >= size {
+                    break 'fill;
+                }
+                let (l, r) = (byte_to_char(a), byte_to_char(b));
+                merges.push(format!("{l} {r}"));
+                tokens.push(format!("{l}{r}"));
+                types.push(1);
+            }
+        }
+        // Shapes are fixed and all >= 259 + 1 tokens and <= 259 + 65536, so the size is exact.
+        debug_assert_eq!(tokens.len(), size);
+        Vocabulary {
+            tokens,
+            types,
+            merges,
+        }
+    }
+}
+
+fn put_string(buf: &mut Vec<u8>, s: &str) {
+    buf.extend((s.len() as u64).to_le_bytes());
+    buf.extend(s.as_bytes());
+}
+
+/// GGUF value type id.
+fn value_type(v: &MetaValue) -> u32 {
+    match v {
+        MetaValue::U8(_) => 0,
+        MetaValue::I8(_) => 1,
+        MetaValue::U16(_) => 2,
+        MetaValue::I16(_) => 3,
+        MetaValue::U32(_) => 4,
+        MetaValue::I32(_) => 5,
+        MetaValue::F32(_) => 6,
+        MetaValue::Bool(_) => 7,
+        MetaValue::String(_) => 8,
+        MetaValue::Array(_) => 9,
+        MetaValue::U64(_) => 10,
+        MetaValue::I64(_) => 11,
+        MetaValue::F64(_) => 12,
+    }
+}
+
+/// A typed value (type id, then payload); array elements share one type id, the first's.
+fn put_value(buf: &mut Vec<u8>, v: &MetaValue) {
+    buf.extend(value_type(v).to_le_bytes());
+    put_payload(buf, v);
+}
+
+fn put_payload(buf: &mut Vec<u8>, v: &MetaValue) {
+    match v {
+        MetaValue::U8(x) => buf.push(*x),
+        MetaValue::I8(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::U16(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::I16(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::U32(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::I32(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::U64(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::I64(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::F32(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::F64(x) => buf.extend(x.to_le_bytes()),
+        MetaValue::Bool(x) => buf.push(u8::from(*x)),
+        MetaValue::String(s) => put_string(buf, s),
+        MetaValue::Array(items) => {
+            let elem = items.first().map_or(8, value_type);
+            buf.extend(elem.to_le_bytes());
+            buf.extend((items.len() as u64).to_le_bytes());
+            for item in items {
+                put_payload(buf, item);
+            }
+        }
+    }
+}
+
+/// ggml's `quantize_row_q4_0_ref` for one block: d = the signed value of largest magnitude
+/// divided by −8, q = min(15, trunc(x/d + 8.5)).
+fn quantize_block_q4_0(x: &[f32], out: &mut Vec<u8>) {
+    let max = x
+        .iter()
+        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_le_bytes());
+    let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
+    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+}
+
+/// ggml's `quantize_row_q4_1_ref` for one block: d = (max − min)/15, m = min,
+/// q = min(15, trunc((x − min)/d + 0.5)).
+fn quantize_block_q4_1(x: &[f32], out: &mut Vec<u8>) {
+    let min = x.iter().fold(f32::INFINITY, |m, &v| m.min(v));
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let d = (max - min) / 15.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_le_bytes());
+    out.extend(f16::from_f32(min).to_le_bytes());
+    let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
+    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+}
+
+/// splitmix64's finaliser: spreads a counter over all 64 bits.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// splitmix64: tiny, fast, and fully specified, so files are reproducible across versions of
+/// any external crate.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    /// Uniform in [−1, 1).
+    fn symmetric(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let bits = mix(self.0) >> 40;
+        bits as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+#[cfg(test)]
+mod tests;

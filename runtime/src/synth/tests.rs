@@ -1,0 +1,302 @@
+//! Synthetic models open, bind, tokenize and generate like real ones; files are reproducible;
+//! the 13B shape is checked through its header on a sparse file (its 7 GiB of weights are
+//! never written here).
+
+use super::*;
+use crate::engine::{GenerationRequest, TokenEvent};
+use crate::gguf::{GgmlType, GgufFile};
+use crate::loader::{Runtime, RuntimeOptions};
+use crate::model::{ModelConfig, ModelWeights};
+use crate::plan::{PlanArgs, PlanReport};
+use crate::tokenizer::Tokenizer;
+use kvgate_kernels::quant::{WeightType, dequantize_row};
+
+fn temp_path(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvgate-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+fn write(spec: SynthSpec, name: &str) -> PathBuf {
+    let path = temp_path(name);
+    SynthModel::new(spec)
+        .write_to(&path, &mut |_| {})
+        .expect("synthetic model is written");
+    path
+}
+
+fn tiny(dtype: SynthDtype, seed: u64) -> SynthSpec {
+    SynthSpec {
+        shape: SynthShape::Tiny,
+        dtype,
+        seed,
+    }
+}
+
+#[test]
+fn tiny_model_of_every_dtype_opens_binds_and_has_the_planned_size() {
+    for dtype in SynthDtype::ALL {
+        let spec = tiny(dtype, 7);
+        let path = write(spec, &format!("tiny-{dtype}.gguf"));
+        let len = std::fs::metadata(&path).expect("file exists").len();
+        assert_eq!(len, SynthModel::new(spec).file_len(), "{dtype}");
+        let gguf = GgufFile::open(&path).expect("opens");
+        let config = ModelConfig::from_gguf(&gguf).expect("config");
+        let s = SynthShape::Tiny.spec();
+        assert_eq!(
+            (config.num_layers, config.hidden_size, config.num_heads),
+            (s.layers, s.hidden, s.heads)
+        );
+        assert_eq!(
+            (config.num_kv_heads, config.vocab_size),
+            (s.kv_heads, s.vocab)
+        );
+        let weights = ModelWeights::bind(&gguf, &config).expect("every tensor binds");
+        let expected = match dtype {
+            SynthDtype::Q4_0 => GgmlType::Q4_0,
+            SynthDtype::Q4_1 => GgmlType::Q4_1,
+            SynthDtype::Q8_0 => GgmlType::Q8_0,
+            SynthDtype::F16 => GgmlType::F16,
+        };
+        assert_eq!(weights.layers[1].ffn_down.ty(), expected);
+        assert_eq!(weights.output_norm.ty(), GgmlType::F32);
+        assert!(!config.tied_embeddings);
+    }
+}
+
+#[test]
+fn same_seed_same_bytes_other_seed_other_weights() {
+    let a = std::fs::read(write(tiny(SynthDtype::Q4_0, 3), "a.gguf")).expect("read");
+    let b = std::fs::read(write(tiny(SynthDtype::Q4_0, 3), "b.gguf")).expect("read");
+    let c = std::fs::read(write(tiny(SynthDtype::Q4_0, 4), "c.gguf")).expect("read");
+    assert!(a == b, "the same spec must give the same bytes");
+    assert_eq!(a.len(), c.len());
+    let header = SynthModel::new(tiny(SynthDtype::Q4_0, 3)).header_len() as usize;
+    let differing = a[header..]
+        .iter()
+        .zip(&c[header..])
+        .filter(|(x, y)| x != y)
+        .count();
+    assert!(
+        differing > (a.len() - header) / 2,
+        "another seed must change most weight bytes, changed {differing}"
+    );
+}
+
+#[test]
+fn weights_have_the_intended_scale_after_quantization() {
+    // Dequantized rows of attn_q must look like uniform(±sqrt(3/hidden)): mean near 0, variance
+    // near 1/hidden, for every dtype (a broken quantizer would be off by a large factor).
+    let hidden = SynthShape::Tiny.spec().hidden;
+    for (dtype, ty) in [
+        (SynthDtype::Q4_0, WeightType::Q4_0),
+        (SynthDtype::Q4_1, WeightType::Q4_1),
+        (SynthDtype::Q8_0, WeightType::Q8_0),
+        (SynthDtype::F16, WeightType::F16),
+    ] {
+        let path = write(tiny(dtype, 11), &format!("scale-{dtype}.gguf"));
+        let gguf = GgufFile::open(&path).expect("opens");
+        let info = gguf.tensor("blk.0.attn_q.weight").expect("tensor");
+        let data = gguf.tensor_data(info);
+        let mut values = vec![0f32; hidden * hidden];
+        for (row, out) in data
+            .chunks_exact(ty.row_bytes(hidden))
+            .zip(values.chunks_exact_mut(hidden))
+        {
+            dequantize_row(ty, row, out).expect("dequantizes");
+        }
+        let n = values.len() as f64;
+        let mean = values.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+        let var = values.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / n;
+        let want = 1.0 / hidden as f64;
+        assert!(mean.abs() < 0.01, "{dtype}: mean {mean}");
+        assert!(
+            (var / want - 1.0).abs() < 0.2,
+            "{dtype}: variance {var}, want about {want}"
+        );
+    }
+}
+
+#[test]
+fn quantizers_reconstruct_within_their_step() {
+    // Values in ±0.182 (14 × 0.013), the first of largest magnitude negative.
+    let x: Vec<f32> = (0..32)
+        .map(|i| ((i * 37 % 29) as f32 - 14.0) * 0.013)
+        .collect();
+    let amax = 14.0 * 0.013;
+    let decode = |ty: WeightType, block: &[u8]| {
+        let mut y = vec![0f32; 32];
+        dequantize_row(ty, block, &mut y).expect("dequantizes");
+        y
+    };
+    // Q4_0 (ggml): d = -max/8 spans [-8d, 7d]; the largest magnitude is exact, values are
+    // within half a step except at the clipped opposite end (at most one step).
+    let mut block = Vec::new();
+    quantize_block_q4_0(&x, &mut block);
+    assert_eq!(block.len(), WeightType::Q4_0.block_bytes());
+    let y = decode(WeightType::Q4_0, &block);
+    let step = amax / 8.0;
+    let first_max = x
+        .iter()
+        .position(|v| v.abs() >= amax - 1e-6)
+        .expect("extreme");
+    assert!(
+        (y[first_max] - x[first_max]).abs() < 1e-3,
+        "extreme value kept"
+    );
+    for (a, b) in x.iter().zip(&y) {
+        let bound = if *a > 7.0 * step { step } else { step * 0.5 };
+        assert!((a - b).abs() <= bound + 1e-3, "Q4_0: {a} vs {b}");
+    }
+    // Q4_1: min + 15 steps covers the range; half a step everywhere.
+    let mut block = Vec::new();
+    quantize_block_q4_1(&x, &mut block);
+    assert_eq!(block.len(), WeightType::Q4_1.block_bytes());
+    let y = decode(WeightType::Q4_1, &block);
+    let step = 2.0 * amax / 15.0;
+    for (a, b) in x.iter().zip(&y) {
+        assert!((a - b).abs() <= step * 0.5 + 1e-3, "Q4_1: {a} vs {b}");
+    }
+}
+
+#[test]
+fn vocabulary_round_trips_text_and_has_chatml_tokens() {
+    let path = write(tiny(SynthDtype::Q8_0, 1), "vocab.gguf");
+    let gguf = GgufFile::open(&path).expect("opens");
+    let tokenizer = Tokenizer::from_gguf(&gguf).expect("tokenizer builds");
+    assert_eq!(tokenizer.vocab_size(), 512);
+    let text = "Hello, world! ünïcödé\n\t0123";
+    let ids = tokenizer.encode(text, false);
+    assert!(ids.len() < text.len(), "merges must apply: {ids:?}");
+    assert_eq!(tokenizer.decode(&ids), text);
+    assert_eq!(tokenizer.eos_id(), Some(IM_END));
+    assert!(tokenizer.is_eog(IM_END));
+    let chat = tokenizer.encode("<|im_start|>user", true);
+    assert_eq!(chat[0], IM_START);
+}
+
+#[test]
+fn tiny_model_generates_through_the_cpu_backend_deterministically() {
+    let path = write(tiny(SynthDtype::Q4_1, 5), "generate.gguf");
+    let run = || {
+        let runtime = Runtime::start(
+            &path,
+            RuntimeOptions {
+                kv_memory_bytes: 4 << 20,
+                threads: Some(1),
+                ..RuntimeOptions::default()
+            },
+        )
+        .expect("runtime starts on the synthetic model");
+        let prompt = runtime.tokenizer.encode("The quick brown fox", false);
+        let mut request = GenerationRequest::greedy(prompt, 12, "synth");
+        request.stop.ignore_eos = true;
+        let mut handle = runtime.engine.submit(request).expect("accepted");
+        let mut ids = Vec::new();
+        while let Some(event) = handle.events.blocking_recv() {
+            match event {
+                TokenEvent::Token { id, .. } => ids.push(id),
+                TokenEvent::Finished { .. } => break,
+                TokenEvent::Error(e) => panic!("generation failed: {e}"),
+            }
+        }
+        ids
+    };
+    let first = run();
+    assert_eq!(first.len(), 12, "{first:?}");
+    assert!(first.iter().all(|&id| (id as usize) < 512));
+    let distinct: std::collections::BTreeSet<_> = first.iter().collect();
+    assert!(
+        distinct.len() > 1,
+        "random weights should not repeat one token: {first:?}"
+    );
+    assert_eq!(run(), first, "greedy generation is deterministic");
+}
+
+/// The model's header followed by a sparse data section (reads as zeros, takes no disk space):
+/// everything but the weights' values, at the real size.
+fn header_only(shape: SynthShape, dtype: SynthDtype, name: &str) -> PathBuf {
+    let model = SynthModel::new(SynthSpec {
+        shape,
+        dtype,
+        seed: 0,
+    });
+    let path = temp_path(name);
+    let mut file = File::create(&path).expect("create");
+    model.write_header(&mut file).expect("header");
+    file.set_len(model.file_len()).expect("extend");
+    path
+}
+
+#[test]
+fn llama2_13b_header_loads_binds_and_plans_without_writing_the_weights() {
+    let path = header_only(SynthShape::Llama2_13b, SynthDtype::Q4_0, "llama2-13b.gguf");
+    let gguf = GgufFile::open(&path).expect("the 13B directory is consistent");
+    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    assert_eq!(config.num_layers, 40);
+    assert_eq!(config.hidden_size, 5120);
+    assert_eq!((config.num_heads, config.num_kv_heads), (40, 40));
+    assert_eq!((config.ffn_size, config.vocab_size), (13824, 32000));
+    assert_eq!(config.context_length, 4096);
+    ModelWeights::bind(&gguf, &config).expect("every tensor binds");
+    // 13.0e9 weights at 4.5 bits, plus f32 norms.
+    let weights = gguf.tensor_bytes();
+    assert!(
+        (7_000_000_000..7_500_000_000).contains(&weights),
+        "{weights}"
+    );
+
+    let report = PlanReport::compute(&PlanArgs {
+        model: Some(path.clone()),
+        memory: "40GiB".into(),
+        ..PlanArgs::default()
+    })
+    .expect("plan reads the 13B shape");
+    // The seeds' worked example: 800 KiB per token, 12.5 MiB per 16-token block.
+    assert_eq!(report.kv_bytes_per_token, 819_200);
+    assert_eq!(report.num_blocks, 3276);
+    assert_eq!(report.max_concurrency, 12);
+    assert_eq!(report.weights_bytes, Some(weights));
+    std::fs::remove_file(&path).ok();
+}
+
+#[test]
+fn smollm2_shape_matches_the_default_model_config() {
+    let path = header_only(SynthShape::Smollm2_135m, SynthDtype::Q4_1, "smollm2.gguf");
+    let gguf = GgufFile::open(&path).expect("opens");
+    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    assert_eq!(
+        (
+            config.num_layers,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads
+        ),
+        (30, 576, 9, 3)
+    );
+    assert_eq!((config.head_dim, config.ffn_size), (64, 1536));
+    assert_eq!(
+        (config.vocab_size, config.rope_freq_base),
+        (49152, 100_000.0)
+    );
+    assert!(config.tied_embeddings);
+    ModelWeights::bind(&gguf, &config).expect("binds");
+    let tokenizer = Tokenizer::from_gguf(&gguf).expect("49152-token vocabulary builds");
+    assert_eq!(tokenizer.vocab_size(), 49152);
+    std::fs::remove_file(&path).ok();
+}
+
+#[test]
+fn names_parse_and_unknown_names_are_listed() {
+    assert_eq!(
+        "llama2-13b".parse::<SynthShape>(),
+        Ok(SynthShape::Llama2_13b)
+    );
+    assert_eq!("Q4_0".parse::<SynthDtype>(), Ok(SynthDtype::Q4_0));
+    let err = "llama3".parse::<SynthShape>().unwrap_err();
+    assert!(
+        err.contains("smollm2-135m") && err.contains("tiny"),
+        "{err}"
+    );
+    assert!("q4_k".parse::<SynthDtype>().is_err());
+}
