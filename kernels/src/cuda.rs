@@ -115,6 +115,7 @@ pub fn attention_partitions(max_context: usize) -> usize {
 }
 
 pub mod nvrtc;
+pub mod probe;
 
 #[cfg(test)]
 mod emu;

@@ -65,19 +65,11 @@ pub struct Compiled {
 }
 
 impl Nvrtc {
-    /// `KVGATE_NVRTC_LIB` (a path), else `libnvrtc.so.13`, `.so.12` or `.so` from the loader's
-    /// search path (`LD_LIBRARY_PATH`: the CUDA 13 line first, as on a driver-580 host).
+    /// `KVGATE_NVRTC_LIB` (a path, used alone), else `libnvrtc.so.13`, `.so.12` or `.so` from
+    /// the loader's search path (the CUDA 13 line first, as on a driver-580 host), else a copy
+    /// from NVIDIA's PyPI wheels ([`super::probe::NVRTC`]; the device probe searches the same).
     pub fn open() -> Result<Nvrtc, NvrtcError> {
-        Self::open_first(Self::default_candidates())
-    }
-
-    fn default_candidates() -> Vec<PathBuf> {
-        let mut candidates: Vec<PathBuf> = Vec::new();
-        if let Some(path) = std::env::var_os("KVGATE_NVRTC_LIB") {
-            candidates.push(path.into());
-        }
-        candidates.extend(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"].map(PathBuf::from));
-        candidates
+        Self::open_first(super::probe::NVRTC.candidates())
     }
 
     /// The first candidate that loads and exports NVRTC's entry points.
