@@ -7,6 +7,7 @@ pub mod batch;
 pub mod bench;
 pub mod block_pool;
 pub mod chat_template;
+pub mod device;
 pub mod engine;
 pub mod gguf;
 pub mod kv_math;
