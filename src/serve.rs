@@ -174,7 +174,7 @@ fn init_logging(format: LogFormat) {
 
 /// Colour only on a terminal, and never when `NO_COLOR` is set to anything non-empty
 /// (<https://no-color.org>): logs piped to files or journald stay plain text.
-fn use_color(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+pub(crate) fn use_color(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
     stderr_is_terminal && no_color.is_none_or(|value| value.is_empty())
 }
 
