@@ -158,7 +158,7 @@ async fn proxy(
         Ok(answer) => answer,
         Err(error) => {
             admitted.mark_failed_before_start();
-            return Err(error.into());
+            return Err(error);
         }
     };
     if answer.status().is_success() {
