@@ -883,3 +883,32 @@ async fn queued_requests_the_forecast_says_cannot_start_in_time_are_refused_at_o
         drop(admitted(handle).await);
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn upstream_pools_learn_a_drain_rate_and_refuse_what_cannot_start_in_time() {
+    let policy =
+        "[tenants.a]\n[tenants.quick]\nmax_queue_wait = \"500ms\"\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, remote, id, store) = setup_with_upstream(10, 20, policy);
+    // Two forwarded requests, a second apart; their bodies are never metered (no completion
+    // count), yet each end returns 160 tokens of capacity: 160 tokens per second.
+    for _ in 0..2 {
+        let mut forwarded = admission
+            .admit(upstream_ticket(&store, id, "a", 80, 80))
+            .await
+            .unwrap();
+        forwarded.mark_started();
+        drop(forwarded);
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let _full = remote.try_reserve(20).unwrap();
+    let rejection = admission
+        .admit(upstream_ticket(&store, id, "quick", 80, 80))
+        .await
+        .unwrap_err();
+    match rejection {
+        Rejection::KvSaturated { estimated_wait, .. } => {
+            assert_eq!(estimated_wait, Duration::from_secs(1));
+        }
+        other => panic!("expected KvSaturated, got {other:?}"),
+    }
+}
