@@ -193,13 +193,15 @@ impl Admission {
         answer.unwrap_or(Err(Rejection::Unavailable))
     }
 
-    /// Gives admission the engine's per-token service time (see [`per_token_service_time`]):
-    /// the prior its Retry-After estimates use until completions have measured a drain rate.
-    pub fn set_service_time_probe(
+    /// Gives admission the engine's per-token service time (see [`engine_service_time`]; a
+    /// plain `Duration` is a decode time): the prior its forecasts and Retry-After estimates
+    /// use until completions have measured a drain rate.
+    pub fn set_service_time_probe<T: Into<ServiceTime>>(
         &self,
-        probe: impl Fn() -> Option<Duration> + Send + Sync + 'static,
+        probe: impl Fn() -> Option<T> + Send + Sync + 'static,
     ) {
-        self.ledger.set_service_time_probe(Arc::new(probe));
+        self.ledger
+            .set_service_time_probe(Arc::new(move || probe().map(Into::into)));
     }
 
     /// Queue and in-flight state per tenant (last dispatcher step), sorted by tenant.
@@ -307,6 +309,37 @@ pub fn per_token_service_time(stats: &EngineStats) -> Option<Duration> {
         .filter(|n| *n > 0)?;
     let step = Duration::from_micros(stats.last_step_micros);
     (!step.is_zero()).then(|| step / sequences)
+}
+
+/// The engine's time per generated token, and how it was measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServiceTime {
+    /// From a decode-dominated step: [`per_token_service_time`].
+    Decode(Duration),
+    /// From a prefill-dominated step: its wall time per computed token. A batched prefill
+    /// token is cheaper than a decode token, so this is a lower bound on the decode time —
+    /// good enough to refuse what even an optimistic forecast says cannot start in time
+    /// before the first decode step is timed (a long prompt's prefill can take seconds).
+    PrefillBound(Duration),
+}
+
+impl From<Duration> for ServiceTime {
+    fn from(per_token: Duration) -> ServiceTime {
+        ServiceTime::Decode(per_token)
+    }
+}
+
+/// What the engine's last step says about its per-token service time: a decode time when the
+/// step was decode-dominated, else a lower bound from its prefill; `None` before any step.
+pub fn engine_service_time(stats: &EngineStats) -> Option<ServiceTime> {
+    if let Some(decode) = per_token_service_time(stats) {
+        return Some(ServiceTime::Decode(decode));
+    }
+    let tokens = u32::try_from(stats.last_batch_tokens)
+        .ok()
+        .filter(|n| *n > 0)?;
+    let step = Duration::from_micros(stats.last_step_micros);
+    (!step.is_zero()).then(|| ServiceTime::PrefillBound(step / tokens))
 }
 
 /// How a request fits a pool under the KV policy.

@@ -16,7 +16,7 @@ use kvgate_runtime::engine::Engine;
 use kvgate_runtime::tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 
-use crate::admission::{Admission, PoolId, per_token_service_time};
+use crate::admission::{Admission, PoolId, engine_service_time};
 use crate::generate;
 use crate::handlers::{self, AppState, BodyLimits, StateParts};
 use crate::metrics::{Metrics, MetricsConfig, MetricsError, QueueSource};
@@ -137,7 +137,7 @@ pub async fn bind_with_upstreams(
     // Until completions have measured a drain rate, Retry-After estimates use the engine's
     // per-token service time.
     let probed = engine.clone();
-    admission.set_service_time_probe(move || per_token_service_time(&probed.stats()));
+    admission.set_service_time_probe(move || engine_service_time(&probed.stats()));
     // Never more requests in the engine than its submit queue takes: no `QueueFull` 503s.
     admission.limit_in_flight(PoolId::LOCAL, engine.config().command_queue);
     // Admission answers a request that cannot start in time before the request timeout does.

@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::PoolId;
+use super::{PoolId, ServiceTime};
 use crate::metrics::TenantQueueSnapshot;
 use crate::queue::{Lane, TenantBacklog};
 
@@ -34,10 +34,10 @@ pub(super) struct Ledger {
 
 /// Reads the engine's current per-token service time (wall time per generated token, all
 /// running sequences together); `None` while it has none (no step yet).
-pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<Duration> + Send + Sync>;
+pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<ServiceTime> + Send + Sync>;
 
 /// Where the [`ServiceTimeProbe`] lives (empty until the server wires the engine in), and the
-/// last value it gave: kept for steps the probe does not time (prefill-dominated ones).
+/// last decode time it gave: kept through prefill-dominated steps, which only bound it.
 #[derive(Default)]
 struct ServiceTimeSlot(Mutex<Option<ServiceTimeProbe>>, Mutex<Option<Duration>>);
 
@@ -226,16 +226,22 @@ impl Ledger {
         *self.service_time.0.lock() = Some(probe);
     }
 
-    /// The engine's per-token service time now (the probe's, or its last one while it has
-    /// none), if a probe is set and the engine has timed a step.
+    /// The engine's per-token service time now: its latest decode time, or while none has
+    /// been timed yet, the lower bound its prefill steps give; `None` without a probe or a step.
     pub fn per_token_service_time(&self) -> Option<Duration> {
         // Called outside the slot's lock: the probe takes the engine's stats lock.
         let probe = self.service_time.0.lock().clone()?;
-        let mut last = self.service_time.1.lock();
-        if let Some(now) = probe().filter(|per_token| !per_token.is_zero()) {
-            *last = Some(now);
+        let mut last_decode = self.service_time.1.lock();
+        match probe() {
+            Some(ServiceTime::Decode(per_token)) if !per_token.is_zero() => {
+                *last_decode = Some(per_token);
+                Some(per_token)
+            }
+            Some(ServiceTime::PrefillBound(bound)) if !bound.is_zero() => {
+                Some(last_decode.unwrap_or(bound))
+            }
+            _ => *last_decode,
         }
-        *last
     }
 
     pub fn publish(&self, backlogs: Vec<TenantBacklog>) {

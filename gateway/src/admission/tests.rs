@@ -349,7 +349,7 @@ async fn without_any_timing_a_full_queue_waits_as_long_as_its_oldest_entry() {
     let policy = "[tenants.a]\nmax_concurrency = 1\nqueue_depth = 1\n";
     let (admission, _pool, store) = setup(100, policy);
     // The engine has not timed a step yet.
-    admission.set_service_time_probe(|| None);
+    admission.set_service_time_probe(|| None::<ServiceTime>);
     let (rejection, _running, _waiting) =
         queue_full_rejection(&admission, &store, 200, Duration::from_millis(7300)).await;
     assert_eq!(rejection.retry_after(), Some(Duration::from_millis(7300)));
@@ -393,6 +393,52 @@ fn the_engine_service_time_is_step_time_per_running_sequence() {
     assert_eq!(
         per_token_service_time(&stats(4, 20_000)),
         Some(Duration::from_millis(5))
+    );
+}
+
+#[test]
+fn a_prefill_step_only_bounds_the_service_time_from_below() {
+    use kvgate_runtime::engine::EngineStats;
+    let prefill = EngineStats {
+        last_batch_seqs: 1,
+        last_batch_tokens: 500,
+        last_step_micros: 1_000_000,
+        ..EngineStats::default()
+    };
+    assert_eq!(per_token_service_time(&prefill), None);
+    assert_eq!(
+        engine_service_time(&prefill),
+        Some(ServiceTime::PrefillBound(Duration::from_millis(2)))
+    );
+    let decode = EngineStats {
+        last_batch_tokens: 1,
+        last_step_micros: 30_000,
+        ..prefill
+    };
+    assert_eq!(
+        engine_service_time(&decode),
+        Some(ServiceTime::Decode(Duration::from_millis(30)))
+    );
+    // The ledger uses the bound only until a decode time is known, then keeps that.
+    let ledger = ledger::Ledger::default();
+    let latest = Arc::new(parking_lot::Mutex::new(ServiceTime::PrefillBound(
+        Duration::from_millis(2),
+    )));
+    let probe = Arc::clone(&latest);
+    ledger.set_service_time_probe(Arc::new(move || Some(*probe.lock())));
+    assert_eq!(
+        ledger.per_token_service_time(),
+        Some(Duration::from_millis(2))
+    );
+    *latest.lock() = ServiceTime::Decode(Duration::from_millis(30));
+    assert_eq!(
+        ledger.per_token_service_time(),
+        Some(Duration::from_millis(30))
+    );
+    *latest.lock() = ServiceTime::PrefillBound(Duration::from_millis(2));
+    assert_eq!(
+        ledger.per_token_service_time(),
+        Some(Duration::from_millis(30))
     );
 }
 
