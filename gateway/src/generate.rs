@@ -106,7 +106,17 @@ async fn generate(
     let (stream, dropped) = (valid.stream, valid.dropped_messages);
     let rate_headers = admitted.rate_headers();
     let request = generation_request(valid, &mut admitted, &tenant.name);
-    let handle = state.engine().submit(request).map_err(submit_error)?;
+    let handle = match state.engine().submit(request) {
+        Ok(handle) => {
+            admitted.mark_started();
+            handle
+        }
+        Err(error) => {
+            // Never ran: the guard refunds the whole debit (the engine released the blocks).
+            admitted.mark_failed_before_start();
+            return Err(submit_error(error));
+        }
+    };
 
     let mut response = if stream {
         // The body now owns the handle, the admission guard and the telemetry.
@@ -144,9 +154,17 @@ async fn proxy(
     let rate_headers = admitted.rate_headers();
     // Owned by this future until the headers arrive: a client that leaves drops the request.
     // On failure `admitted` drops here unstarted: slot, capacity and debit all come back.
-    let answer = upstream.send(valid.endpoint, body, &request_id).await?;
+    let answer = match upstream.send(valid.endpoint, body, &request_id).await {
+        Ok(answer) => answer,
+        Err(error) => {
+            admitted.mark_failed_before_start();
+            return Err(error);
+        }
+    };
     if answer.status().is_success() {
         admitted.mark_started();
+    } else {
+        admitted.mark_failed_before_start();
     }
     // The relayed body now owns the admission guard: capacity is held until it ends.
     let mut response = upstream::relay(answer, admitted, upstream);

@@ -17,10 +17,10 @@ use kvgate_runtime::engine::Engine;
 use kvgate_runtime::tokenizer::Tokenizer;
 use tokio::net::TcpListener;
 
-use crate::admission::{Admission, per_token_service_time};
+use crate::admission::{Admission, PoolId, engine_service_time};
 use crate::generate;
 use crate::handlers::{self, AppState, BodyLimits, StateParts};
-use crate::metrics::{Metrics, MetricsConfig, MetricsError};
+use crate::metrics::{Metrics, MetricsConfig, MetricsError, QueueSource};
 use crate::reload::PolicyStore;
 use crate::shutdown::{self, ConnectionLimits};
 use crate::stack::{self, GatewayService, StackConfig};
@@ -148,12 +148,17 @@ pub async fn bind_on(
     if metrics_config.model.is_empty() {
         metrics_config.model = config.model_name.clone();
     }
-    let metrics = Metrics::new(metrics_config, engine.clone(), Some(admission.clone()))?;
+    let queues: Arc<dyn QueueSource> = Arc::new(admission.clone());
+    let metrics = Metrics::new(metrics_config, engine.clone(), Some(queues))?;
     let rate_view = admission.clone();
     // Until completions have measured a drain rate, Retry-After estimates use the engine's
     // per-token service time.
     let probed = engine.clone();
-    admission.set_service_time_probe(move || per_token_service_time(&probed.stats()));
+    admission.set_service_time_probe(move || engine_service_time(&probed.stats()));
+    // Never more requests in the engine than its submit queue takes: no `QueueFull` 503s.
+    admission.limit_in_flight(PoolId::LOCAL, engine.config().command_queue);
+    // Admission answers a request that cannot start in time before the request timeout does.
+    admission.cap_queue_wait(config.request_timeout.mul_f64(0.9));
     let state = AppState::new(StateParts {
         engine,
         codec,

@@ -28,11 +28,18 @@ use crate::validate::Endpoint;
 
 /// Something that must live as long as the response body and learns how it ended.
 pub trait BodyGuard: Send + 'static {
+    /// Called once per generated token, so a response cut short is charged what it used.
+    fn record_generated(&mut self) {}
+
     /// Called once, when generation finished normally.
     fn record_completion(&mut self, completion_tokens: usize);
 }
 
 impl BodyGuard for Admitted {
+    fn record_generated(&mut self) {
+        Admitted::record_generated(self);
+    }
+
     fn record_completion(&mut self, completion_tokens: usize) {
         Admitted::record_completion(self, completion_tokens);
     }
@@ -92,6 +99,7 @@ pub async fn collect(
     while let Some(event) = handle.events.recv().await {
         match event {
             TokenEvent::Token { text: delta, .. } => {
+                guard.record_generated();
                 if let Some(telemetry) = telemetry.as_mut() {
                     telemetry.on_token();
                 }
@@ -228,10 +236,13 @@ impl<G: BodyGuard> StreamState<G> {
                         None => None,
                     };
                     self.phase = Phase::Streaming;
-                    if let (Some(TokenEvent::Token { .. }), Some(telemetry)) =
-                        (&event, self.telemetry.as_mut())
-                    {
-                        telemetry.on_token();
+                    if let Some(TokenEvent::Token { .. }) = &event {
+                        if let Some(guard) = self.guard.as_mut() {
+                            guard.record_generated();
+                        }
+                        if let Some(telemetry) = self.telemetry.as_mut() {
+                            telemetry.on_token();
+                        }
                     }
                     match event {
                         // Held-back bytes and special tokens produce no text: nothing to send.

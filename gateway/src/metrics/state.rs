@@ -16,7 +16,7 @@ use kvgate_runtime::engine::{Engine, EngineStats, StepHistogram};
 use super::MetricsConfig;
 use super::exposition::Writer;
 use super::names::{self, *};
-use crate::admission::{Admission, TenantQueueSnapshot};
+use super::{QueueSource, TenantQueueSnapshot};
 
 /// Everything a scrape reports, read in one go.
 #[derive(Debug, Clone, Default)]
@@ -29,11 +29,11 @@ pub(super) struct Snapshot {
 }
 
 impl Snapshot {
-    pub fn take(engine: &Engine, admission: Option<&Admission>) -> Snapshot {
+    pub fn take(engine: &Engine, queues: Option<&dyn QueueSource>) -> Snapshot {
         Snapshot {
             stats: engine.stats(),
             occupancy: engine.pool().snapshot(),
-            queues: admission.map(|a| with_configured_tenants(a.queue_snapshot(), a)),
+            queues: queues.map(QueueSource::tenant_queues),
             resident_bytes: resident_memory_bytes(),
         }
     }
@@ -48,27 +48,6 @@ impl Snapshot {
             .sum();
         queued + self.stats.waiting
     }
-}
-
-/// Adds a zero row for every configured tenant without queue state, so per-tenant gauges read 0
-/// instead of vanishing when a tenant goes idle.
-fn with_configured_tenants(
-    mut rows: Vec<TenantQueueSnapshot>,
-    admission: &Admission,
-) -> Vec<TenantQueueSnapshot> {
-    let policy = admission.policy_store().current();
-    for tenant in policy.tenants() {
-        if !rows.iter().any(|r| r.tenant == tenant.name) {
-            rows.push(TenantQueueSnapshot {
-                tenant: tenant.name.clone(),
-                queued_requests: 0,
-                queued_tokens: 0,
-                in_flight: 0,
-            });
-        }
-    }
-    rows.sort_by(|a, b| a.tenant.cmp(&b.tenant));
-    rows
 }
 
 /// Resident set size from `/proc/self/status` (`VmRSS`, in kB); `None` off Linux.

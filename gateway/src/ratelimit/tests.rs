@@ -176,6 +176,24 @@ async fn a_quota_change_on_reload_rebuilds_the_buckets() {
     assert!(limits.try_debit(&after, 1).is_ok());
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_quota_change_on_reload_keeps_what_was_spent_and_refunds_reach_the_new_bucket() {
+    let limits = RateLimits::new();
+    let before = tenant(None, Some(1000));
+    let held = limits.try_debit(&before, 600).unwrap();
+    let after = tenant(None, Some(2000));
+    // The 600 tokens spent stay spent: a reload does not refill the bucket.
+    assert_eq!(remaining_tokens(&limits, &after), 1400);
+    // The request admitted before the reload used 100: its refund goes to the bucket in force.
+    held.settle(100);
+    assert_eq!(remaining_tokens(&limits, &after), 1900);
+    // Lowering the quota below what was spent leaves the bucket empty, not negative.
+    let spent = limits.try_debit(&after, 1500).unwrap();
+    let lower = tenant(None, Some(500));
+    assert_eq!(remaining_tokens(&limits, &lower), 0);
+    drop(spent);
+}
+
 fn tenant_without_limits() -> TenantPolicy {
     tenant(None, None)
 }
