@@ -9,6 +9,10 @@
 //! * `sums[l] = fma(dw·dx, lane[l], sums[l])` and `sumf = fma(−dmin·dx, mins, sumf)` across blocks;
 //! * the result is `sumf + sums[0] + … + sums[7]`, left to right.
 //!
+//! Checked once (not a committed test: it needs ggml's C) against a transcription of those C
+//! functions built with GCC 12 `-O2 -march=native`: 200 random rows of 8 blocks per type gave
+//! bit-identical results.
+//!
 //! ggml's AVX2 kernels for these types reduce in a different order; a SIMD path added here will
 //! bring its own order and be tested bit-for-bit against a matching reference.
 

@@ -280,7 +280,9 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [u8]) {
         let mut qs = [0i8; QK_K];
         for (q, &v) in qs.iter_mut().zip(xb) {
             // ggml's nearest_int (adding 1.5·2^23) rounds half to even; |iscale·v| <= 127 up
-            // to rounding, so only the upper clamp can bite.
+            // to rounding, so only the upper clamp can bite. The product is rounded to f32
+            // first, as in ggml-base (built without FMA); a build that contracts
+            // `iscale·v + 1.5·2^23` into one FMA can round a value differently.
             *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
         }
         ob[0..4].copy_from_slice(&(1.0f32 / iscale).to_le_bytes());
