@@ -35,9 +35,8 @@ pub fn dot_q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
     dot_k_q8_k(KQuantType::Q6K, w, x)
 }
 
-/// The shared body: the three types differ only in how values and scales unpack (Q6_K's
-/// minimum is zero, which leaves `sumf` untouched exactly as ggml's Q6_K code, which has no
-/// minimum term at all: fma(−0·dx, 0, sumf) = sumf).
+/// The shared body: the three types differ only in how values and scales unpack, and Q6_K has
+/// no minimum term (its `sumf` stays 0 until the final lane sum, as in ggml).
 pub fn dot_k_q8_k(ty: KQuantType, w: &[u8], x: &[u8]) -> f32 {
     assert_eq!(
         w.len() / ty.block_bytes(),

@@ -21,8 +21,8 @@
 //!   weight's per-sub-block minimum without touching the values.
 //!
 //! Dequantization rounds once per value, whatever the evaluation order: `d·sc·q` is exact in
-//! f32 (an 11-bit f16 significand times a 6-bit (Q6_K: 7-bit) scale times a 5-bit (6-bit)
-//! value fits in 24 bits), and so is `dmin·m`, so only the final subtraction rounds — with or
+//! f32 (an 11-bit f16 significand times a 6-bit scale — Q6_K: 7-bit magnitude — times a value
+//! of at most 5 significant bits fits in 24 bits), and so is `dmin·m`, so only the final subtraction rounds — with or
 //! without FMA contraction. That is why ggml's `dequantize_row_*` on any build and the `gguf`
 //! package's NumPy code agree exactly; tests/fixtures/kquants holds that package's output and
 //! a test compares bits.
