@@ -187,3 +187,20 @@ fn read_errors_name_the_file() {
         "{error}"
     );
 }
+
+#[test]
+fn max_validating_inherits_and_must_be_positive() {
+    let policy = parse_policy(
+        "p.toml",
+        "[defaults]\nmax_validating = 5\n[tenants.a]\n[tenants.b]\nmax_validating = 2\n",
+    )
+    .unwrap();
+    assert_eq!(policy.tenant("a").unwrap().max_validating, 5);
+    assert_eq!(policy.tenant("b").unwrap().max_validating, 2);
+    let builtin = parse_policy("p.toml", "[tenants.c]\n").unwrap();
+    assert_eq!(builtin.tenant("c").unwrap().max_validating, 32);
+    let (line, column, field, message) = error_of("[tenants.a]\nmax_validating = 0\n");
+    assert_eq!((line, column), (2, 18));
+    assert_eq!(field, "tenants.a.max_validating");
+    assert!(message.contains("at least 1"), "{message}");
+}

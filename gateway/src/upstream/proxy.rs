@@ -113,14 +113,20 @@ impl Upstream {
         body: Bytes,
         request_id: &str,
     ) -> Result<http::Response<Incoming>, GatewayError> {
-        let unavailable = |detail: String| GatewayError::UpstreamUnavailable {
+        let unavailable = |reason: &str, detail: String| GatewayError::UpstreamUnavailable {
             upstream: self.spec.name.clone(),
+            reason: reason.to_owned(),
             detail,
         };
         let mut request = Request::post(self.url(endpoint))
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(body))
-            .map_err(|error| unavailable(format!("cannot build the request: {error}")))?;
+            .map_err(|error| {
+                unavailable(
+                    "the request could not be sent",
+                    format!("cannot build the request: {error}"),
+                )
+            })?;
         if let Ok(id) = http::HeaderValue::from_str(request_id)
             && !request_id.is_empty()
         {
@@ -129,11 +135,12 @@ impl Upstream {
         let timeout = self.spec.timeout;
         match tokio::time::timeout(timeout, self.client().request(request)).await {
             Ok(Ok(response)) => Ok(response),
-            Ok(Err(error)) => Err(unavailable(describe(&error))),
-            Err(_) => Err(unavailable(format!(
-                "no response within {}s",
-                timeout.as_secs_f64()
-            ))),
+            // The transport error names the upstream's address: logged, not sent.
+            Ok(Err(error)) => Err(unavailable("it could not be reached", describe(&error))),
+            Err(_) => {
+                let waited = format!("no response within {}s", timeout.as_secs_f64());
+                Err(unavailable(&waited, waited.clone()))
+            }
         }
     }
 }
@@ -243,10 +250,11 @@ impl<B, G> GuardedBody<B, G> {
 }
 
 /// The SSE error event for an upstream that failed after its stream started.
-fn failed_event(upstream: &str, detail: String) -> Frame<Bytes> {
+fn failed_event(upstream: &str, reason: &str, detail: String) -> Frame<Bytes> {
     tracing::warn!(upstream, detail = %detail, "upstream stream failed after it started");
     let error = GatewayError::UpstreamUnavailable {
         upstream: upstream.to_owned(),
+        reason: reason.to_owned(),
         detail,
     };
     Frame::data(Bytes::from(format!("data: {}\n\n", error.sse_data())))
@@ -290,7 +298,7 @@ where
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(error))) => {
-                let event = failed_event(&watch.upstream, describe(&error));
+                let event = failed_event(&watch.upstream, "its stream broke", describe(&error));
                 this.finish();
                 Poll::Ready(Some(Ok(event)))
             }
@@ -302,8 +310,8 @@ where
                 if stall.as_mut().poll(cx).is_pending() {
                     return Poll::Pending;
                 }
-                let detail = format!("no data within {}s", timeout.as_secs_f64());
-                let event = failed_event(&watch.upstream, detail);
+                let stalled = format!("no data within {}s", timeout.as_secs_f64());
+                let event = failed_event(&watch.upstream, &stalled, stalled.clone());
                 this.finish();
                 Poll::Ready(Some(Ok(event)))
             }
