@@ -297,7 +297,7 @@ mod tests {
         assert_eq!(with(&[b"req_abc.def:1"]), vec![b"req_abc.def:1".to_vec()]);
         let longest = vec![b'a'; MAX_REQUEST_ID_LEN];
         assert_eq!(with(&[&longest]), vec![longest.clone()]);
-        let too_long = vec![b'a'; MAX_REQUEST_ID_LEN + 1];
+        let too_long = [b'a'; MAX_REQUEST_ID_LEN + 1];
         for bad in [
             &too_long[..],
             b"has space",
