@@ -236,7 +236,11 @@ impl GatewayError {
     /// Logs the error with its detail (the request's span names its id).
     pub fn log(&self, status: StatusCode) {
         let detail = self.detail().unwrap_or("");
-        if status.is_server_error() {
+        // A failing readiness probe is the answer asked for (every probe period while the
+        // server drains), not a failure to report.
+        if matches!(self, GatewayError::NotReady(_)) {
+            tracing::debug!(status = status.as_u16(), error = %self, "not ready");
+        } else if status.is_server_error() {
             tracing::error!(status = status.as_u16(), error = %self, detail, "request failed");
         } else {
             tracing::debug!(status = status.as_u16(), error = %self, detail, "request refused");
