@@ -80,6 +80,13 @@ pub enum GatewayError {
         reason: String,
         detail: String,
     },
+    /// An upstream engine answered with a server error (5xx); its status is kept, its body
+    /// (the upstream's internals) is logged, not sent (see `upstream::relay`).
+    #[error("The upstream serving `{upstream}` failed (HTTP {}).", .status.as_u16())]
+    UpstreamError {
+        upstream: String,
+        status: StatusCode,
+    },
     /// A bug: a panic caught by the rescue layer, or an invariant that did not hold. The
     /// string is the logged detail.
     #[error("The server had an internal error.")]
@@ -109,6 +116,8 @@ impl GatewayError {
             IntakeFull(_) => 429,
             RequestTimeout { .. } => 504,
             UpstreamUnavailable { .. } => 502,
+            UpstreamError { status, .. } if status.is_server_error() => status.as_u16(),
+            UpstreamError { .. } => 502,
             Overloaded | ShuttingDown | NotReady(_) | EngineUnavailable(_) => 503,
             Generation(_) | Internal(_) => 500,
         };
@@ -128,7 +137,7 @@ impl GatewayError {
             IntakeFull(_) => "requests",
             RequestTimeout { .. } | Overloaded | ShuttingDown | NotReady(_) => "server_error",
             EngineUnavailable(_) | Generation(_) | Internal(_) => "server_error",
-            UpstreamUnavailable { .. } => "server_error",
+            UpstreamUnavailable { .. } | UpstreamError { .. } => "server_error",
         }
     }
 
@@ -152,6 +161,7 @@ impl GatewayError {
             EngineUnavailable(_) => "engine_unavailable",
             Generation(_) => "generation_failed",
             UpstreamUnavailable { .. } => "upstream_unavailable",
+            UpstreamError { .. } => "upstream_error",
             Internal(_) => "internal_error",
         })
     }

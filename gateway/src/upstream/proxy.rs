@@ -29,7 +29,7 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderName};
 use http::{HeaderMap, Request};
 use http_body::{Frame, SizeHint};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use serde_json::Value;
 
@@ -161,13 +161,19 @@ fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// headers and the ones kvgate writes itself (`x-request-id`, `x-ratelimit-*`: the client's
 /// limits are this gateway's). `Retry-After` and the rest pass through. `guard` (the
 /// admission guard) lives until the body ends or is dropped. An SSE body is watched: see
-/// [`GuardedBody::watching`].
+/// [`GuardedBody::watching`]. A server error (5xx) is not relayed as written: see
+/// [`server_error`].
 pub(crate) fn relay<G: Send + Unpin + 'static>(
     upstream: http::Response<Incoming>,
     guard: G,
     from: &Upstream,
 ) -> Response {
     let (mut parts, body) = upstream.into_parts();
+    if parts.status.is_server_error() {
+        // Nothing runs upstream any more: its capacity comes back now.
+        drop(guard);
+        return server_error(parts, body, from);
+    }
     strip_own_headers(&mut parts.headers);
     let sse = parts
         .headers
@@ -182,6 +188,42 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
         body
     };
     Response::from_parts(parts, Body::new(body))
+}
+
+/// Most bytes of an upstream's 5xx body that are read into the log.
+const LOGGED_ERROR_BYTES: usize = 8 * 1024;
+
+/// An upstream's 5xx, answered as kvgate's own `upstream_error` with the same status and retry
+/// headers. Its body (a stack trace, file paths, internal addresses: the upstream's internals)
+/// is read into the log, at most [`LOGGED_ERROR_BYTES`] and the upstream's timeout, by a task
+/// of its own, not sent. A 4xx is about the client's request and is relayed as written.
+fn server_error(parts: http::response::Parts, body: Incoming, from: &Upstream) -> Response {
+    let (upstream, status, timeout) = (from.spec.name.clone(), parts.status, from.spec.timeout);
+    let logged = upstream.clone();
+    tokio::spawn(async move {
+        let read = tokio::time::timeout(timeout, Limited::new(body, LOGGED_ERROR_BYTES).collect());
+        let text = match read.await {
+            Ok(Ok(collected)) => String::from_utf8_lossy(&collected.to_bytes()).into_owned(),
+            Ok(Err(error)) => format!("(body not read: {error})"),
+            Err(_) => "(no body within the upstream's timeout)".to_owned(),
+        };
+        tracing::warn!(
+            upstream = %logged,
+            status = status.as_u16(),
+            body = %text,
+            "upstream answered with a server error"
+        );
+    });
+    let mut response = axum::response::IntoResponse::into_response(GatewayError::UpstreamError {
+        upstream,
+        status,
+    });
+    for name in ["retry-after", "retry-after-ms"] {
+        if let Some(value) = parts.headers.get(name) {
+            response.headers_mut().insert(name, value.clone());
+        }
+    }
+    response
 }
 
 fn strip_own_headers(headers: &mut HeaderMap) {
