@@ -18,10 +18,11 @@ const BUILTIN_MAX_OUTPUT_TOKENS: u64 = 512;
 const BUILTIN_MAX_TOTAL_TOKENS: u64 = 2560;
 const BUILTIN_MAX_MESSAGES: u64 = 64;
 const BUILTIN_MAX_CONCURRENCY: u64 = 4;
-/// Requests of one tenant being read or validated at once: enough for a burst of small
-/// requests to pass untouched, few enough that one key's slow uploads cannot tie up the
-/// server's connections and memory (each may buffer up to the body limit).
-const BUILTIN_MAX_VALIDATING: u64 = 32;
+/// Requests of one tenant being read or validated at once: as many as its queue holds by
+/// default, so a burst the queue would absorb is not refused earlier, yet bounded, so one key's
+/// slow uploads cannot tie up the server's connections and memory (each may buffer up to the
+/// body limit).
+const BUILTIN_MAX_VALIDATING: u64 = BUILTIN_QUEUE_DEPTH;
 const BUILTIN_QUEUE_DEPTH: u64 = 64;
 const BUILTIN_QUEUE_TOKENS: u64 = 65_536;
 const BUILTIN_MAX_QUEUE_WAIT: Duration = Duration::from_secs(30);

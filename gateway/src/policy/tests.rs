@@ -198,7 +198,7 @@ fn max_validating_inherits_and_must_be_positive() {
     assert_eq!(policy.tenant("a").unwrap().max_validating, 5);
     assert_eq!(policy.tenant("b").unwrap().max_validating, 2);
     let builtin = parse_policy("p.toml", "[tenants.c]\n").unwrap();
-    assert_eq!(builtin.tenant("c").unwrap().max_validating, 32);
+    assert_eq!(builtin.tenant("c").unwrap().max_validating, 64);
     let (line, column, field, message) = error_of("[tenants.a]\nmax_validating = 0\n");
     assert_eq!((line, column), (2, 18));
     assert_eq!(field, "tenants.a.max_validating");
