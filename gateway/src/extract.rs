@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use crate::auth::authenticate;
 use crate::error::GatewayError;
 use crate::intake::IntakePermit;
-use crate::metrics::{RejectReason, record_rejection};
+use crate::metrics::{RejectReason, record_rejection, record_request};
 use crate::policy::TenantPolicy;
 use crate::state::AppState;
 
@@ -181,14 +181,33 @@ impl FromRequestParts<AppState> for TenantIntake {
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
         let Tenant(tenant) = Tenant::from_request_parts(parts, state).await?;
-        // Counted by admission, like its own rate refusals.
-        state.admission().check_request_rate(&tenant)?;
+        // A refusal here is the request's outcome: counted as the handler counts its own.
+        let refused = |reason: Option<RejectReason>| {
+            record_request(&tenant.name, route_name(parts.uri.path()), false);
+            if let Some(reason) = reason {
+                record_rejection(&tenant.name, reason);
+            }
+        };
+        // Admission counts its rate refusals under their reason itself.
+        if let Err(rejection) = state.admission().check_request_rate(&tenant) {
+            refused(None);
+            return Err(rejection.into());
+        }
         let permit = state.intake().enter(&tenant).map_err(|full| {
             // The tenant's own bound on requests waiting for service, as its queue's is.
-            record_rejection(&tenant.name, RejectReason::QueueFull);
+            refused(Some(RejectReason::QueueFull));
             GatewayError::IntakeFull(full)
         })?;
         Ok(TenantIntake { tenant, permit })
+    }
+}
+
+/// The `route` label of `kvgate_requests_total` for a generation path (as `generate.rs` names
+/// its endpoints).
+fn route_name(path: &str) -> &'static str {
+    match path {
+        "/v1/completions" => "completions",
+        _ => "chat",
     }
 }
 
