@@ -1,5 +1,5 @@
-//! The two generation endpoints, kept thin: authenticate (extractor) → parse (extractor) →
-//! validate → admit → submit → respond. Each step is one call into the module that owns it;
+//! The two generation endpoints, kept thin: authenticate and per-tenant intake limits
+//! (extractor, before the body) → parse (extractor) → validate → admit → submit → respond. Each step is one call into the module that owns it;
 //! this file wires them together, decides which headers a response carries, and makes sure
 //! everything a request holds is owned by something that dies with the client's connection.
 //!
