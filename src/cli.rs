@@ -3,8 +3,10 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvgate_gateway::policy::parse_duration;
 use kvgate_gateway::upstream::UpstreamSpec;
 use kvgate_runtime::synth::{SynthDtype, SynthShape};
 
@@ -76,6 +78,14 @@ pub struct ServeArgs {
     /// Address to listen on: IP:PORT or HOST:PORT (e.g. localhost:8080).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080", value_parser = parse_listen_addr)]
     pub listen: SocketAddr,
+    /// Serve /metrics, /admin/kv and the detailed /readyz on this address (e.g. loopback or a
+    /// cluster-internal one) instead of on --listen, whose probes then answer status only.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// After SIGTERM/SIGINT, fail /readyz but keep accepting and serving for this long (load
+    /// balancers need a probe period to stop routing here), then close the listener and drain.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    pub pre_drain: Duration,
     /// Also export vLLM-compatible metric names (for existing dashboards and KV-aware routers).
     #[arg(long, value_enum)]
     pub metrics_compat: Option<MetricsCompat>,
@@ -251,6 +261,9 @@ pub enum PolicyCommand {
         /// The key.
         key: Option<String>,
     },
+    /// Make a new API key from the OS's randomness (256 bits) and print it with the digest
+    /// to store in a policy.
+    NewKey,
 }
 
 #[derive(Debug, Args)]

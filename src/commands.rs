@@ -179,6 +179,15 @@ pub fn policy(cmd: PolicyCommand) -> Result<()> {
             }
             println!("{}", auth::hash_key(&key));
         }
+        PolicyCommand::NewKey => {
+            let key = auth::new_key().context("reading the operating system's random source")?;
+            println!("key     {key}");
+            println!("sha256  {}", auth::hash_key(&key));
+            eprintln!(
+                "Give the key to its user; store only the sha256 in the policy (key_sha256). \
+                 The key cannot be shown again."
+            );
+        }
     }
     Ok(())
 }

@@ -256,6 +256,18 @@ impl Admission {
     pub fn policy_store(&self) -> &PolicyStore {
         &self.store
     }
+
+    /// Refuses a request of `tenant` whose request bucket is empty now, before its body is read
+    /// (see `intake.rs`). Spends nothing: [`Admission::admit`] debits the request as usual, so a
+    /// request that passes here can still be refused there by a burst that came in meanwhile.
+    /// A refusal is counted like admission's own.
+    pub fn check_request_rate(&self, tenant: &TenantPolicy) -> Result<(), Rejection> {
+        self.limits.check_request(tenant).map_err(|error| {
+            let rejection = rate_rejection(&tenant.name, error);
+            rejection.count(&tenant.name);
+            rejection
+        })
+    }
 }
 
 impl QueueSource for Admission {

@@ -130,6 +130,30 @@ impl RateLimits {
         })
     }
 
+    /// Whether the tenant's request bucket could take one request now, without taking it: a
+    /// request that would be refused anyway is refused before its body is read. Implemented as
+    /// a debit of one cell returned at once as credit, so the answer (and the wait of a
+    /// refusal) is governor's own, and the bucket's capacity is unchanged.
+    pub fn check_request(&self, tenant: &TenantPolicy) -> Result<(), RateLimitError> {
+        let buckets = self.slot(tenant).current();
+        let Some(bucket) = &buckets.requests else {
+            return Ok(());
+        };
+        match bucket.debit(1) {
+            Ok(()) => {
+                bucket.refund(1);
+                Ok(())
+            }
+            Err(wait) => Err(RateLimitError::Limited {
+                kind: LimitKind::Requests,
+                limit: bucket.limit.get(),
+                requested: 1,
+                wait,
+                headers: buckets.headers(),
+            }),
+        }
+    }
+
     /// The tenant's current state, for responses that never reached a debit.
     pub fn headers(&self, tenant: &TenantPolicy) -> RateLimitHeaders {
         self.slot(tenant).current().headers()

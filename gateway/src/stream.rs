@@ -297,7 +297,12 @@ impl<G: BodyGuard> StreamState<G> {
     }
 
     fn fail(&mut self, error: GatewayError) -> Event {
-        tracing::error!(error = %error, id = %self.meta.id, "stream failed after it started");
+        tracing::error!(
+            error = %error,
+            detail = error.detail().unwrap_or(""),
+            id = %self.meta.id,
+            "stream failed after it started"
+        );
         self.release(None);
         self.phase = Phase::Ended;
         error.sse_event()
@@ -375,7 +380,9 @@ fn json_event(value: &impl serde::Serialize) -> Event {
     match serde_json::to_string(value) {
         Ok(json) => Event::default().data(json),
         Err(error) => {
-            GatewayError::Internal(format!("cannot serialize a chunk: {error}")).sse_event()
+            let error = GatewayError::Internal(format!("cannot serialize a chunk: {error}"));
+            error.log(error.status());
+            error.sse_event()
         }
     }
 }
