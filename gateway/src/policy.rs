@@ -16,7 +16,7 @@ mod tests;
 
 /// Durations as the policy file writes them (`"30s"`, `"500ms"`, `"1m30s"`); also used by
 /// `--upstream ...,timeout=`.
-pub(crate) use raw::parse_duration;
+pub use raw::parse_duration;
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -186,24 +186,33 @@ impl StateTracker {
             }
         }
 
-        write_histogram(out, BATCH_SIZE, &stats.batch_seqs);
-        write_histogram(out, BATCH_TOKENS, &stats.batch_tokens);
+        family(
+            ENGINE_PREFILL_CAP_TOKENS,
+            &[(&[], stats.prefill_cap_tokens as f64)],
+        );
+        let target = stats.target_step_micros.unwrap_or(0) as f64 / 1e6;
+        family(ENGINE_TARGET_ITL_SECONDS, &[(&[], target)]);
+
+        write_histogram(out, BATCH_SIZE, &stats.batch_seqs, 1.0);
+        write_histogram(out, BATCH_TOKENS, &stats.batch_tokens, 1.0);
+        write_histogram(out, ENGINE_STEP_DURATION_SECONDS, &stats.step_micros, 1e-6);
     }
 }
 
-/// One of the engine's per-step histograms as a Prometheus histogram family.
-fn write_histogram(out: &mut Writer, name: &str, histogram: &StepHistogram) {
+/// One of the engine's per-step histograms as a Prometheus histogram family, its bounds and
+/// sum multiplied by `scale` (microseconds to seconds).
+fn write_histogram(out: &mut Writer, name: &str, histogram: &StepHistogram, scale: f64) {
     if let Some(f) = names::family_of(name) {
         out.family(f.name, f.kind.as_str(), f.help);
     }
     let buckets = histogram
         .cumulative()
-        .filter_map(|(bound, n)| bound.map(|b| (b as f64, n)));
+        .filter_map(|(bound, n)| bound.map(|b| (b as f64 * scale, n)));
     out.histogram(
         name,
         &[],
         buckets,
-        histogram.sum() as f64,
+        histogram.sum() as f64 * scale,
         histogram.count(),
     );
 }
