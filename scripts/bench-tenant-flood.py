@@ -129,10 +129,12 @@ class Client:
         return response.status, elapsed, usage, response.getheader("retry-after")
 
 
-def text(words, tag):
-    """`words` words of filler, unique per call so no two prompts share a prefix."""
-    rng = random.Random(tag)
-    return f"[{tag}] " + " ".join(rng.choice(WORDS) for _ in range(words))
+def text(words, seed):
+    """`words` words of filler drawn from `seed`; a short random tag first, so no two prompts
+    share a prefix (and a cache of prefixes could not shortcut the prefill)."""
+    rng = random.Random(seed)
+    tag = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(4))
+    return f"{tag}: " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def calibrate(port, key, target):
@@ -140,13 +142,13 @@ def calibrate(port, key, target):
     own tokens included), from two probes."""
     client = Client(port, key)
     counts = []
-    for words in (20, 200):
+    for words in (5, 200):
         status, _, usage, _ = client.chat(text(words, f"probe-{words}"), 1)
         if status != 200:
             sys.exit(f"calibration request failed with HTTP {status}")
         counts.append(usage["prompt_tokens"])
-    per_word = (counts[1] - counts[0]) / 180
-    return max(1, round(20 + (target - counts[0]) / per_word))
+    per_word = (counts[1] - counts[0]) / 195
+    return max(1, round(5 + (target - counts[0]) / per_word))
 
 
 def beta_run(port, words, stop_at=None, count=None):
