@@ -1,6 +1,7 @@
 //! Command-line surface of the `kvgate` binary: flags are parsed and checked here, and each
 //! subcommand hands typed values to the module that does the work.
 
+use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -8,6 +9,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvgate_gateway::policy::parse_duration;
 use kvgate_gateway::upstream::UpstreamSpec;
+use kvgate_runtime::engine::{DEFAULT_TARGET_ITL, PrefillOrder};
 use kvgate_runtime::synth::{SynthDtype, SynthShape};
 
 #[derive(Debug, Parser)]
@@ -65,6 +67,53 @@ pub struct ModelArgs {
     /// Token budget of one scheduler step (prefill chunks and decodes together).
     #[arg(long, value_name = "N", default_value_t = 512)]
     pub max_batched_tokens: usize,
+    /// While any stream is decoding, add prompt tokens to a step only as far as its predicted
+    /// time (from the engine's measured steps) stays within this, e.g. 100ms; `off` lets every
+    /// step take the whole token budget.
+    #[arg(long, value_name = "DURATION|off", default_value_t = TargetItl(Some(DEFAULT_TARGET_ITL)), value_parser = parse_target_itl)]
+    pub target_itl: TargetItl,
+    /// How a step's prompt tokens are shared: by tenant weight (weighted deficit round robin,
+    /// shortest prompt first within a tenant), or first come first served.
+    #[arg(long, value_enum, default_value_t = PrefillOrderArg::TenantFair)]
+    pub prefill_order: PrefillOrderArg,
+}
+
+/// `--target-itl`: a duration, or `None` for `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TargetItl(pub Option<Duration>);
+
+impl fmt::Display for TargetItl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(target) => write!(f, "{}ms", target.as_millis()),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+fn parse_target_itl(text: &str) -> Result<TargetItl, String> {
+    if text.trim().eq_ignore_ascii_case("off") {
+        return Ok(TargetItl(None));
+    }
+    match parse_duration(text)? {
+        target if target.is_zero() => Err("must be positive (or `off`)".to_owned()),
+        target => Ok(TargetItl(Some(target))),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PrefillOrderArg {
+    TenantFair,
+    Fcfs,
+}
+
+impl From<PrefillOrderArg> for PrefillOrder {
+    fn from(arg: PrefillOrderArg) -> PrefillOrder {
+        match arg {
+            PrefillOrderArg::TenantFair => PrefillOrder::TenantFair,
+            PrefillOrderArg::Fcfs => PrefillOrder::Fcfs,
+        }
+    }
 }
 
 #[derive(Debug, Args)]

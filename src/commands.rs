@@ -33,6 +33,8 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
         threads: args.threads,
         max_num_seqs: args.max_num_seqs,
         max_batched_tokens: args.max_batched_tokens,
+        target_itl: args.target_itl.0,
+        prefill_order: args.prefill_order.into(),
     };
     Runtime::start(&path, opts).map_err(|error| match error {
         // Its message names the file and what is wrong with it.
@@ -75,6 +77,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         },
         reservation: None,
         label: "cli".to_owned(),
+        weight: std::num::NonZeroU32::MIN,
     })?;
     // Stream text as it is generated; only generated text goes to stdout.
     let mut out = std::io::stdout().lock();

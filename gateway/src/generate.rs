@@ -111,7 +111,7 @@ async fn generate(
     let telemetry = GenerationTelemetry::new(&tenant.name, arrived, valid.prompt_ids.len());
     let (stream, dropped) = (valid.stream, valid.dropped_messages);
     let rate_headers = admitted.rate_headers();
-    let request = generation_request(valid, &mut admitted, &tenant.name);
+    let request = generation_request(valid, &mut admitted, tenant);
     let handle = match state.engine().submit(request) {
         Ok(handle) => {
             admitted.mark_started();
@@ -247,7 +247,7 @@ pub fn tenant_limits(tenant: &TenantPolicy, model_context: usize) -> Limits {
 fn generation_request(
     valid: ValidRequest,
     admitted: &mut Admitted,
-    tenant: &str,
+    tenant: &TenantPolicy,
 ) -> GenerationRequest {
     GenerationRequest {
         prompt: valid.prompt_ids,
@@ -264,7 +264,9 @@ fn generation_request(
             ignore_eos: false,
         },
         reservation: admitted.take_reservation(),
-        label: tenant.to_owned(),
+        // The engine shares prompt tokens between tenants by these.
+        label: tenant.name.clone(),
+        weight: tenant.weight,
     }
 }
 

@@ -198,13 +198,15 @@ pub fn record_queue_wait(tenant: &str, wait: Duration) {
 }
 
 /// From the request's arrival to its first generated token leaving the server.
-pub fn record_time_to_first_token(elapsed: Duration) {
-    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS).record(elapsed.as_secs_f64());
+pub fn record_time_to_first_token(tenant: &str, elapsed: Duration) {
+    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "tenant" => tenant.to_string())
+        .record(elapsed.as_secs_f64());
 }
 
 /// Gap between two successive tokens of one stream.
-pub fn record_inter_token_latency(gap: Duration) {
-    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS).record(gap.as_secs_f64());
+pub fn record_inter_token_latency(tenant: &str, gap: Duration) {
+    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS, "tenant" => tenant.to_string())
+        .record(gap.as_secs_f64());
 }
 
 /// A request that ran in the engine has ended (finished, stopped, cancelled or failed).

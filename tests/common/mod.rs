@@ -224,6 +224,7 @@ fn start_runtime(options: &Options) -> Runtime {
             threads: None,
             max_num_seqs: options.max_num_seqs,
             max_batched_tokens: 256,
+            ..RuntimeOptions::default()
         },
     )
     .expect("runtime starts");

@@ -163,6 +163,7 @@ fn occupancy_rises_while_a_sequence_runs_and_returns_after() {
         },
         reservation: None,
         label: "tenant-a".into(),
+        weight: std::num::NonZeroU32::MIN,
     };
     let mut handle = match engine.submit(request) {
         Ok(h) => h,
