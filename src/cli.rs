@@ -1,12 +1,16 @@
 //! Command-line surface of the `kvgate` binary: flags are parsed and checked here, and each
 //! subcommand hands typed values to the module that does the work.
 
+use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvgate_gateway::policy::parse_duration;
 use kvgate_gateway::upstream::UpstreamSpec;
 use kvgate_runtime::device::DeviceRequest;
+use kvgate_runtime::engine::{DEFAULT_TARGET_ITL, PrefillOrder};
 use kvgate_runtime::synth::{SynthDtype, SynthShape};
 
 #[derive(Debug, Parser)]
@@ -68,6 +72,53 @@ pub struct ModelArgs {
     /// Token budget of one scheduler step (prefill chunks and decodes together).
     #[arg(long, value_name = "N", default_value_t = 512)]
     pub max_batched_tokens: usize,
+    /// While any stream is decoding, add prompt tokens to a step only as far as its predicted
+    /// time (from the engine's measured steps) stays within this, e.g. 100ms; `off` lets every
+    /// step take the whole token budget.
+    #[arg(long, value_name = "DURATION|off", default_value_t = TargetItl(Some(DEFAULT_TARGET_ITL)), value_parser = parse_target_itl)]
+    pub target_itl: TargetItl,
+    /// How a step's prompt tokens are shared: by tenant weight (weighted deficit round robin,
+    /// shortest prompt first within a tenant), or first come first served.
+    #[arg(long, value_enum, default_value_t = PrefillOrderArg::TenantFair)]
+    pub prefill_order: PrefillOrderArg,
+}
+
+/// `--target-itl`: a duration, or `None` for `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TargetItl(pub Option<Duration>);
+
+impl fmt::Display for TargetItl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(target) => write!(f, "{}ms", target.as_millis()),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+fn parse_target_itl(text: &str) -> Result<TargetItl, String> {
+    if text.trim().eq_ignore_ascii_case("off") {
+        return Ok(TargetItl(None));
+    }
+    match parse_duration(text)? {
+        target if target.is_zero() => Err("must be positive (or `off`)".to_owned()),
+        target => Ok(TargetItl(Some(target))),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PrefillOrderArg {
+    TenantFair,
+    Fcfs,
+}
+
+impl From<PrefillOrderArg> for PrefillOrder {
+    fn from(arg: PrefillOrderArg) -> PrefillOrder {
+        match arg {
+            PrefillOrderArg::TenantFair => PrefillOrder::TenantFair,
+            PrefillOrderArg::Fcfs => PrefillOrder::Fcfs,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -81,6 +132,14 @@ pub struct ServeArgs {
     /// Address to listen on: IP:PORT or HOST:PORT (e.g. localhost:8080).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080", value_parser = parse_listen_addr)]
     pub listen: SocketAddr,
+    /// Serve /metrics, /admin/kv and the detailed /readyz on this address (e.g. loopback or a
+    /// cluster-internal one) instead of on --listen, whose probes then answer status only.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// After SIGTERM/SIGINT, fail /readyz but keep accepting and serving for this long (load
+    /// balancers need a probe period to stop routing here), then close the listener and drain.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    pub pre_drain: Duration,
     /// Also export vLLM-compatible metric names (for existing dashboards and KV-aware routers).
     #[arg(long, value_enum)]
     pub metrics_compat: Option<MetricsCompat>,
@@ -256,6 +315,9 @@ pub enum PolicyCommand {
         /// The key.
         key: Option<String>,
     },
+    /// Make a new API key from the OS's randomness (256 bits) and print it with the digest
+    /// to store in a policy.
+    NewKey,
 }
 
 #[derive(Debug, Args)]

@@ -39,6 +39,8 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
         threads: args.threads,
         max_num_seqs: args.max_num_seqs,
         max_batched_tokens: args.max_batched_tokens,
+        target_itl: args.target_itl.0,
+        prefill_order: args.prefill_order.into(),
     };
     Runtime::start(&path, opts).map_err(|error| match error {
         // Its message names the file and what is wrong with it.
@@ -99,6 +101,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         },
         reservation: None,
         label: "cli".to_owned(),
+        weight: std::num::NonZeroU32::MIN,
     })?;
     // Stream text as it is generated; only generated text goes to stdout.
     let mut out = std::io::stdout().lock();
@@ -203,6 +206,15 @@ pub fn policy(cmd: PolicyCommand) -> Result<()> {
                 bail!("the key is empty");
             }
             println!("{}", auth::hash_key(&key));
+        }
+        PolicyCommand::NewKey => {
+            let key = auth::new_key().context("reading the operating system's random source")?;
+            println!("key     {key}");
+            println!("sha256  {}", auth::hash_key(&key));
+            eprintln!(
+                "Give the key to its user; store only the sha256 in the policy (key_sha256). \
+                 The key cannot be shown again."
+            );
         }
     }
     Ok(())

@@ -51,6 +51,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let runtime = start_runtime(&args.model)?;
     let config = ServeConfig {
         listen: args.listen,
+        metrics_listen: args.metrics_listen,
+        pre_drain: args.pre_drain,
         model_name: runtime.model_name.clone(),
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         metrics: MetricsConfig {

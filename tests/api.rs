@@ -310,7 +310,7 @@ async fn overload_sheds_api_requests_but_not_health_checks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readiness_fails_once_the_engine_thread_has_stopped() {
+async fn readiness_and_liveness_fail_once_the_engine_thread_has_stopped() {
     let server = TestServer::start(&one_tenant()).await;
     let client = server.client();
     assert_eq!(client.get("/readyz", None).await.status, StatusCode::OK);
@@ -327,8 +327,10 @@ async fn readiness_fails_once_the_engine_thread_has_stopped() {
         .unwrap()
         .to_owned();
     assert!(message.contains("engine"), "{message}");
-    // Liveness is about the process, not the engine: a restart is the orchestrator's call.
-    assert_eq!(client.get("/healthz", None).await.status, StatusCode::OK);
+    // Liveness fails too: a process whose engine is gone only answers 503s and never recovers
+    // by itself, so the orchestrator must restart it.
+    let live = client.get("/healthz", None).await;
+    assert_openai_error(&live, 503, "engine_unavailable");
 }
 
 /// The six `x-ratelimit-*` headers of a response, as (name suffix, value).

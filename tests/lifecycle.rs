@@ -189,3 +189,47 @@ async fn graceful_shutdown_finishes_in_flight_requests() {
         "no longer accepting"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_fails_readiness_first_and_keeps_serving_through_the_pre_drain() {
+    let mut options = common::Options::default();
+    options.serve.pre_drain = Duration::from_secs(4);
+    let mut server = TestServer::start_with(
+        &policy(
+            &[TenantSpec {
+                name: "a",
+                key: "sk-a",
+                extra: "",
+            }],
+            "",
+        ),
+        options,
+    )
+    .await;
+    let client = server.client();
+    assert_eq!(client.get("/readyz", None).await.status, StatusCode::OK);
+
+    let stopped = server.begin_shutdown();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while client.get("/readyz", None).await.status != StatusCode::SERVICE_UNAVAILABLE {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "readiness never failed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Still within the pre-drain delay: new connections are accepted and requests served as
+    // usual (a load balancer may still send some before it sees the failed probe).
+    let fresh = common::Client::new(server.addr);
+    let reply = fresh.post(CHAT, Some("sk-a"), &chat("Hi.", 1)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    // Liveness stays good: draining is not a reason for a restart.
+    assert_eq!(fresh.get("/healthz", None).await.status, StatusCode::OK);
+
+    // Then the listener closes and the server stops.
+    wait_until("the listener closes", WAIT, || {
+        std::net::TcpStream::connect(server.addr).is_err()
+    })
+    .await;
+    stopped.await.expect("the server stops after the pre-drain");
+}

@@ -140,7 +140,11 @@ async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops
     }
     let steps = gauge(&last, ENGINE_STEPS_TOTAL, &[]);
     assert!(steps >= 2.0, "two prefills at least, saw {steps} steps");
-    for family in ["kvgate_batch_size", "kvgate_batch_tokens"] {
+    for family in [
+        "kvgate_batch_size",
+        "kvgate_batch_tokens",
+        "kvgate_engine_step_duration_seconds",
+    ] {
         let count = gauge(&last, &format!("{family}_count"), &[]);
         assert_eq!(count, steps, "{family} counts every step");
         assert_eq!(
@@ -148,6 +152,11 @@ async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops
             count
         );
     }
+    // Latencies carry the tenant whose streams saw them.
+    let first_tokens = gauge(&last, "kvgate_time_to_first_token_seconds_count", &tenant);
+    assert!(first_tokens >= 1.0, "TTFT per tenant: {first_tokens}");
+    let cap = gauge(&last, "kvgate_engine_prefill_cap_tokens", &[]);
+    assert!(cap >= 1.0, "prefill cap {cap}");
     let sequences = gauge(&last, "kvgate_batch_size_sum", &[]);
     assert!(
         sequences >= steps && sequences <= 2.0 * steps,

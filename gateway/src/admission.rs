@@ -28,19 +28,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use http::HeaderMap;
-use kvgate_runtime::block_pool::{BlockPool, Reservation};
+use kvgate_runtime::block_pool::{BlockPool, Occupancy, Reservation};
 use kvgate_runtime::engine::EngineStats;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-pub use ledger::TenantQueueSnapshot;
+pub use crate::metrics::TenantQueueSnapshot;
 pub use rejection::{MAX_RETRY_AFTER, MIN_CAPACITY_RETRY_AFTER, Rejection};
 
 use crate::auth::authenticate;
-use crate::policy::{KvPolicy, ReservationMode, TenantPolicy};
+use crate::metrics::QueueSource;
+use crate::policy::{KvPolicy, Policy, ReservationMode, TenantPolicy};
 use crate::queue::Lane;
 use crate::ratelimit::{Debit, RateLimitError, RateLimitHeaders, RateLimits};
 use crate::reload::PolicyStore;
+#[cfg(test)]
+use dispatcher::REFORECAST_EVERY;
 use dispatcher::{Command, Dispatcher, Pending};
 use ledger::Ledger;
 
@@ -137,27 +140,18 @@ impl Admission {
             return Err(Rejection::Unavailable);
         };
         let occupancy = pool.snapshot();
-        let needed_blocks = blocks_needed(
+        let needed_blocks = match check_fit(
             &policy.kv,
-            occupancy.block_size,
+            &occupancy,
             ticket.prompt_tokens,
             ticket.max_output_tokens,
-        );
-        let limit_blocks = watermark_limit(occupancy.total_blocks, policy.kv.high_watermark);
-        // In `prompt` mode the reservation is smaller than the whole sequence, but a sequence
-        // longer than the entire pool could still never finish.
-        let sequence_blocks = (ticket.prompt_tokens)
-            .saturating_add(ticket.max_output_tokens)
-            .div_ceil(occupancy.block_size.max(1));
-        if needed_blocks > limit_blocks || sequence_blocks > occupancy.total_blocks {
-            let rejection = Rejection::NeverFits {
-                needed_blocks: needed_blocks.max(sequence_blocks),
-                total_blocks: occupancy.total_blocks,
-                limit_blocks,
-            };
-            rejection.count(&tenant.name);
-            return Err(rejection);
-        }
+        ) {
+            Ok(fit) => fit.needed_blocks,
+            Err(rejection) => {
+                rejection.count(&tenant.name);
+                return Err(rejection);
+            }
+        };
 
         let budget_tokens = ticket
             .prompt_tokens
@@ -172,11 +166,7 @@ impl Admission {
             })?;
 
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-        let lane = if ticket.prompt_tokens >= policy.lanes.long_prompt_tokens {
-            Lane::Long
-        } else {
-            Lane::Short
-        };
+        let lane = lane_of(&policy, ticket.prompt_tokens);
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
             key,
@@ -203,18 +193,38 @@ impl Admission {
         answer.unwrap_or(Err(Rejection::Unavailable))
     }
 
-    /// Gives admission the engine's per-token service time (see [`per_token_service_time`]):
-    /// the prior its Retry-After estimates use until completions have measured a drain rate.
-    pub fn set_service_time_probe(
+    /// Gives admission the engine's per-token service time (see [`engine_service_time`]; a
+    /// plain `Duration` is a decode time): the prior its forecasts and Retry-After estimates
+    /// use until completions have measured a drain rate.
+    pub fn set_service_time_probe<T: Into<ServiceTime>>(
         &self,
-        probe: impl Fn() -> Option<Duration> + Send + Sync + 'static,
+        probe: impl Fn() -> Option<T> + Send + Sync + 'static,
     ) {
-        self.ledger.set_service_time_probe(Arc::new(probe));
+        self.ledger
+            .set_service_time_probe(Arc::new(move || probe().map(Into::into)));
     }
 
     /// Queue and in-flight state per tenant (last dispatcher step), sorted by tenant.
     pub fn queue_snapshot(&self) -> Vec<TenantQueueSnapshot> {
         self.ledger.snapshot()
+    }
+
+    /// Caps every tenant's `max_queue_wait` at `cap`. The server passes a little less than its
+    /// request timeout: a request that cannot start in time then gets admission's answer (429
+    /// with a forecast, or 503 `queue_timeout`, both with Retry-After) rather than the timeout
+    /// layer's bare 504, however long the policy lets tenants queue.
+    pub fn cap_queue_wait(&self, cap: Duration) {
+        self.ledger.set_queue_wait_cap(cap);
+    }
+
+    /// Admits at most `max_requests` requests at once into `pool` (running or waiting in its
+    /// engine). For the embedded engine this is its submit queue's bound: an engine that holds
+    /// no more requests than its queue can take never answers `QueueFull`, so excess requests
+    /// wait in the fair queue (and get its forecasts and 429s) instead of failing with 503.
+    pub fn limit_in_flight(&self, pool: PoolId, max_requests: usize) {
+        self.ledger.limit_requests(pool, max_requests);
+        // Wake the dispatcher: a raised limit may let queued requests start.
+        self.ledger.released.notify_one();
     }
 
     /// The tenant's rate-limit headers, for responses that never reached admission.
@@ -246,6 +256,39 @@ impl Admission {
     pub fn policy_store(&self) -> &PolicyStore {
         &self.store
     }
+
+    /// Refuses a request of `tenant` whose request bucket is empty now, before its body is read
+    /// (see `intake.rs`). Spends nothing: [`Admission::admit`] debits the request as usual, so a
+    /// request that passes here can still be refused there by a burst that came in meanwhile.
+    /// A refusal is counted like admission's own.
+    pub fn check_request_rate(&self, tenant: &TenantPolicy) -> Result<(), Rejection> {
+        self.limits.check_request(tenant).map_err(|error| {
+            let rejection = rate_rejection(&tenant.name, error);
+            rejection.count(&tenant.name);
+            rejection
+        })
+    }
+}
+
+impl QueueSource for Admission {
+    /// [`Admission::queue_snapshot`] plus a zero row for every configured tenant without queue
+    /// state, so per-tenant gauges read 0 instead of vanishing when a tenant goes idle.
+    fn tenant_queues(&self) -> Vec<TenantQueueSnapshot> {
+        let mut rows = self.queue_snapshot();
+        let policy = self.store.current();
+        for tenant in policy.tenants() {
+            if !rows.iter().any(|r| r.tenant == tenant.name) {
+                rows.push(TenantQueueSnapshot {
+                    tenant: tenant.name.clone(),
+                    queued_requests: 0,
+                    queued_tokens: 0,
+                    in_flight: 0,
+                });
+            }
+        }
+        rows.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+        rows
+    }
 }
 
 /// Sends `Cancel` when an `admit` future is dropped while its entry may be queued. If the
@@ -266,13 +309,90 @@ impl Drop for CancelOnDrop {
 
 /// The engine's per-token service time as of its last step: the step's wall time divided by
 /// the sequences in it (each running sequence gains one token per step). `None` before the
-/// first step. A prefill-heavy step makes it pessimistic, never optimistic.
+/// first step, and for a step that was mostly prefill (more than twice as many tokens as
+/// sequences): such a step says little about decode speed and would make every forecast
+/// far too pessimistic, so admission keeps the last decode-dominated value instead.
 pub fn per_token_service_time(stats: &EngineStats) -> Option<Duration> {
+    if stats.last_batch_tokens > 2 * stats.last_batch_seqs {
+        return None;
+    }
     let sequences = u32::try_from(stats.last_batch_seqs)
         .ok()
         .filter(|n| *n > 0)?;
     let step = Duration::from_micros(stats.last_step_micros);
     (!step.is_zero()).then(|| step / sequences)
+}
+
+/// The engine's time per generated token, and how it was measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServiceTime {
+    /// From a decode-dominated step: [`per_token_service_time`].
+    Decode(Duration),
+    /// From a prefill-dominated step: its wall time per computed token. A batched prefill
+    /// token is cheaper than a decode token, so this is a lower bound on the decode time —
+    /// good enough to refuse what even an optimistic forecast says cannot start in time
+    /// before the first decode step is timed (a long prompt's prefill can take seconds).
+    PrefillBound(Duration),
+}
+
+impl From<Duration> for ServiceTime {
+    fn from(per_token: Duration) -> ServiceTime {
+        ServiceTime::Decode(per_token)
+    }
+}
+
+/// What the engine's last step says about its per-token service time: a decode time when the
+/// step was decode-dominated, else a lower bound from its prefill; `None` before any step.
+pub fn engine_service_time(stats: &EngineStats) -> Option<ServiceTime> {
+    if let Some(decode) = per_token_service_time(stats) {
+        return Some(ServiceTime::Decode(decode));
+    }
+    let tokens = u32::try_from(stats.last_batch_tokens)
+        .ok()
+        .filter(|n| *n > 0)?;
+    let step = Duration::from_micros(stats.last_step_micros);
+    (!step.is_zero()).then(|| ServiceTime::PrefillBound(step / tokens))
+}
+
+/// How a request fits a pool under the KV policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fit {
+    /// Blocks it reserves to start.
+    pub needed_blocks: usize,
+}
+
+/// Whether a request can ever start in a pool of `occupancy`'s size under `kv`: its
+/// reservation must fit under the watermark and, in `prompt` mode (where the reservation is
+/// smaller than the sequence), the whole sequence must fit the pool or it could never finish.
+/// Checked at `admit` and again for queued requests when a reload changes the KV policy.
+pub(crate) fn check_fit(
+    kv: &KvPolicy,
+    occupancy: &Occupancy,
+    prompt_tokens: usize,
+    max_output_tokens: usize,
+) -> Result<Fit, Rejection> {
+    let needed_blocks = blocks_needed(kv, occupancy.block_size, prompt_tokens, max_output_tokens);
+    let limit_blocks = watermark_limit(occupancy.total_blocks, kv.high_watermark);
+    let sequence_blocks = prompt_tokens
+        .saturating_add(max_output_tokens)
+        .div_ceil(occupancy.block_size.max(1));
+    if needed_blocks > limit_blocks || sequence_blocks > occupancy.total_blocks {
+        return Err(Rejection::NeverFits {
+            needed_blocks: needed_blocks.max(sequence_blocks),
+            total_blocks: occupancy.total_blocks,
+            limit_blocks,
+        });
+    }
+    Ok(Fit { needed_blocks })
+}
+
+/// The lane a prompt of this length queues in.
+pub(crate) fn lane_of(policy: &Policy, prompt_tokens: usize) -> Lane {
+    if prompt_tokens >= policy.lanes.long_prompt_tokens {
+        Lane::Long
+    } else {
+        Lane::Short
+    }
 }
 
 /// KV blocks a request reserves before it starts.
@@ -330,9 +450,29 @@ fn rate_rejection(tenant: &str, error: RateLimitError) -> Rejection {
     }
 }
 
+/// Where an admitted request is in its life. Every way out of [`Admitted`] is one of these, so
+/// its drop settles the rate-limit debit exactly (queued requests are the dispatcher's
+/// `Pending`, refunded in full whenever they leave the queue without starting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Admitted, not yet accepted by an engine: dropping it refunds everything, whether or not
+    /// its reservation was handed out (an engine that refuses a request releases it).
+    Admitted,
+    /// Accepted by an engine. `generated` counts the output tokens reported so far; `None`
+    /// when nobody counts them (an upstream's opaque body), so the whole up-front charge stays.
+    Running { generated: Option<usize> },
+    /// Generation ended normally with this many output tokens.
+    Finished { completion_tokens: usize },
+    /// The engine refused it before it started (`QueueFull`, `ShutDown`, an upstream error).
+    FailedBeforeStart,
+}
+
 /// A request that may run. Owns its tenant + lane concurrency slot, its rate-limit debit and
 /// its KV [`Reservation`]; not Clone, so each is given back exactly once, when this drops.
-/// Keep it alive for the whole response (move it into the streamed body).
+/// Keep it alive for the whole response (move it into the streamed body), and tell it where
+/// the request is ([`Admitted::mark_started`], [`Admitted::record_generated`],
+/// [`Admitted::record_completion`], [`Admitted::mark_failed_before_start`]): the tenant is
+/// charged what the request used by the stage it ended in.
 #[derive(Debug)]
 pub struct Admitted {
     tenant: Arc<TenantPolicy>,
@@ -340,42 +480,66 @@ pub struct Admitted {
     lane: Lane,
     request_id: String,
     prompt_tokens: usize,
+    max_output_tokens: usize,
     reserved_blocks: usize,
     reserved_tokens: u64,
     queue_wait: Duration,
     headers: RateLimitHeaders,
-    completion_tokens: Option<usize>,
-    /// Handed to an engine that holds no reservation of ours (an upstream).
-    started_elsewhere: bool,
+    stage: Stage,
+    /// Output tokens reported to the ledger through [`Admitted::record_generated`].
+    reported_output: usize,
     reservation: Option<Reservation>,
     debit: Option<Debit>,
     ledger: Arc<Ledger>,
 }
 
 impl Admitted {
-    /// The KV reservation, to hand to the engine with the request (once).
+    /// The KV reservation, to hand to the engine with the request (once). Handing it out does
+    /// not start the request: call [`Admitted::mark_started`] once the engine accepted it.
     pub fn take_reservation(&mut self) -> Option<Reservation> {
         self.reservation.take()
     }
 
-    /// Records how many tokens the response generated: the unused part of the token debit is
-    /// refunded when this guard drops, and the completion feeds the drain-rate estimate used
-    /// for capacity Retry-After values. Without a call the full up-front charge stays once the
-    /// reservation was taken (the request ran); if it was never taken, all is refunded.
-    pub fn record_completion(&mut self, completion_tokens: usize) {
-        if self.completion_tokens.is_none() {
-            self.ledger
-                .record_drained(self.pool, self.reserved_tokens, Instant::now());
+    /// The engine accepted the request: from now on it is charged what it uses. Without
+    /// [`Admitted::record_generated`] or [`Admitted::record_completion`] calls that is the full
+    /// up-front charge (an upstream's body is not metered).
+    pub fn mark_started(&mut self) {
+        if self.stage == Stage::Admitted {
+            self.stage = Stage::Running { generated: None };
         }
-        self.completion_tokens = Some(completion_tokens);
     }
 
-    /// Records that the request was handed to an engine that takes no reservation from us (an
-    /// upstream): it ran, so unless [`Admitted::record_completion`] says how far, the full
-    /// up-front token charge stays. The reservation stays with this guard, which holds the
-    /// upstream's capacity until it drops (keep it in the response body).
-    pub fn mark_started(&mut self) {
-        self.started_elsewhere = true;
+    /// The engine refused the request before it started: everything is refunded on drop.
+    pub fn mark_failed_before_start(&mut self) {
+        if self.stage == Stage::Admitted {
+            self.stage = Stage::FailedBeforeStart;
+        }
+    }
+
+    /// One more output token was generated: a request cancelled or timed out from here on is
+    /// charged its prompt and the tokens generated so far, not prompt + max_tokens.
+    pub fn record_generated(&mut self) {
+        if let Stage::Running { generated } = &mut self.stage {
+            *generated = Some(generated.unwrap_or(0) + 1);
+            // The forecasts' model of the engine learns how far its requests are.
+            if self.reported_output < self.max_output_tokens {
+                self.reported_output += 1;
+                self.ledger.generated(self.pool);
+            }
+        }
+    }
+
+    /// Records how many tokens the response generated: the unused part of the token debit is
+    /// refunded when this guard drops.
+    pub fn record_completion(&mut self, completion_tokens: usize) {
+        if matches!(self.stage, Stage::Admitted | Stage::Running { .. }) {
+            self.stage = Stage::Finished { completion_tokens };
+        }
+    }
+
+    /// Where the request is now.
+    pub fn stage(&self) -> Stage {
+        self.stage
     }
 
     /// The pool this request's capacity was reserved from.
@@ -409,18 +573,35 @@ impl Admitted {
     pub fn reserved_blocks(&self) -> usize {
         self.reserved_blocks
     }
+
+    /// Tokens this request is charged for, by the stage it is in; `None` when it never ran.
+    fn used_tokens(&self) -> Option<usize> {
+        let used_output = match self.stage {
+            Stage::Admitted | Stage::FailedBeforeStart => return None,
+            Stage::Running { generated: None } => self.max_output_tokens,
+            Stage::Running {
+                generated: Some(generated),
+            } => generated,
+            Stage::Finished { completion_tokens } => completion_tokens,
+        };
+        Some(self.prompt_tokens.saturating_add(used_output))
+    }
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
+        let used = self.used_tokens();
         if let Some(debit) = self.debit.take() {
-            match self.completion_tokens {
-                Some(completion) => debit.settle(self.prompt_tokens.saturating_add(completion)),
-                // Still holding its reservation: never handed to an engine, so it never ran.
-                None if self.reservation.is_some() && !self.started_elsewhere => debit.cancel(),
-                // Ran, but how far is unknown: keep the full up-front charge.
-                None => debit.settle(usize::MAX),
+            match used {
+                Some(used) => debit.settle(used),
+                None => debit.cancel(),
             }
+        }
+        if used.is_some() {
+            // Every request that ran gives its capacity back now: a drain-rate sample for its
+            // pool, embedded engine or upstream alike.
+            self.ledger
+                .record_drained(self.pool, self.reserved_tokens, Instant::now());
         }
         // Blocks first, then the slot: the dispatcher woken by the slot sees the blocks free.
         drop(self.reservation.take());
@@ -429,6 +610,10 @@ impl Drop for Admitted {
             self.pool,
             self.lane,
             self.reserved_tokens,
+            (
+                self.max_output_tokens as u64,
+                (self.max_output_tokens - self.reported_output) as u64,
+            ),
         );
     }
 }

@@ -53,6 +53,22 @@ pub fn digest_key(key: &str) -> KeyDigest {
     Sha256::digest(key.as_bytes()).into()
 }
 
+/// What keys from [`new_key`] start with, so a leaked one is recognisable in logs and scanners.
+pub const NEW_KEY_PREFIX: &str = "sk-kvg-";
+
+/// Random bytes in a key from [`new_key`]: 256 bits. Keys are stored as *unsalted* SHA-256
+/// digests, so a key must be unguessable for its digest to be safe to keep in a policy file.
+pub const NEW_KEY_BYTES: usize = 32;
+
+/// A new API key: [`NEW_KEY_PREFIX`] and [`NEW_KEY_BYTES`] bytes from the operating system's
+/// random source (not a user-space generator), in hex.
+pub fn new_key() -> Result<String, rand::rand_core::OsError> {
+    use rand::TryRngCore;
+    let mut bytes = [0u8; NEW_KEY_BYTES];
+    rand::rngs::OsRng.try_fill_bytes(&mut bytes)?;
+    Ok(format!("{NEW_KEY_PREFIX}{}", hex::encode(bytes)))
+}
+
 /// Maps a request's key to its tenant. No key: the anonymous tenant if the policy names one,
 /// else 401. A key that matches no tenant follows the policy's `unknown_keys`: the anonymous
 /// tenant (a keyless policy, where SDKs send a placeholder key), or 401, so that on a policy
@@ -168,6 +184,31 @@ mod tests {
             hash_key("abc"),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
+    }
+
+    #[test]
+    fn new_keys_are_long_random_and_authenticate_by_their_digest() {
+        let keys: Vec<String> = (0..64).map(|_| new_key().expect("OS randomness")).collect();
+        for key in &keys {
+            let random = key.strip_prefix(NEW_KEY_PREFIX).expect("prefixed");
+            assert_eq!(random.len(), 2 * NEW_KEY_BYTES);
+            assert!(random.bytes().all(|b| b.is_ascii_hexdigit()), "{key}");
+        }
+        let mut distinct = keys.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), keys.len(), "64 keys, no repeat");
+        // Every hex digit shows up across 64 × 64 random digits (a stuck source would not).
+        let digits: std::collections::BTreeSet<u8> = keys
+            .iter()
+            .flat_map(|k| k.bytes().skip(NEW_KEY_PREFIX.len()))
+            .collect();
+        assert_eq!(digits.len(), 16);
+        // The printed digest is the one that authenticates the key.
+        let text = format!("[tenants.t]\nkey_sha256 = [\"{}\"]\n", hash_key(&keys[0]));
+        let policy = parse_policy("new.toml", &text).unwrap();
+        let bearer = format!("Bearer {}", keys[0]);
+        assert_eq!(tenant_of(&policy, Some(&bearer)), Ok("t".into()));
     }
 
     #[test]

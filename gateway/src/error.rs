@@ -6,6 +6,10 @@
 //! Inner code never builds error responses itself (linkerd's rescue pattern): handlers, the
 //! JSON extractor and the middleware return `GatewayError`, so a client mistake can never leak
 //! out as a plain-text body or a 5xx.
+//!
+//! Server-side failures carry a *detail* (a panic message, an engine error, a transport error
+//! naming an upstream's address) that is logged with the request's id and never sent: the
+//! client's message says what failed, not how (see [`GatewayError::detail`]).
 
 use std::time::Duration;
 
@@ -16,6 +20,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 
 use crate::admission::Rejection;
 use crate::auth::AuthError;
+use crate::intake::IntakeFull;
 use crate::openai::{ErrorBody, ErrorDetail};
 use crate::validate::ValidationError;
 
@@ -49,6 +54,13 @@ pub enum GatewayError {
     RequestTimeout { after: Duration },
     #[error("The server is at its limit of requests in flight. Please retry.")]
     Overloaded,
+    /// The tenant already has its `max_validating` requests being read or validated.
+    #[error(
+        "Tenant {} already has {} requests being uploaded or validated, its limit (max_validating). Please retry.",
+        .0.tenant,
+        .0.limit
+    )]
+    IntakeFull(IntakeFull),
     #[error("The server is shutting down. Please retry.")]
     ShuttingDown,
     #[error("The server is not ready: {0}")]
@@ -56,14 +68,28 @@ pub enum GatewayError {
     /// The engine refused the sequence (stopped, restarting).
     #[error("The inference engine is unavailable: {0}")]
     EngineUnavailable(String),
-    /// Generation failed after it was accepted.
-    #[error("Generation failed: {0}")]
+    /// Generation failed after it was accepted; the engine's message is the logged detail.
+    #[error("Generation failed on the server.")]
     Generation(String),
-    /// An upstream engine could not be reached, or sent no response headers in time.
-    #[error("The upstream serving `{upstream}` is unavailable: {detail}")]
-    UpstreamUnavailable { upstream: String, detail: String },
-    /// A bug: a panic caught by the rescue layer, or an invariant that did not hold.
-    #[error("The server had an internal error: {0}")]
+    /// An upstream engine could not be reached, or sent no response headers in time. `reason`
+    /// is what the client is told ("no response within 2s", "it could not be reached");
+    /// `detail` (the transport error, which names internal addresses) is logged only.
+    #[error("The upstream serving `{upstream}` is unavailable: {reason}")]
+    UpstreamUnavailable {
+        upstream: String,
+        reason: String,
+        detail: String,
+    },
+    /// An upstream engine answered with a server error (5xx); its status is kept, its body
+    /// (the upstream's internals) is logged, not sent (see `upstream::relay`).
+    #[error("The upstream serving `{upstream}` failed (HTTP {}).", .status.as_u16())]
+    UpstreamError {
+        upstream: String,
+        status: StatusCode,
+    },
+    /// A bug: a panic caught by the rescue layer, or an invariant that did not hold. The
+    /// string is the logged detail.
+    #[error("The server had an internal error.")]
     Internal(String),
 }
 
@@ -87,8 +113,11 @@ impl GatewayError {
             BodyTimeout { .. } => 408,
             NotFound { .. } => 404,
             MethodNotAllowed { .. } => 405,
+            IntakeFull(_) => 429,
             RequestTimeout { .. } => 504,
             UpstreamUnavailable { .. } => 502,
+            UpstreamError { status, .. } if status.is_server_error() => status.as_u16(),
+            UpstreamError { .. } => 502,
             Overloaded | ShuttingDown | NotReady(_) | EngineUnavailable(_) => 503,
             Generation(_) | Internal(_) => 500,
         };
@@ -105,9 +134,10 @@ impl GatewayError {
                 "invalid_request_error"
             }
             NotFound { .. } | MethodNotAllowed { .. } => "invalid_request_error",
+            IntakeFull(_) => "requests",
             RequestTimeout { .. } | Overloaded | ShuttingDown | NotReady(_) => "server_error",
             EngineUnavailable(_) | Generation(_) | Internal(_) => "server_error",
-            UpstreamUnavailable { .. } => "server_error",
+            UpstreamUnavailable { .. } | UpstreamError { .. } => "server_error",
         }
     }
 
@@ -125,11 +155,13 @@ impl GatewayError {
             MethodNotAllowed { .. } => "method_not_allowed",
             RequestTimeout { .. } => "timeout",
             Overloaded => "overloaded",
+            IntakeFull(_) => "intake_full",
             ShuttingDown => "shutting_down",
             NotReady(_) => "not_ready",
             EngineUnavailable(_) => "engine_unavailable",
             Generation(_) => "generation_failed",
             UpstreamUnavailable { .. } => "upstream_unavailable",
+            UpstreamError { .. } => "upstream_error",
             Internal(_) => "internal_error",
         })
     }
@@ -149,6 +181,7 @@ impl GatewayError {
         match self {
             GatewayError::Rejected(rejection) => rejection.retry_after(),
             GatewayError::Overloaded
+            | GatewayError::IntakeFull(_)
             | GatewayError::ShuttingDown
             | GatewayError::EngineUnavailable(_)
             | GatewayError::UpstreamUnavailable { .. } => Some(TRANSIENT_RETRY_AFTER),
@@ -199,11 +232,28 @@ impl GatewayError {
         })
     }
 
-    fn log(&self, status: StatusCode) {
-        if status.is_server_error() {
-            tracing::error!(status = status.as_u16(), error = %self, "request failed");
+    /// What the log gets beyond the client's message: the text of an internal, engine or
+    /// upstream failure. Logged, never sent (it can name files, addresses or internals).
+    pub fn detail(&self) -> Option<&str> {
+        match self {
+            GatewayError::Internal(detail)
+            | GatewayError::Generation(detail)
+            | GatewayError::UpstreamUnavailable { detail, .. } => Some(detail),
+            _ => None,
+        }
+    }
+
+    /// Logs the error with its detail (the request's span names its id).
+    pub fn log(&self, status: StatusCode) {
+        let detail = self.detail().unwrap_or("");
+        // A failing readiness probe is the answer asked for (every probe period while the
+        // server drains), not a failure to report.
+        if matches!(self, GatewayError::NotReady(_)) {
+            tracing::debug!(status = status.as_u16(), error = %self, "not ready");
+        } else if status.is_server_error() {
+            tracing::error!(status = status.as_u16(), error = %self, detail, "request failed");
         } else {
-            tracing::debug!(status = status.as_u16(), error = %self, "request refused");
+            tracing::debug!(status = status.as_u16(), error = %self, detail, "request refused");
         }
     }
 }
@@ -308,9 +358,17 @@ mod tests {
             (
                 GatewayError::UpstreamUnavailable {
                     upstream: "remote".into(),
+                    reason: "it could not be reached".into(),
                     detail: "connection refused".into(),
                 },
                 502,
+            ),
+            (
+                GatewayError::IntakeFull(IntakeFull {
+                    tenant: "a".into(),
+                    limit: 4,
+                }),
+                429,
             ),
         ];
         for (error, status) in cases {
@@ -342,6 +400,32 @@ mod tests {
         let response = GatewayError::Invalid(ValidationError::EmptyMessages).into_response();
         assert!(response.headers().get("retry-after").is_none());
         assert_eq!(response.headers()["x-should-retry"], "false");
+    }
+
+    #[tokio::test]
+    async fn internal_engine_and_transport_details_are_logged_not_sent() {
+        let secret = "/srv/models/secret.gguf: 10.0.0.5:8000 connection refused";
+        let errors = [
+            GatewayError::Internal(format!("validation task failed: {secret}")),
+            GatewayError::Generation(format!("backend error: {secret}")),
+            GatewayError::UpstreamUnavailable {
+                upstream: "remote".into(),
+                reason: "it could not be reached".into(),
+                detail: secret.into(),
+            },
+        ];
+        for error in errors {
+            assert_eq!(error.detail().map(|d| d.contains(secret)), Some(true));
+            let sse = error.sse_data();
+            let json = body_json(error.into_response()).await;
+            let text = json.to_string();
+            assert!(
+                !text.contains("10.0.0.5") && !text.contains("/srv"),
+                "{text}"
+            );
+            assert!(!sse.contains("10.0.0.5") && !sse.contains("/srv"), "{sse}");
+            assert!(!json["error"]["message"].as_str().unwrap().is_empty());
+        }
     }
 
     #[test]

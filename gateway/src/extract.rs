@@ -1,6 +1,6 @@
 //! Request extractors whose every failure is a [`GatewayError`]: [`OpenAiJson`] (the body),
-//! [`OpenAiBody`] (the body, keeping its bytes for the upstream proxy) and [`Tenant`] (the API
-//! key).
+//! [`OpenAiBody`] (the body, keeping its bytes for the upstream proxy), [`Tenant`] (the API
+//! key) and [`TenantIntake`] (the key, plus the tenant's limits that apply before the body).
 //!
 //! axum's own `Json` answers malformed input with plain-text bodies and 415/422 statuses; these
 //! answer with OpenAI's JSON error and 400, naming the offending field (`messages[0].role`)
@@ -18,9 +18,10 @@ use serde::de::DeserializeOwned;
 
 use crate::auth::authenticate;
 use crate::error::GatewayError;
-use crate::handlers::AppState;
-use crate::metrics::{RejectReason, record_rejection};
+use crate::intake::IntakePermit;
+use crate::metrics::{RejectReason, record_rejection, record_request};
 use crate::policy::TenantPolicy;
+use crate::state::AppState;
 
 /// A JSON body parsed into `T`, or a 400/408/413 OpenAI error.
 #[derive(Debug)]
@@ -158,6 +159,55 @@ impl FromRequestParts<AppState> for Tenant {
                 record_rejection("unauthenticated", RejectReason::Auth);
                 GatewayError::from(error)
             })
+    }
+}
+
+/// The tenant of a generation request, let into intake: its key is valid, its request rate has
+/// room, and it has fewer than `max_validating` requests being read or validated. All three are
+/// decided from the headers, before the body is read, so a tenant over its limits costs no
+/// upload, parsing or tokenization (and cannot hold those resources from other tenants). The
+/// permit must be kept until validation ends (`Intake::validate` takes it).
+#[derive(Debug)]
+pub struct TenantIntake {
+    pub tenant: Arc<TenantPolicy>,
+    pub permit: IntakePermit,
+}
+
+impl FromRequestParts<AppState> for TenantIntake {
+    type Rejection = GatewayError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        let Tenant(tenant) = Tenant::from_request_parts(parts, state).await?;
+        // A refusal here is the request's outcome: counted as the handler counts its own.
+        let refused = |reason: Option<RejectReason>| {
+            record_request(&tenant.name, route_name(parts.uri.path()), false);
+            if let Some(reason) = reason {
+                record_rejection(&tenant.name, reason);
+            }
+        };
+        // Admission counts its rate refusals under their reason itself.
+        if let Err(rejection) = state.admission().check_request_rate(&tenant) {
+            refused(None);
+            return Err(rejection.into());
+        }
+        let permit = state.intake().enter(&tenant).map_err(|full| {
+            // The tenant's own bound on requests waiting for service, as its queue's is.
+            refused(Some(RejectReason::QueueFull));
+            GatewayError::IntakeFull(full)
+        })?;
+        Ok(TenantIntake { tenant, permit })
+    }
+}
+
+/// The `route` label of `kvgate_requests_total` for a generation path (as `generate.rs` names
+/// its endpoints).
+fn route_name(path: &str) -> &'static str {
+    match path {
+        "/v1/completions" => "completions",
+        _ => "chat",
     }
 }
 

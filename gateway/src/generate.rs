@@ -1,5 +1,5 @@
-//! The two generation endpoints, kept thin: authenticate (extractor) → parse (extractor) →
-//! validate → admit → submit → respond. Each step is one call into the module that owns it;
+//! The two generation endpoints, kept thin: authenticate and per-tenant intake limits
+//! (extractor, before the body) → parse (extractor) → validate → admit → submit → respond. Each step is one call into the module that owns it;
 //! this file wires them together, decides which headers a response carries, and makes sure
 //! everything a request holds is owned by something that dies with the client's connection.
 //!
@@ -18,12 +18,13 @@ use tokio::time::Instant;
 
 use crate::admission::{AdmissionTicket, Admitted, PoolId};
 use crate::error::GatewayError;
-use crate::extract::{OpenAiBody, RequestId, Tenant};
-use crate::handlers::AppState;
+use crate::extract::{OpenAiBody, RequestId, TenantIntake};
+use crate::intake::IntakePermit;
 use crate::metrics::{RejectReason, record_queue_wait, record_rejection, record_request};
 use crate::openai::{ChatCompletionRequest, CompletionRequest};
 use crate::policy::TenantPolicy;
 use crate::ratelimit::RateLimitHeaders;
+use crate::state::AppState;
 use crate::stream::{ResponseMeta, collect, full_response, sse_body};
 use crate::telemetry::GenerationTelemetry;
 use crate::upstream::{self, UpstreamRoute};
@@ -42,7 +43,7 @@ type Validator = Box<
 pub async fn chat_completions(
     State(state): State<AppState>,
     RequestId(request_id): RequestId,
-    Tenant(tenant): Tenant,
+    TenantIntake { tenant, permit }: TenantIntake,
     body: Result<OpenAiBody<ChatCompletionRequest>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
@@ -52,8 +53,10 @@ pub async fn chat_completions(
             let validate: Validator =
                 Box::new(move |limits, codec, model| validate_chat(&request, model, limits, codec));
             match upstream {
-                Some(route) => proxy(&state, &tenant, request_id, &route, validate, raw).await,
-                None => generate(&state, &tenant, request_id, arrived, validate).await,
+                Some(route) => {
+                    proxy(&state, &tenant, permit, request_id, &route, validate, raw).await
+                }
+                None => generate(&state, &tenant, permit, request_id, arrived, validate).await,
             }
         }
         Err(error) => Err(error),
@@ -65,7 +68,7 @@ pub async fn chat_completions(
 pub async fn completions(
     State(state): State<AppState>,
     RequestId(request_id): RequestId,
-    Tenant(tenant): Tenant,
+    TenantIntake { tenant, permit }: TenantIntake,
     body: Result<OpenAiBody<CompletionRequest>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
@@ -76,8 +79,10 @@ pub async fn completions(
                 validate_completion(&request, model, limits, codec)
             });
             match upstream {
-                Some(route) => proxy(&state, &tenant, request_id, &route, validate, raw).await,
-                None => generate(&state, &tenant, request_id, arrived, validate).await,
+                Some(route) => {
+                    proxy(&state, &tenant, permit, request_id, &route, validate, raw).await
+                }
+                None => generate(&state, &tenant, permit, request_id, arrived, validate).await,
             }
         }
         Err(error) => Err(error),
@@ -89,6 +94,7 @@ pub async fn completions(
 async fn generate(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
+    permit: IntakePermit,
     request_id: String,
     arrived: Instant,
     validate: Validator,
@@ -99,14 +105,24 @@ async fn generate(
     let limits = tenant_limits(tenant, state.engine().config().max_model_len);
     let codec = Arc::clone(&state.inner.codec);
     let model = state.inner.model_name.clone();
-    let valid = validate_off_thread(state, limits, codec, model, validate).await?;
+    let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
     let mut admitted = admit(state, tenant, &valid, request_id, PoolId::LOCAL).await?;
     let meta = ResponseMeta::new(valid.endpoint, &state.inner.model_name, valid.include_usage);
     let telemetry = GenerationTelemetry::new(&tenant.name, arrived, valid.prompt_ids.len());
     let (stream, dropped) = (valid.stream, valid.dropped_messages);
     let rate_headers = admitted.rate_headers();
-    let request = generation_request(valid, &mut admitted, &tenant.name);
-    let handle = state.engine().submit(request).map_err(submit_error)?;
+    let request = generation_request(valid, &mut admitted, tenant);
+    let handle = match state.engine().submit(request) {
+        Ok(handle) => {
+            admitted.mark_started();
+            handle
+        }
+        Err(error) => {
+            // Never ran: the guard refunds the whole debit (the engine released the blocks).
+            admitted.mark_failed_before_start();
+            return Err(submit_error(error));
+        }
+    };
 
     let mut response = if stream {
         // The body now owns the handle, the admission guard and the telemetry.
@@ -126,6 +142,7 @@ async fn generate(
 async fn proxy(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
+    permit: IntakePermit,
     request_id: String,
     route: &UpstreamRoute,
     validate: Validator,
@@ -138,15 +155,23 @@ async fn proxy(
     let limits = tenant_limits(tenant, usize::MAX);
     let codec: Arc<dyn PromptCodec> = Arc::clone(upstream.counter()) as _;
     let model = upstream.name().to_owned();
-    let valid = validate_off_thread(state, limits, codec, model, validate).await?;
+    let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
     let body = upstream::forwarded_body(&raw, &valid, &upstream.spec().model)?;
     let mut admitted = admit(state, tenant, &valid, request_id.clone(), route.pool()).await?;
     let rate_headers = admitted.rate_headers();
     // Owned by this future until the headers arrive: a client that leaves drops the request.
     // On failure `admitted` drops here unstarted: slot, capacity and debit all come back.
-    let answer = upstream.send(valid.endpoint, body, &request_id).await?;
+    let answer = match upstream.send(valid.endpoint, body, &request_id).await {
+        Ok(answer) => answer,
+        Err(error) => {
+            admitted.mark_failed_before_start();
+            return Err(error);
+        }
+    };
     if answer.status().is_success() {
         admitted.mark_started();
+    } else {
+        admitted.mark_failed_before_start();
     }
     // The relayed body now owns the admission guard: capacity is held until it ends.
     let mut response = upstream::relay(answer, admitted, upstream);
@@ -187,24 +212,22 @@ fn finish_headers(response: &mut Response, rate_headers: &RateLimitHeaders, drop
     }
 }
 
-/// Runs validation (template rendering and tokenization) on a blocking thread, a bounded
-/// number at once, so the async workers never stall on CPU work.
+/// Runs validation (template rendering and tokenization) on a blocking thread, when the
+/// tenant's turn for a validation worker comes (fair between tenants; see `intake.rs`), so the
+/// async workers never stall on CPU work. The intake permit is released when it ends.
 async fn validate_off_thread(
     state: &AppState,
+    permit: IntakePermit,
     limits: Limits,
     codec: Arc<dyn PromptCodec>,
     model: String,
     validate: Validator,
 ) -> Result<ValidRequest, GatewayError> {
-    let _slot = state
-        .inner
-        .validation_slots
-        .acquire()
+    let outcome = state
+        .intake()
+        .validate(permit, move || validate(&limits, codec.as_ref(), &model))
         .await
-        .map_err(|_| GatewayError::ShuttingDown)?;
-    let outcome = tokio::task::spawn_blocking(move || validate(&limits, codec.as_ref(), &model))
-        .await
-        .map_err(|error| GatewayError::Internal(format!("validation task failed: {error}")))?;
+        .ok_or_else(|| GatewayError::Internal("the validation task panicked".to_owned()))?;
     Ok(outcome?)
 }
 
@@ -224,7 +247,7 @@ pub fn tenant_limits(tenant: &TenantPolicy, model_context: usize) -> Limits {
 fn generation_request(
     valid: ValidRequest,
     admitted: &mut Admitted,
-    tenant: &str,
+    tenant: &TenantPolicy,
 ) -> GenerationRequest {
     GenerationRequest {
         prompt: valid.prompt_ids,
@@ -241,7 +264,9 @@ fn generation_request(
             ignore_eos: false,
         },
         reservation: admitted.take_reservation(),
-        label: tenant.to_owned(),
+        // The engine shares prompt tokens between tenants by these.
+        label: tenant.name.clone(),
+        weight: tenant.weight,
     }
 }
 

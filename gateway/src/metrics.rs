@@ -8,7 +8,7 @@
 //!   installed by [`install_recorder`] with per-metric histogram buckets.
 //! * **State** (KV blocks, memory, sequences, queues, engine counters, per-step batch
 //!   histograms) belongs to one engine and one admission instance. [`Metrics::render`] reads it
-//!   fresh from `Engine::stats()`, `pool().snapshot()` and `Admission::queue_snapshot()` at
+//!   fresh from `Engine::stats()`, `pool().snapshot()` and a [`QueueSource`] (admission) at
 //!   scrape time and writes it directly ([`state`]), so a scrape is never stale and two servers
 //!   in one test process never overwrite each other's gauges. Engine counters and the batch
 //!   histograms ([`BATCH_SIZE`], [`BATCH_TOKENS`]) are the engine's cumulative totals over every
@@ -30,8 +30,25 @@ use kvgate_runtime::engine::Engine;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use parking_lot::Mutex;
 
-use crate::admission::{Admission, Rejection};
 pub use names::*;
+
+// This module is a leaf of the gateway: admission, reload and the handlers record into it and
+// hand it their state through the types below; it imports none of them (no import circles).
+
+/// One tenant's queue and running requests, for metrics and `/admin` inspection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantQueueSnapshot {
+    pub tenant: String,
+    pub queued_requests: usize,
+    pub queued_tokens: u64,
+    pub in_flight: usize,
+}
+
+/// Whoever owns the queues (admission): their per-tenant state at scrape time, one row per
+/// configured tenant, sorted by tenant.
+pub trait QueueSource: Send + Sync {
+    fn tenant_queues(&self) -> Vec<TenantQueueSnapshot>;
+}
 
 /// Whether extra, foreign-named metrics are exported for tools built for another server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -158,22 +175,6 @@ impl RejectReason {
     }
 }
 
-impl From<&Rejection> for RejectReason {
-    fn from(rejection: &Rejection) -> RejectReason {
-        match rejection {
-            Rejection::RateLimited { .. } => RejectReason::Rate,
-            Rejection::InsufficientQuota { .. } | Rejection::QueueNeverFits { .. } => {
-                RejectReason::Quota
-            }
-            Rejection::QueueFull { .. } => RejectReason::QueueFull,
-            Rejection::QueueTimeout { .. } => RejectReason::QueueTimeout,
-            Rejection::KvSaturated { .. } => RejectReason::KvSaturation,
-            Rejection::NeverFits { .. } => RejectReason::Length,
-            Rejection::Unavailable => RejectReason::Unavailable,
-        }
-    }
-}
-
 /// Counts one refused request in [`REQUESTS_REJECTED_TOTAL`]. Call it exactly once per refused
 /// request, at the place that decides the refusal (admission counts its own; the HTTP layer
 /// counts auth, validation and length refusals it makes before admission).
@@ -197,13 +198,15 @@ pub fn record_queue_wait(tenant: &str, wait: Duration) {
 }
 
 /// From the request's arrival to its first generated token leaving the server.
-pub fn record_time_to_first_token(elapsed: Duration) {
-    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS).record(elapsed.as_secs_f64());
+pub fn record_time_to_first_token(tenant: &str, elapsed: Duration) {
+    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "tenant" => tenant.to_string())
+        .record(elapsed.as_secs_f64());
 }
 
 /// Gap between two successive tokens of one stream.
-pub fn record_inter_token_latency(gap: Duration) {
-    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS).record(gap.as_secs_f64());
+pub fn record_inter_token_latency(tenant: &str, gap: Duration) {
+    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS, "tenant" => tenant.to_string())
+        .record(gap.as_secs_f64());
 }
 
 /// A request that ran in the engine has ended (finished, stopped, cancelled or failed).
@@ -239,16 +242,17 @@ struct Inner {
     handle: PrometheusHandle,
     config: MetricsConfig,
     engine: Engine,
-    admission: Option<Admission>,
+    queues: Option<Arc<dyn QueueSource>>,
     state: state::StateTracker,
 }
 
 impl Metrics {
-    /// Installs the recorder if needed and binds it to this server's engine and admission.
+    /// Installs the recorder if needed and binds it to this server's engine and queues
+    /// (admission; `None` without one, e.g. `kvgate generate`).
     pub fn new(
         config: MetricsConfig,
         engine: Engine,
-        admission: Option<Admission>,
+        queues: Option<Arc<dyn QueueSource>>,
     ) -> Result<Metrics, MetricsError> {
         let handle = install_recorder()?;
         Ok(Metrics {
@@ -256,7 +260,7 @@ impl Metrics {
                 handle,
                 config,
                 engine,
-                admission,
+                queues,
                 state: state::StateTracker::default(),
             }),
         })
@@ -265,7 +269,7 @@ impl Metrics {
     /// The full exposition: fresh engine and admission state, then the recorded events.
     pub fn render(&self) -> String {
         let inner = &self.inner;
-        let snapshot = state::Snapshot::take(&inner.engine, inner.admission.as_ref());
+        let snapshot = state::Snapshot::take(&inner.engine, inner.queues.as_deref());
         let mut out = exposition::Writer::default();
         inner.state.write(&mut out, &snapshot, &inner.config);
         if inner.config.compat == Compat::Vllm {

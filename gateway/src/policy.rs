@@ -15,8 +15,8 @@ mod source;
 mod tests;
 
 /// Durations as the policy file writes them (`"30s"`, `"500ms"`, `"1m30s"`); also used by
-/// `--upstream ...,timeout=`.
-pub(crate) use raw::parse_duration;
+/// `--upstream ...,timeout=` and the duration flags of `kvgate serve`.
+pub use raw::parse_duration;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -60,6 +60,9 @@ pub struct TenantPolicy {
     pub overflow: Overflow,
     /// Requests running at once; the excess waits in the queue.
     pub max_concurrency: usize,
+    /// Requests being read or validated at once (body upload, template, tokenization); the
+    /// excess is refused with 429 before its body is read.
+    pub max_validating: usize,
     /// `None`: no request-rate limit.
     pub requests_per_minute: Option<NonZeroU32>,
     /// `None`: no token-rate limit. Also the token bucket's size (its burst).
@@ -305,10 +308,11 @@ impl fmt::Display for PolicySummary {
                 |limit: Option<NonZeroU32>| limit.map_or("unlimited".into(), |n| n.to_string());
             writeln!(
                 f,
-                "tenant {}: keys {keys}, weight {}, concurrency {}, rpm {}, tpm {}, input {}, output {}, total {}, queue {} req / {} tok / {:?}",
+                "tenant {}: keys {keys}, weight {}, concurrency {}, validating {}, rpm {}, tpm {}, input {}, output {}, total {}, queue {} req / {} tok / {:?}",
                 t.name,
                 t.weight,
                 t.max_concurrency,
+                t.max_validating,
                 per_minute(t.requests_per_minute),
                 per_minute(t.tokens_per_minute),
                 t.max_input_tokens,

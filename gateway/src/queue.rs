@@ -13,8 +13,14 @@
 //! behind its own long ones. Whether an entry may start now (tenant concurrency, lane cap, KV
 //! space) is the caller's decision, passed in as a predicate: this module is pure bookkeeping,
 //! no clocks, no tasks, so it is tested exhaustively with proptest.
+//!
+//! Every operation costs O(log N) in the number of queued entries, or O(T) in the number of
+//! backlogged tenants (picking the fairest head), never O(N): entries are found by id through
+//! an index, each lane is an ordered map (ids grow, so id order is FIFO order) and deadlines
+//! sit in an ordered set, so the admission actor's per-command work does not grow with the
+//! queue.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::num::NonZeroU32;
 use std::time::Instant;
 
@@ -103,10 +109,10 @@ pub struct TenantBacklog {
     pub tokens: u64,
 }
 
-/// One tenant's FIFOs and fairness counter.
+/// One tenant's FIFOs (ordered by id, which is arrival order) and fairness counter.
 #[derive(Debug)]
 struct Flow<T> {
-    lanes: [VecDeque<QueueEntry<T>>; 2],
+    lanes: [BTreeMap<EntryId, QueueEntry<T>>; 2],
     weight: NonZeroU32,
     /// Tokens served / weight, in `COUNTER_SCALE` units.
     counter: u128,
@@ -115,7 +121,7 @@ struct Flow<T> {
 
 impl<T> Flow<T> {
     fn len(&self) -> usize {
-        self.lanes.iter().map(VecDeque::len).sum()
+        self.lanes.iter().map(BTreeMap::len).sum()
     }
 }
 
@@ -123,19 +129,26 @@ impl<T> Flow<T> {
 #[derive(Debug)]
 pub struct FairQueue<T> {
     flows: BTreeMap<String, Flow<T>>,
+    /// Where each queued entry is: its tenant and lane.
+    index: HashMap<EntryId, (String, Lane)>,
+    /// Every queued entry's deadline, earliest first.
+    deadlines: BTreeSet<(Instant, EntryId)>,
+    /// Sum of the weights of tenants with queued entries.
+    backlogged_weight: u64,
     /// Counter of the last tenant served (before its charge); idle tenants are lifted to it.
     virtual_time: u128,
     next_id: EntryId,
-    len: usize,
 }
 
 impl<T> Default for FairQueue<T> {
     fn default() -> Self {
         FairQueue {
             flows: BTreeMap::new(),
+            index: HashMap::new(),
+            deadlines: BTreeSet::new(),
+            backlogged_weight: 0,
             virtual_time: 0,
             next_id: 0,
-            len: 0,
         }
     }
 }
@@ -152,7 +165,7 @@ impl<T> FairQueue<T> {
             .flows
             .entry(new.tenant.clone())
             .or_insert_with(|| Flow {
-                lanes: [VecDeque::new(), VecDeque::new()],
+                lanes: [BTreeMap::new(), BTreeMap::new()],
                 weight: new.weight,
                 counter: virtual_time,
                 queued_tokens: 0,
@@ -178,21 +191,29 @@ impl<T> FairQueue<T> {
         if queued == 0 {
             // Becoming backlogged: no credit for the time spent idle.
             flow.counter = flow.counter.max(virtual_time);
+            self.backlogged_weight += u64::from(new.weight.get());
+        } else {
+            self.backlogged_weight += u64::from(new.weight.get());
+            self.backlogged_weight -= u64::from(flow.weight.get());
         }
         flow.weight = new.weight;
         flow.queued_tokens += new.tokens;
         let id = self.next_id;
         self.next_id += 1;
-        flow.lanes[new.lane.index()].push_back(QueueEntry {
+        self.index.insert(id, (new.tenant.clone(), new.lane));
+        self.deadlines.insert((new.deadline, id));
+        flow.lanes[new.lane.index()].insert(
             id,
-            tenant: new.tenant,
-            lane: new.lane,
-            tokens: new.tokens,
-            enqueued_at: new.enqueued_at,
-            deadline: new.deadline,
-            payload: new.payload,
-        });
-        self.len += 1;
+            QueueEntry {
+                id,
+                tenant: new.tenant,
+                lane: new.lane,
+                tokens: new.tokens,
+                enqueued_at: new.enqueued_at,
+                deadline: new.deadline,
+                payload: new.payload,
+            },
+        );
         Ok(id)
     }
 
@@ -207,7 +228,7 @@ impl<T> FairQueue<T> {
             let head = flow
                 .lanes
                 .iter()
-                .filter_map(VecDeque::front)
+                .filter_map(|lane| lane.first_key_value().map(|(_, entry)| entry))
                 .filter(|entry| eligible(entry))
                 .min_by_key(|entry| entry.id);
             if let Some(head) = head
@@ -238,7 +259,8 @@ impl<T> FairQueue<T> {
         Some(entry)
     }
 
-    /// Removes every entry `doomed` selects (abandoned or expired), without charging anyone.
+    /// Removes every entry `doomed` selects, without charging anyone. O(N): for tests and
+    /// rare bulk changes (a policy reload), never per command.
     pub fn remove_where(
         &mut self,
         mut doomed: impl FnMut(&QueueEntry<T>) -> bool,
@@ -247,18 +269,117 @@ impl<T> FairQueue<T> {
         ids.into_iter().filter_map(|id| self.remove(id)).collect()
     }
 
+    /// Removes the entry with the earliest deadline if that deadline is at or before `now`
+    /// (without charging anyone).
+    pub fn pop_expired(&mut self, now: Instant) -> Option<QueueEntry<T>> {
+        let &(deadline, id) = self.deadlines.first()?;
+        (deadline <= now).then(|| self.remove(id)).flatten()
+    }
+
     /// The earliest deadline of any queued entry.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.entries().map(|entry| entry.deadline).min()
+        self.deadlines.first().map(|(deadline, _)| *deadline)
+    }
+
+    /// The queued entry with this id.
+    pub fn get(&self, id: EntryId) -> Option<&QueueEntry<T>> {
+        let (tenant, lane) = self.index.get(&id)?;
+        self.flows.get(tenant)?.lanes[lane.index()].get(&id)
+    }
+
+    /// The tenant's most recently queued entry (either lane).
+    pub fn youngest(&self, tenant: &str) -> Option<&QueueEntry<T>> {
+        let flow = self.flows.get(tenant)?;
+        let tails = flow.lanes.iter().filter_map(|lane| lane.last_key_value());
+        tails.max_by_key(|(id, _)| **id).map(|(_, entry)| entry)
+    }
+
+    /// The tenant's oldest queued entry (either lane).
+    pub fn oldest(&self, tenant: &str) -> Option<&QueueEntry<T>> {
+        let flow = self.flows.get(tenant)?;
+        let heads = flow.lanes.iter().filter_map(|lane| lane.first_key_value());
+        heads.min_by_key(|(id, _)| **id).map(|(_, entry)| entry)
+    }
+
+    /// What one tenant has queued; `None` when nothing.
+    pub fn tenant_backlog(&self, tenant: &str) -> Option<TenantBacklog> {
+        let flow = self.flows.get(tenant).filter(|flow| flow.len() > 0)?;
+        Some(TenantBacklog {
+            tenant: tenant.to_owned(),
+            requests: flow.len(),
+            tokens: flow.queued_tokens,
+        })
+    }
+
+    /// Sets a backlogged tenant's weight (a policy reload changed it); a tenant that is not
+    /// backlogged takes its weight from its next push.
+    pub fn set_weight(&mut self, tenant: &str, weight: NonZeroU32) {
+        if let Some(flow) = self.flows.get_mut(tenant)
+            && flow.len() > 0
+        {
+            self.backlogged_weight -= u64::from(flow.weight.get());
+            self.backlogged_weight += u64::from(weight.get());
+            flow.weight = weight;
+        }
+    }
+
+    /// Lets `keep` update every queued entry in arrival order (its `lane`, `deadline` and
+    /// payload; not its tenant or tokens) or drop it; returns the dropped ones. Fairness
+    /// counters and ids stay as they were. O(N log N): for policy reloads, not per command.
+    pub fn rewrite(
+        &mut self,
+        mut keep: impl FnMut(&mut QueueEntry<T>) -> bool,
+    ) -> Vec<QueueEntry<T>> {
+        let mut all: Vec<QueueEntry<T>> = Vec::with_capacity(self.len());
+        for flow in self.flows.values_mut() {
+            for lane in &mut flow.lanes {
+                all.extend(std::mem::take(lane).into_values());
+            }
+            flow.queued_tokens = 0;
+        }
+        all.sort_by_key(|entry| entry.id);
+        self.index.clear();
+        self.deadlines.clear();
+        self.backlogged_weight = 0;
+        let mut dropped = Vec::new();
+        for mut entry in all {
+            if !keep(&mut entry) {
+                dropped.push(entry);
+                continue;
+            }
+            let Some(flow) = self.flows.get_mut(&entry.tenant) else {
+                dropped.push(entry);
+                continue;
+            };
+            if flow.len() == 0 {
+                self.backlogged_weight += u64::from(flow.weight.get());
+            }
+            flow.queued_tokens += entry.tokens;
+            self.index
+                .insert(entry.id, (entry.tenant.clone(), entry.lane));
+            self.deadlines.insert((entry.deadline, entry.id));
+            flow.lanes[entry.lane.index()].insert(entry.id, entry);
+        }
+        let tenants: Vec<String> = self.flows.keys().cloned().collect();
+        for tenant in tenants {
+            self.forget_idle_flow(&tenant);
+        }
+        dropped
+    }
+
+    /// Tenants with queued entries, with their weights.
+    pub fn backlogged_tenants(&self) -> impl Iterator<Item = (&str, NonZeroU32)> {
+        let busy = self.flows.iter().filter(|(_, flow)| flow.len() > 0);
+        busy.map(|(tenant, flow)| (tenant.as_str(), flow.weight))
     }
 
     /// Entries queued, all tenants.
     pub fn len(&self) -> usize {
-        self.len
+        self.index.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.index.is_empty()
     }
 
     /// Tokens queued, all tenants.
@@ -279,29 +400,26 @@ impl<T> FairQueue<T> {
 
     /// Sum of the weights of tenants with queued entries.
     pub fn backlogged_weight(&self) -> u64 {
-        let busy = self.flows.values().filter(|flow| flow.len() > 0);
-        busy.map(|flow| u64::from(flow.weight.get())).sum()
+        self.backlogged_weight
     }
 
     /// Every queued entry, in no particular order.
     pub fn entries(&self) -> impl Iterator<Item = &QueueEntry<T>> {
         self.flows
             .values()
-            .flat_map(|flow| flow.lanes.iter().flatten())
+            .flat_map(|flow| flow.lanes.iter().flat_map(BTreeMap::values))
     }
 
     fn take(&mut self, id: EntryId) -> Option<QueueEntry<T>> {
-        for flow in self.flows.values_mut() {
-            for lane in &mut flow.lanes {
-                if let Some(position) = lane.iter().position(|entry| entry.id == id) {
-                    let entry = lane.remove(position)?;
-                    flow.queued_tokens -= entry.tokens;
-                    self.len -= 1;
-                    return Some(entry);
-                }
-            }
+        let (tenant, lane) = self.index.remove(&id)?;
+        let flow = self.flows.get_mut(&tenant)?;
+        let entry = flow.lanes[lane.index()].remove(&id)?;
+        flow.queued_tokens -= entry.tokens;
+        if flow.len() == 0 {
+            self.backlogged_weight -= u64::from(flow.weight.get());
         }
-        None
+        self.deadlines.remove(&(entry.deadline, id));
+        Some(entry)
     }
 
     /// Drops an idle tenant's state once it has nothing to remember: a counter at or below

@@ -70,7 +70,7 @@ pub enum RateLimitError {
 /// The rate-limit state of every tenant. Cheap to share (`Arc`); thread-safe.
 #[derive(Debug, Default)]
 pub struct RateLimits {
-    tenants: Mutex<HashMap<String, Arc<TenantBuckets>>>,
+    tenants: Mutex<HashMap<String, Arc<TenantSlot>>>,
 }
 
 impl RateLimits {
@@ -80,7 +80,8 @@ impl RateLimits {
 
     /// Debits one request and `tokens` tokens from the tenant's buckets, all or nothing.
     pub fn try_debit(&self, tenant: &TenantPolicy, tokens: usize) -> Result<Debit, RateLimitError> {
-        let buckets = self.buckets(tenant);
+        let slot = self.slot(tenant);
+        let buckets = slot.current();
         let tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
         if let Some(bucket) = &buckets.tokens
             && tokens > bucket.limit.get()
@@ -123,15 +124,39 @@ impl RateLimits {
             });
         }
         Ok(Debit {
-            buckets,
+            slot,
             tokens,
             settled: false,
         })
     }
 
+    /// Whether the tenant's request bucket could take one request now, without taking it: a
+    /// request that would be refused anyway is refused before its body is read. Implemented as
+    /// a debit of one cell returned at once as credit, so the answer (and the wait of a
+    /// refusal) is governor's own, and the bucket's capacity is unchanged.
+    pub fn check_request(&self, tenant: &TenantPolicy) -> Result<(), RateLimitError> {
+        let buckets = self.slot(tenant).current();
+        let Some(bucket) = &buckets.requests else {
+            return Ok(());
+        };
+        match bucket.debit(1) {
+            Ok(()) => {
+                bucket.refund(1);
+                Ok(())
+            }
+            Err(wait) => Err(RateLimitError::Limited {
+                kind: LimitKind::Requests,
+                limit: bucket.limit.get(),
+                requested: 1,
+                wait,
+                headers: buckets.headers(),
+            }),
+        }
+    }
+
     /// The tenant's current state, for responses that never reached a debit.
     pub fn headers(&self, tenant: &TenantPolicy) -> RateLimitHeaders {
-        self.buckets(tenant).headers()
+        self.slot(tenant).current().headers()
     }
 
     /// Forgets tenants for which `keep` is false (e.g. removed by a policy reload).
@@ -139,22 +164,36 @@ impl RateLimits {
         self.tenants.lock().retain(|name, _| keep(name));
     }
 
-    /// The tenant's buckets, rebuilt (full) when a policy reload changed its quotas.
-    fn buckets(&self, tenant: &TenantPolicy) -> Arc<TenantBuckets> {
+    /// The tenant's buckets. When a policy reload changed its quotas they are rebuilt with
+    /// what was spent carried over: a reload changes the limit, it does not refill the bucket
+    /// (or a tenant could reset its quota by asking for a reload).
+    fn slot(&self, tenant: &TenantPolicy) -> Arc<TenantSlot> {
         let mut tenants = self.tenants.lock();
         let quotas = (tenant.requests_per_minute, tenant.tokens_per_minute);
-        if let Some(existing) = tenants.get(&tenant.name)
-            && existing.quotas == quotas
-        {
-            return Arc::clone(existing);
-        }
-        let buckets = Arc::new(TenantBuckets {
-            quotas,
-            requests: tenant.requests_per_minute.map(Bucket::per_minute),
-            tokens: tenant.tokens_per_minute.map(Bucket::per_minute),
+        let slot = tenants.entry(tenant.name.clone()).or_insert_with(|| {
+            Arc::new(TenantSlot {
+                current: Mutex::new(Arc::new(TenantBuckets::fresh(quotas))),
+            })
         });
-        tenants.insert(tenant.name.clone(), Arc::clone(&buckets));
-        buckets
+        let mut current = slot.current.lock();
+        if current.quotas != quotas {
+            *current = Arc::new(current.rebuilt(quotas));
+        }
+        drop(current);
+        Arc::clone(slot)
+    }
+}
+
+/// Where a tenant's buckets live. Debits hold the slot, not the buckets, so a refund after a
+/// reload reaches the buckets in force.
+#[derive(Debug)]
+struct TenantSlot {
+    current: Mutex<Arc<TenantBuckets>>,
+}
+
+impl TenantSlot {
+    fn current(&self) -> Arc<TenantBuckets> {
+        Arc::clone(&self.current.lock())
     }
 }
 
@@ -163,7 +202,7 @@ impl RateLimits {
 /// everything, because then the request never ran (rejected later, or its client left).
 #[derive(Debug)]
 pub struct Debit {
-    buckets: Arc<TenantBuckets>,
+    slot: Arc<TenantSlot>,
     tokens: u32,
     settled: bool,
 }
@@ -177,7 +216,7 @@ impl Debit {
     /// The response ended having used `used_tokens`: refund the rest of the up-front charge.
     pub fn settle(mut self, used_tokens: usize) {
         let used = u32::try_from(used_tokens).unwrap_or(u32::MAX);
-        if let Some(bucket) = &self.buckets.tokens {
+        if let Some(bucket) = &self.slot.current().tokens {
             bucket.refund(self.tokens.saturating_sub(used));
         }
         self.settled = true;
@@ -188,7 +227,7 @@ impl Debit {
 
     /// The buckets' state now.
     pub fn headers(&self) -> RateLimitHeaders {
-        self.buckets.headers()
+        self.slot.current().headers()
     }
 }
 
@@ -197,10 +236,11 @@ impl Drop for Debit {
         if self.settled {
             return;
         }
-        if let Some(bucket) = &self.buckets.requests {
+        let buckets = self.slot.current();
+        if let Some(bucket) = &buckets.requests {
             bucket.refund(1);
         }
-        if let Some(bucket) = &self.buckets.tokens {
+        if let Some(bucket) = &buckets.tokens {
             bucket.refund(self.tokens);
         }
     }
@@ -215,6 +255,28 @@ struct TenantBuckets {
 }
 
 impl TenantBuckets {
+    fn fresh(quotas: (Option<NonZeroU32>, Option<NonZeroU32>)) -> TenantBuckets {
+        TenantBuckets {
+            quotas,
+            requests: quotas.0.map(Bucket::per_minute),
+            tokens: quotas.1.map(Bucket::per_minute),
+        }
+    }
+
+    /// New buckets for `quotas` that start with what these have spent already.
+    fn rebuilt(&self, quotas: (Option<NonZeroU32>, Option<NonZeroU32>)) -> TenantBuckets {
+        let now = Instant::now();
+        let spent = |bucket: &Option<Bucket>| bucket.as_ref().map_or(0, |b| b.spent(now));
+        let fresh = TenantBuckets::fresh(quotas);
+        if let Some(bucket) = &fresh.requests {
+            bucket.take(spent(&self.requests));
+        }
+        if let Some(bucket) = &fresh.tokens {
+            bucket.take(spent(&self.tokens));
+        }
+        fresh
+    }
+
     fn headers(&self) -> RateLimitHeaders {
         let now = Instant::now();
         RateLimitHeaders {
@@ -289,6 +351,25 @@ impl Bucket {
             Ok(Err(not_until)) => Err(not_until.wait_time_from(TokioInstant::from(now))),
             // Callers check n against the limit first; treat it as a full window if not.
             Err(_insufficient) => Err(Duration::from_secs(60)),
+        }
+    }
+
+    /// Cells spent and not yet replenished at `now`.
+    fn spent(&self, now: Instant) -> u32 {
+        self.limit.get() - self.status(now).remaining
+    }
+
+    /// Takes up to `n` cells at once, however few are left (a rebuilt bucket inheriting what its
+    /// predecessor had spent).
+    fn take(&self, n: u32) {
+        let Some(n) = NonZeroU32::new(n.min(self.limit.get())) else {
+            return;
+        };
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        if let Ok(Ok(snapshot)) = self.gcra.check_n(n) {
+            state.remaining_at_last_debit = snapshot.remaining_burst_capacity();
+            state.last_debit = now;
         }
     }
 

@@ -45,8 +45,12 @@ use crate::admission::Admission;
 use crate::error::GatewayError;
 use crate::ratelimit::RateLimitHeaders;
 
-/// Every response carries this header; a client-supplied value is kept.
+/// Every response carries this header; a client-supplied value is kept if it is usable (see
+/// [`is_usable_request_id`]), otherwise replaced by a fresh one.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Longest client-supplied request id kept (UUIDs, W3C trace ids and OpenAI-style ids fit).
+pub const MAX_REQUEST_ID_LEN: usize = 128;
 
 /// The service hyper runs for every connection.
 pub type GatewayService = BoxCloneSyncService<Request<Incoming>, Response, Infallible>;
@@ -68,7 +72,10 @@ pub fn build(router: Router, config: StackConfig, admission: Admission) -> Gatew
         // 1. One body type in and out, so the layers below compose with hyper.
         .map_request(|request: Request<Incoming>| request.map(Body::new))
         .map_response(|response: Response<_>| response.map(Body::new))
-        // 2. Request id first, so every log line and every response below can carry it.
+        // 2. Request id first, so every log line and every response below can carry it. A
+        //    client's id goes into logs, responses and upstream requests: one that is too long
+        //    or carries odd characters is dropped here and a fresh one made instead.
+        .map_request(drop_unusable_request_id)
         .layer(SetRequestIdLayer::new(request_id.clone(), RandomRequestId))
         // 3. Copy it onto the response, including responses made by the rescue and panic layers.
         .layer(PropagateRequestIdLayer::new(request_id))
@@ -182,6 +189,32 @@ async fn limit_body(State(limit): State<usize>, request: Request, next: Next) ->
     next.run(request).await
 }
 
+/// Removes the client's `x-request-id` unless it is exactly one usable value.
+fn drop_unusable_request_id(mut request: Request) -> Request {
+    let mut values = request.headers().get_all(REQUEST_ID_HEADER).iter();
+    let usable = match (values.next(), values.next()) {
+        (None, _) => return request,
+        (Some(value), None) => is_usable_request_id(value.as_bytes()),
+        (Some(_), Some(_)) => false,
+    };
+    if !usable {
+        // The value itself is not logged: it is what was unfit for a log line.
+        tracing::debug!("replacing a client x-request-id that is not 1-128 of [A-Za-z0-9._:-]");
+        request.headers_mut().remove(REQUEST_ID_HEADER);
+    }
+    request
+}
+
+/// 1 to [`MAX_REQUEST_ID_LEN`] bytes of ASCII letters, digits and `-_.:`: safe in log lines,
+/// JSON, headers sent upstream, and every log query language.
+pub fn is_usable_request_id(id: &[u8]) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_REQUEST_ID_LEN
+        && id
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+}
+
 fn request_span(request: &Request) -> tracing::Span {
     let id = request
         .headers()
@@ -240,6 +273,48 @@ mod tests {
             (late.status().as_u16(), late.code()),
             (504, Some("timeout"))
         );
+    }
+
+    #[test]
+    fn client_request_ids_are_kept_only_when_short_and_plain() {
+        let with = |values: &[&[u8]]| {
+            let mut request = Request::new(Body::empty());
+            for value in values {
+                request.headers_mut().append(
+                    REQUEST_ID_HEADER,
+                    HeaderValue::from_bytes(value).expect("valid header bytes"),
+                );
+            }
+            drop_unusable_request_id(request)
+                .headers()
+                .get_all(REQUEST_ID_HEADER)
+                .iter()
+                .map(|v| v.as_bytes().to_vec())
+                .collect::<Vec<_>>()
+        };
+        let uuid = b"0b6e1f0c-5d3a-4b8e-9c1d-2f3a4b5c6d7e";
+        assert_eq!(with(&[uuid]), vec![uuid.to_vec()]);
+        assert_eq!(with(&[b"req_abc.def:1"]), vec![b"req_abc.def:1".to_vec()]);
+        let longest = vec![b'a'; MAX_REQUEST_ID_LEN];
+        assert_eq!(with(&[&longest]), vec![longest.clone()]);
+        let too_long = [b'a'; MAX_REQUEST_ID_LEN + 1];
+        for bad in [
+            &too_long[..],
+            b"has space",
+            b"quote\"",
+            b"new%0Aline",
+            b"\xff\xfe",
+            b"{\"json\":1}",
+        ] {
+            assert!(
+                with(&[bad]).is_empty(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // Two ids: which one would the logs use? Neither.
+        assert!(with(&[b"one", b"two"]).is_empty());
+        assert!(with(&[]).is_empty());
     }
 
     #[test]

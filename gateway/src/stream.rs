@@ -28,11 +28,18 @@ use crate::validate::Endpoint;
 
 /// Something that must live as long as the response body and learns how it ended.
 pub trait BodyGuard: Send + 'static {
+    /// Called once per generated token, so a response cut short is charged what it used.
+    fn record_generated(&mut self) {}
+
     /// Called once, when generation finished normally.
     fn record_completion(&mut self, completion_tokens: usize);
 }
 
 impl BodyGuard for Admitted {
+    fn record_generated(&mut self) {
+        Admitted::record_generated(self);
+    }
+
     fn record_completion(&mut self, completion_tokens: usize) {
         Admitted::record_completion(self, completion_tokens);
     }
@@ -92,6 +99,7 @@ pub async fn collect(
     while let Some(event) = handle.events.recv().await {
         match event {
             TokenEvent::Token { text: delta, .. } => {
+                guard.record_generated();
                 if let Some(telemetry) = telemetry.as_mut() {
                     telemetry.on_token();
                 }
@@ -228,10 +236,13 @@ impl<G: BodyGuard> StreamState<G> {
                         None => None,
                     };
                     self.phase = Phase::Streaming;
-                    if let (Some(TokenEvent::Token { .. }), Some(telemetry)) =
-                        (&event, self.telemetry.as_mut())
-                    {
-                        telemetry.on_token();
+                    if let Some(TokenEvent::Token { .. }) = &event {
+                        if let Some(guard) = self.guard.as_mut() {
+                            guard.record_generated();
+                        }
+                        if let Some(telemetry) = self.telemetry.as_mut() {
+                            telemetry.on_token();
+                        }
                     }
                     match event {
                         // Held-back bytes and special tokens produce no text: nothing to send.
@@ -286,7 +297,12 @@ impl<G: BodyGuard> StreamState<G> {
     }
 
     fn fail(&mut self, error: GatewayError) -> Event {
-        tracing::error!(error = %error, id = %self.meta.id, "stream failed after it started");
+        tracing::error!(
+            error = %error,
+            detail = error.detail().unwrap_or(""),
+            id = %self.meta.id,
+            "stream failed after it started"
+        );
         self.release(None);
         self.phase = Phase::Ended;
         error.sse_event()
@@ -364,7 +380,9 @@ fn json_event(value: &impl serde::Serialize) -> Event {
     match serde_json::to_string(value) {
         Ok(json) => Event::default().data(json),
         Err(error) => {
-            GatewayError::Internal(format!("cannot serialize a chunk: {error}")).sse_event()
+            let error = GatewayError::Internal(format!("cannot serialize a chunk: {error}"));
+            error.log(error.status());
+            error.sse_event()
         }
     }
 }

@@ -37,8 +37,10 @@ impl GenerationTelemetry {
     pub fn on_token(&mut self) {
         let now = Instant::now();
         match self.last_token {
-            None => record_time_to_first_token(now.duration_since(self.arrived)),
-            Some(previous) => record_inter_token_latency(now.duration_since(previous)),
+            None => record_time_to_first_token(&self.tenant, now.duration_since(self.arrived)),
+            Some(previous) => {
+                record_inter_token_latency(&self.tenant, now.duration_since(previous))
+            }
         }
         self.last_token = Some(now);
         self.generated += 1;

@@ -336,10 +336,18 @@ fn attention_group(
     out: &mut [f32],
     scratch: &mut AttentionScratch,
 ) {
+    // Every K/V row offset below is computed from `kv_head`; `check_row` only proved the
+    // blocks are inside the caches, so a head past the layout would read another slot's data
+    // (or, for the last slot, past the cache in the AVX2 kernel).
+    assert!(
+        kv_head < args.layout.num_kv_heads,
+        "attention: kv_head {kv_head} out of range for {} KV heads",
+        args.layout.num_kv_heads
+    );
     #[cfg(target_arch = "x86_64")]
-    if crate::simd_level() == crate::SimdLevel::Avx2 {
-        // SAFETY: the CPU supports AVX2, FMA and F16C (checked by simd_level); rows were
-        // bounds-checked by `check_row`.
+    if crate::simd::Avx2Fma::detect().is_some() {
+        // SAFETY: the token proves AVX2, FMA and F16C; rows were bounds-checked by
+        // `check_row` and `kv_head` above.
         unsafe { avx2::attention_group(args, q, kv_head, out, scratch) };
         return;
     }

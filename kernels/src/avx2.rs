@@ -14,8 +14,9 @@ pub(crate) mod math;
 mod pack;
 mod q4_1;
 
-use crate::matmul::{MatmulScratch, OutPtr, QMatrix};
+use crate::matrix::{OutPtr, QMatrix};
 use crate::quant::{ActivationType, Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType};
+use crate::simd::Avx2Fma;
 pub(crate) use pack::PackedActs;
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -28,35 +29,35 @@ pub(crate) fn supports(ty: WeightType) -> bool {
 
 /// Quantizes the `m × cols` activations into the packed layout for `ty`'s kernels.
 pub(crate) fn prepare_acts(
+    cpu: Avx2Fma,
     ty: WeightType,
     x: &[f32],
     m: usize,
     cols: usize,
-    scratch: &mut MatmulScratch,
+    packed: &mut PackedActs,
 ) {
     let with_sums = ty.vec_dot_type() == ActivationType::Q8_1;
-    pack::pack_acts(x, m, cols, with_sums, &mut scratch.packed);
+    pack::pack_acts(cpu, x, m, cols, with_sums, packed);
 }
 
 /// Weight rows `rows` of `w` × the `m` activation rows packed by [`prepare_acts`].
 pub(crate) fn compute_rows(
+    cpu: Avx2Fma,
     w: &QMatrix,
     m: usize,
-    scratch: &MatmulScratch,
+    acts: &PackedActs,
     rows: Range<usize>,
-    out: OutPtr,
+    out: OutPtr<'_>,
 ) {
-    let acts = &scratch.packed;
-    // SAFETY: AVX2/FMA/F16C were detected by `simd_level` before this path was chosen; `w`
-    // was validated by the caller and `rows_kernel` checks the shapes it indexes with.
-    unsafe {
-        match w.ty {
-            WeightType::Q4_1 => q4_1::compute_rows(w, acts, rows, out),
-            WeightType::Q4_0 => rows_kernel::<Q4_0>(w, acts, m, rows, out),
-            WeightType::Q8_0 => rows_kernel::<Q8_0>(w, acts, m, rows, out),
-            WeightType::F32 | WeightType::F16 => {
-                unreachable!("float weights never take the AVX2 path (see `supports`)")
-            }
+    match w.ty {
+        WeightType::Q4_1 => q4_1::compute_rows(cpu, w, acts, rows, out),
+        // SAFETY: `cpu` proves AVX2/FMA/F16C; `w` was validated by the caller and
+        // `rows_kernel` checks the shapes it indexes with.
+        WeightType::Q4_0 => unsafe { rows_kernel::<Q4_0>(w, acts, m, rows, out) },
+        // SAFETY: as for Q4_0.
+        WeightType::Q8_0 => unsafe { rows_kernel::<Q8_0>(w, acts, m, rows, out) },
+        WeightType::F32 | WeightType::F16 => {
+            unreachable!("float weights never take the AVX2 path (see `supports`)")
         }
     }
 }
@@ -153,7 +154,7 @@ unsafe fn rows_kernel<T: WeightBlock>(
     acts: &PackedActs,
     m: usize,
     rows: Range<usize>,
-    out: OutPtr,
+    out: OutPtr<'_>,
 ) {
     let row_bytes = w.row_bytes();
     assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
@@ -227,7 +228,7 @@ unsafe fn tile_rows<T: WeightBlock, const R: usize>(
     row_bytes: usize,
     acts: &PackedActs,
     r0: usize,
-    out: OutPtr,
+    out: OutPtr<'_>,
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..acts.nb {
@@ -263,7 +264,7 @@ unsafe fn tile_acts<T: WeightBlock, const A: usize>(
     a0: usize,
     r: usize,
     rows: usize,
-    out: OutPtr,
+    out: OutPtr<'_>,
 ) {
     let (nb, m) = (acts.nb, acts.m);
     let mut acc = [_mm256_setzero_ps(); A];
@@ -321,7 +322,7 @@ unsafe fn tile_acts8<T: WeightBlock>(
     a0: usize,
     r: usize,
     rows: usize,
-    out: OutPtr,
+    out: OutPtr<'_>,
 ) {
     let (nb, m) = (acts.nb, acts.m);
     let mut acc = [_mm256_setzero_ps(); 8];

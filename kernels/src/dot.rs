@@ -10,6 +10,10 @@
 //! is what makes greedy decoding token-identical to llama.cpp; kvgate keeps it for every type
 //! but Q4_1. These functions are the oracle every SIMD path is tested against, bit for bit.
 
+pub mod kquants;
+
+pub use kquants::{dot_k_q8_k, dot_q4_k_q8_k, dot_q5_k_q8_k, dot_q6_k_q8_k};
+
 use crate::quant::{
     Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, Q8_1_BLOCK_BYTES, QK, read_f16,
 };

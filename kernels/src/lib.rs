@@ -15,9 +15,11 @@ mod avx2;
 pub mod cuda;
 pub mod dot;
 pub mod matmul;
+mod matrix;
 pub mod mmap;
 pub mod ops;
 pub mod quant;
+mod simd;
 
 pub use attention::{
     AttentionRow, AttentionScratch, KvLayout, ReductionOrder, paged_attention,

@@ -8,74 +8,13 @@
 //! (`matmul_reference`) and the fallback on CPUs without AVX2. Both give bit-identical results.
 
 use crate::dot::{dot_f16_f16, dot_f32_f32, dot_q4_0_q8_0, dot_q4_1_q8_1, dot_q8_0_q8_0};
+use crate::matrix::OutPtr;
+pub use crate::matrix::QMatrix;
 use crate::quant::{ActivationType, WeightType, quantize_row_q8_0, quantize_row_q8_1};
-use crate::{KernelError, SimdLevel, simd_level};
+#[cfg(target_arch = "x86_64")]
+use crate::simd::Avx2Fma;
 use half::f16;
 use std::ops::Range;
-
-/// A weight matrix in GGML layout: `rows` rows of `cols` elements, each row `ty.row_bytes(cols)`
-/// bytes, rows back to back. Borrowed from the (possibly unaligned) memory-mapped file.
-#[derive(Clone, Copy, Debug)]
-pub struct QMatrix<'a> {
-    pub ty: WeightType,
-    pub data: &'a [u8],
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl<'a> QMatrix<'a> {
-    /// Validates that `data` holds exactly `rows` rows of `cols` elements of `ty`.
-    pub fn new(
-        ty: WeightType,
-        data: &'a [u8],
-        rows: usize,
-        cols: usize,
-    ) -> Result<Self, KernelError> {
-        ty.check_cols(cols)?;
-        let expected = ty
-            .row_bytes(cols)
-            .checked_mul(rows)
-            .ok_or(KernelError::Overflow { rows, cols })?;
-        if data.len() != expected {
-            return Err(KernelError::DataSize {
-                ty,
-                rows,
-                cols,
-                expected,
-                actual: data.len(),
-            });
-        }
-        Ok(Self {
-            ty,
-            data,
-            rows,
-            cols,
-        })
-    }
-
-    /// Bytes of one row.
-    pub fn row_bytes(&self) -> usize {
-        self.ty.row_bytes(self.cols)
-    }
-
-    /// The bytes of row `r`.
-    pub fn row(&self, r: usize) -> &'a [u8] {
-        let rb = self.row_bytes();
-        &self.data[r * rb..(r + 1) * rb]
-    }
-
-    fn assert_valid(&self) {
-        assert!(
-            self.ty.check_cols(self.cols).is_ok(),
-            "QMatrix cols not a block multiple"
-        );
-        let needed = self.rows.checked_mul(self.row_bytes());
-        assert!(
-            needed.is_some_and(|n| self.data.len() >= n),
-            "QMatrix data shorter than rows × row_bytes"
-        );
-    }
-}
 
 /// Reusable activation-conversion buffers, so that the hot path does not allocate once the
 /// largest batch has been seen (they grow to `m × cols` of the biggest call and stay there).
@@ -93,39 +32,6 @@ pub struct MatmulScratch {
 impl MatmulScratch {
     pub fn new() -> Self {
         Self::default()
-    }
-}
-
-/// Raw output pointer shared by the threads of one matmul; each thread writes a disjoint set of
-/// columns `r` of `out[a * rows + r]`.
-#[derive(Clone, Copy)]
-pub(crate) struct OutPtr {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: threads only write disjoint elements (distinct weight-row ranges), and the pointer
-// outlives the scope that uses it.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    pub(crate) fn new(out: &mut [f32]) -> Self {
-        Self {
-            ptr: out.as_mut_ptr(),
-            len: out.len(),
-        }
-    }
-
-    /// Writes `value` at `index`.
-    ///
-    /// # Safety
-    /// No other thread may access `index` during the call's lifetime.
-    #[inline(always)]
-    pub(crate) unsafe fn write(self, index: usize, value: f32) {
-        assert!(index < self.len, "matmul output index out of bounds");
-        // SAFETY: bounds checked above; exclusivity is the caller's contract.
-        unsafe { *self.ptr.add(index) = value };
     }
 }
 
@@ -173,7 +79,7 @@ pub fn matmul_fused<const N: usize>(
     if m == 0 || total_rows == 0 {
         return;
     }
-    let targets: [(&QMatrix, OutPtr); N] = parts.map(|(w, out)| (w, OutPtr::new(out)));
+    let targets: [(&QMatrix, OutPtr<'_>); N] = parts.map(|(w, out)| (w, OutPtr::new(out)));
     let path = prepare_acts(ty, x, m, cols, scratch);
     let scratch = &*scratch;
     // Global row g of the fused product is row g - offset of the part that holds it.
@@ -197,9 +103,9 @@ pub fn matmul_fused<const N: usize>(
 enum Path {
     /// Portable reference kernels on ggml-layout activations.
     Scalar,
-    /// AVX2 kernels on the packed activation layout.
+    /// AVX2 kernels on the packed activation layout; the token proves the CPU has them.
     #[cfg(target_arch = "x86_64")]
-    Avx2,
+    Avx2(Avx2Fma),
 }
 
 impl Path {
@@ -208,7 +114,7 @@ impl Path {
         match self {
             Path::Scalar => 1,
             #[cfg(target_arch = "x86_64")]
-            Path::Avx2 => crate::avx2::ROW_TILE,
+            Path::Avx2(_) => crate::avx2::ROW_TILE,
         }
     }
 }
@@ -222,9 +128,11 @@ fn prepare_acts(
     scratch: &mut MatmulScratch,
 ) -> Path {
     #[cfg(target_arch = "x86_64")]
-    if simd_level() == SimdLevel::Avx2 && crate::avx2::supports(ty) {
-        crate::avx2::prepare_acts(ty, x, m, cols, scratch);
-        return Path::Avx2;
+    if let Some(cpu) = Avx2Fma::detect()
+        && crate::avx2::supports(ty)
+    {
+        crate::avx2::prepare_acts(cpu, ty, x, m, cols, &mut scratch.packed);
+        return Path::Avx2(cpu);
     }
     prepare_scalar_acts(ty, x, m, cols, scratch);
     Path::Scalar
@@ -237,12 +145,12 @@ fn compute_rows(
     m: usize,
     scratch: &MatmulScratch,
     rows: Range<usize>,
-    out: OutPtr,
+    out: OutPtr<'_>,
 ) {
     match path {
         Path::Scalar => scalar_rows(w, x, m, scratch, rows, out),
         #[cfg(target_arch = "x86_64")]
-        Path::Avx2 => crate::avx2::compute_rows(w, m, scratch, rows, out),
+        Path::Avx2(cpu) => crate::avx2::compute_rows(cpu, w, m, &scratch.packed, rows, out),
     }
 }
 
@@ -298,7 +206,7 @@ fn scalar_rows(
     m: usize,
     scratch: &MatmulScratch,
     rows: Range<usize>,
-    out: OutPtr,
+    out: OutPtr<'_>,
 ) {
     let cols = w.cols;
     let act_bytes = scratch.ggml_bytes.len().checked_div(m).unwrap_or(0);

@@ -60,8 +60,8 @@ pub fn rope(
     };
     rope_cache(cache, head_dim, pos, freq_base);
     #[cfg(target_arch = "x86_64")]
-    if crate::simd_level() == crate::SimdLevel::Avx2 {
-        // SAFETY: the CPU supports FMA (checked by simd_level).
+    if crate::simd::Avx2Fma::detect().is_some() {
+        // SAFETY: the token proves the CPU supports FMA.
         return unsafe { rotate_fma(x, head_dim, cache, mode) };
     }
     rotate(x, head_dim, cache, mode);
@@ -107,8 +107,8 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert_eq!(gate.len(), up.len(), "swiglu: up length");
     assert_eq!(gate.len(), out.len(), "swiglu: output length");
     #[cfg(target_arch = "x86_64")]
-    if crate::simd_level() == crate::SimdLevel::Avx2 {
-        // SAFETY: the CPU supports AVX2, FMA and F16C (checked by simd_level).
+    if crate::simd::Avx2Fma::detect().is_some() {
+        // SAFETY: the token proves the CPU supports AVX2, FMA and F16C.
         return unsafe { crate::avx2::math::swiglu(gate, up, out) };
     }
     swiglu_reference(gate, up, out);
@@ -356,5 +356,55 @@ mod tests {
         f16_to_f32_slice(&h, &mut back);
         assert_eq!(&back[..4], &src[..4]);
         assert!((back[4] - 1.0e-3).abs() < 1e-6);
+    }
+
+    // The vector ports in `avx2::math` against the scalar ones here (the oracle), bit for bit.
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_exp_matches_scalar_port_bit_for_bit() {
+        use crate::avx2::math::v_expf;
+        use std::arch::x86_64::{_mm256_loadu_ps, _mm256_storeu_ps};
+        if crate::simd::Avx2Fma::detect().is_none() {
+            return;
+        }
+        let mut xs: Vec<f32> = (-2200..=1000).map(|i| i as f32 * 0.1 + 0.0137).collect();
+        xs.extend([
+            f32::NEG_INFINITY,
+            -0.0,
+            0.0,
+            88.7,
+            -87.5,
+            -103.9,
+            -126.5,
+            -150.0,
+            1e-30,
+        ]);
+        for chunk in xs.chunks(8) {
+            let mut lanes = [0.0f32; 8];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut got = [0.0f32; 8];
+            // SAFETY: the token checked above proves AVX2/FMA/F16C; arrays hold 8 floats.
+            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), v_expf(_mm256_loadu_ps(lanes.as_ptr()))) };
+            for (x, g) in lanes.iter().zip(got) {
+                assert_eq!(g.to_bits(), ggml_v_expf(*x).to_bits(), "exp({x})");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_swiglu_matches_scalar_reference() {
+        if crate::simd::Avx2Fma::detect().is_none() {
+            return;
+        }
+        let n = 8 * 40 + 5;
+        let gate: Vec<f32> = (0..n).map(|i| (i as f32 - 160.0) * 0.13).collect();
+        let up: Vec<f32> = (0..n).map(|i| 1.0 - i as f32 * 0.01).collect();
+        let (mut got, mut want) = (vec![0.0; n], vec![0.0; n]);
+        // SAFETY: the token checked above proves AVX2/FMA/F16C.
+        unsafe { crate::avx2::math::swiglu(&gate, &up, &mut got) };
+        swiglu_reference(&gate, &up, &mut want);
+        assert_eq!(got, want);
     }
 }

@@ -14,6 +14,13 @@
 //! Activation quantization mirrors ggml's x86 path (`127/amax` multiplier, round half to even),
 //! which is what llama.cpp runs on this hardware, not ggml's scalar `_ref` variant.
 
+pub mod kquants;
+
+pub use kquants::{
+    KQuantSizeError, KQuantType, Q4_K_BLOCK_BYTES, Q5_K_BLOCK_BYTES, Q6_K_BLOCK_BYTES,
+    Q8_K_BLOCK_BYTES, QK_K, dequantize_row_k, quantize_row_q8_k,
+};
+
 use crate::KernelError;
 use half::f16;
 

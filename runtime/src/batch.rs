@@ -134,6 +134,7 @@ mod tests {
             ],
             num_tokens: 7,
             num_preempted: 0,
+            ..ScheduledBatch::default()
         };
         let mut inputs = BatchInputs::default();
         build_inputs(&batch, &[a, b], 4, &mut inputs).expect("covered");
@@ -169,6 +170,7 @@ mod tests {
             }],
             num_tokens: 5,
             num_preempted: 0,
+            ..ScheduledBatch::default()
         };
         let mut inputs = BatchInputs::default();
         build_inputs(&first, std::slice::from_ref(&a), 4, &mut inputs).expect("covered");
@@ -184,6 +186,7 @@ mod tests {
             }],
             num_tokens: 4,
             num_preempted: 0,
+            ..ScheduledBatch::default()
         };
         let err = build_inputs(&bad, std::slice::from_ref(&a), 4, &mut inputs);
         assert_eq!(

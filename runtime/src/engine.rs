@@ -17,6 +17,7 @@ mod config;
 mod stats;
 mod worker;
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
@@ -30,8 +31,12 @@ use crate::block_pool::{BlockPool, Reservation};
 use crate::kv_math::blocks_for_tokens;
 use crate::tokenizer::Tokenizer;
 
-pub use self::config::EngineConfig;
-pub use self::stats::{EngineStats, STEP_BUCKET_BOUNDS, SeqSnapshot, StepHistogram};
+pub use self::config::{DEFAULT_TARGET_ITL, EngineConfig};
+pub use self::stats::{
+    EngineStats, STEP_BUCKET_BOUNDS, STEP_MICROS_BUCKET_BOUNDS, SeqSnapshot, StepDurationHistogram,
+    StepHistogram,
+};
+pub use crate::scheduler::{PrefillOrder, StepCost};
 pub use crate::sequence::{
     FinishReason, SamplingParams, SeqId, SeqStatus, Sequence, StopParams, TokenEvent,
 };
@@ -87,8 +92,11 @@ pub struct GenerationRequest {
     pub stop: StopParams,
     /// Capacity reserved by admission on this engine's pool; `None` draws on free blocks only.
     pub reservation: Option<Reservation>,
-    /// Tenant name, shown by `inspect`.
+    /// Tenant name: shown by `inspect`, and the unit the scheduler shares prompt tokens
+    /// between.
     pub label: String,
+    /// The tenant's fair-share weight (the policy's `weight`); requests without a tenant use 1.
+    pub weight: NonZeroU32,
 }
 
 impl GenerationRequest {
@@ -104,6 +112,7 @@ impl GenerationRequest {
             },
             reservation: None,
             label: label.into(),
+            weight: NonZeroU32::MIN,
         }
     }
 
@@ -179,6 +188,9 @@ impl Engine {
         let initial = EngineStats {
             memory,
             peak_memory_bytes: memory.total_bytes(),
+            prefill_cap_tokens: config.max_batched_tokens,
+            step_cost: crate::scheduler::StepCostModel::default().cost(),
+            target_step_micros: config.target_itl.map(|t| t.as_micros() as u64),
             ..EngineStats::default()
         };
         let shared = Arc::new(Shared {
@@ -234,7 +246,7 @@ impl Engine {
         // Token events ≤ max_tokens, then one Finished or Error: the engine never waits.
         let (sender, events) = tokio_mpsc::channel(req.stop.max_tokens + 4);
         let label: Arc<str> = req.label.into();
-        let seq = Sequence::new(
+        let mut seq = Sequence::new(
             id,
             label,
             req.prompt,
@@ -243,6 +255,7 @@ impl Engine {
             credit,
             sender,
         );
+        seq.weight = req.weight;
         match self.inner.commands.try_send(Command::Submit(Box::new(seq))) {
             Ok(()) => Ok(GenerationHandle { id, events }),
             Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),

@@ -5,17 +5,19 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::backend::cpu::{CpuBackend, CpuBackendOptions, default_threads};
 use crate::backend::{Backend, BackendError, MemoryUsage};
-use crate::engine::{Engine, EngineConfig, EngineError};
+use crate::engine::{DEFAULT_TARGET_ITL, Engine, EngineConfig, EngineError, PrefillOrder};
 use crate::gguf::{GgufError, GgufFile};
 use crate::kv_math::HumanSize;
 use crate::model::{ModelConfig, ModelError};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// How to size and run the runtime. `Default` gives 256 MiB of KV, blocks of 16 tokens, all
-/// cores, 64 sequences and 512 tokens per step.
+/// cores, 64 sequences, 512 tokens per step, the default step-time target and tenant-fair
+/// prefill.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RuntimeOptions {
     /// Bytes of KV cache (the pool gets as many whole blocks as fit).
@@ -26,6 +28,9 @@ pub struct RuntimeOptions {
     pub max_num_seqs: usize,
     /// Token budget of one engine step (also sizes the backend's activation buffers).
     pub max_batched_tokens: usize,
+    /// Step-time target while sequences decode (`None`: no cap on prompt tokens per step).
+    pub target_itl: Option<Duration>,
+    pub prefill_order: PrefillOrder,
 }
 
 impl Default for RuntimeOptions {
@@ -36,6 +41,8 @@ impl Default for RuntimeOptions {
             threads: None,
             max_num_seqs: 64,
             max_batched_tokens: 512,
+            target_itl: Some(DEFAULT_TARGET_ITL),
+            prefill_order: PrefillOrder::TenantFair,
         }
     }
 }
@@ -138,6 +145,8 @@ impl Runtime {
                 .long_prefill_threshold
                 .min(opts.max_batched_tokens),
             max_model_len: config.context_length,
+            target_itl: opts.target_itl,
+            prefill_order: opts.prefill_order,
             ..EngineConfig::default()
         };
         let decoder = Arc::clone(&tokenizer);

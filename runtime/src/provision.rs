@@ -86,6 +86,27 @@ pub fn default_model_location() -> Result<PathBuf, ProvisionError> {
     Ok(cache_dir()?.join("models").join(DEFAULT_MODEL_FILE))
 }
 
+/// Environment variable that turns a test's "model not provisioned" skip into a failure
+/// (`.ci/run` sets it: CI fetches the model first, so a missing model there is a bug).
+pub const REQUIRE_MODEL_ENV: &str = "KVGATE_REQUIRE_MODEL";
+
+/// For tests that need the default model but need not fetch it: the model's path when it is
+/// provisioned; `None` (after a note on stderr) when it is not. Panics instead of skipping when
+/// `KVGATE_REQUIRE_MODEL=1`.
+pub fn provisioned_default_model() -> Option<PathBuf> {
+    let path = match default_model_location() {
+        Ok(path) if path.is_file() => return Some(path),
+        Ok(path) => format!("{} is not provisioned", path.display()),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        std::env::var(REQUIRE_MODEL_ENV).as_deref() != Ok("1"),
+        "{REQUIRE_MODEL_ENV}=1 but the default model is missing: {path}"
+    );
+    eprintln!("skipping: {path}");
+    None
+}
+
 /// Returns the path of the default model, fetching it first when it is missing.
 pub fn default_model_path() -> Result<PathBuf, ProvisionError> {
     let path = default_model_location()?;

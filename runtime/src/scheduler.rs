@@ -2,8 +2,25 @@
 //!
 //! There are no prefill and decode phases. Each sequence simply moves `num_computed_tokens`
 //! towards `len()`: a decode is 1 token, a prefill is a chunk of up to `long_prefill_threshold`
-//! tokens, and both share one step. Running sequences are served first, in order; waiting ones
-//! are admitted after them, only if nothing was preempted this step, while fewer than
+//! tokens, and both share one step. A step is built in this order:
+//!
+//! 1. **Decodes**, every running sequence that computes its last sampled token, in order.
+//! 2. **The prefill cap.** While anything decodes, the prompt tokens of the step are capped so
+//!    that its time, predicted by a cost model fitted to the engine's own measured steps
+//!    ([`StepCostModel`]), stays within `target_step_time`: a decoding stream waits one step
+//!    per token, so this bounds its inter-token latency however long the prompts queued behind
+//!    it are (Sarathi-Serve's stall-free batching). With nothing decoding, prefill gets the
+//!    whole budget.
+//! 3. **Prefill**, shared between the sequences with prompt left (running ones mid-prompt and
+//!    waiting ones to admit). With [`PrefillOrder::TenantFair`] the tokens go to tenants by
+//!    weighted deficit round robin ([`fair`]), so one tenant's flood of long prompts cannot
+//!    hold back another tenant's short ones; within a tenant the shortest remaining prefill
+//!    goes first, aged by [`AGING_TOKENS_PER_STEP`] per step waited so a long prompt cannot be
+//!    passed forever. Tokens a sequence cannot use (no KV blocks, no slot) go to the others.
+//!    [`PrefillOrder::Fcfs`] is the order before tenants were known here: running prefills,
+//!    then the waiting queue first come first served.
+//!
+//! Waiting sequences are admitted only if nothing was preempted this step, while fewer than
 //! `max_num_seqs` run and budget is left.
 //!
 //! When a running sequence cannot get the blocks for its next chunk, the scheduler preempts by
@@ -16,19 +33,44 @@
 //! made to forfeit it, see `pick_victim`, so two of them cannot wait on each other forever.)
 //!
 //! Waiting sequences whose reservation covers everything are admitted first (they take no
-//! shared blocks); the rest FCFS, and once the head cannot get free blocks, only sequences their
-//! own credit serves may pass it, so nobody jumps the queue for shared capacity.
+//! shared blocks) and rank first within their tenant; once one cannot get free blocks, only
+//! sequences their own credit serves may be admitted after it, so nobody jumps the queue for
+//! shared capacity.
 //!
-//! Integers only: the scheduler never sees tensors, and never over-commits the pool because
-//! every allocation goes through the pool's all-or-nothing `allocate_n`.
+//! Integers only on the KV side: the scheduler never sees tensors, and never over-commits the
+//! pool because every allocation goes through the pool's all-or-nothing `allocate_n`.
+
+mod cost;
+mod fair;
 
 use std::cmp::Reverse;
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::block_pool::BlockPool;
 use crate::kv_math::blocks_for_tokens;
-use crate::sequence::{SeqStatus, Sequence};
+use crate::sequence::{SeqId, SeqStatus, Sequence};
+
+pub use cost::{StepCost, StepCostModel, StepShape, attended_by_chunk};
+pub use fair::{TenantDemand, TenantShares};
+
+/// How much a waiting prompt's rank improves per step it waits, in tokens of remaining
+/// prefill: a prompt of L tokens can be passed by shorter ones of its own tenant only for
+/// about L / 16 steps after its arrival, then it ranks ahead of everything that came later.
+pub const AGING_TOKENS_PER_STEP: u64 = 16;
+
+/// How the prompt tokens of a step are shared between sequences with prefill left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillOrder {
+    /// Weighted deficit round robin over tokens between tenants; shortest remaining prefill
+    /// first within a tenant, aged so long prompts are not starved.
+    #[default]
+    TenantFair,
+    /// Running prefills in admission order, then waiting sequences first come first served,
+    /// whoever they belong to (the behaviour before tenant fairness; kept for comparison).
+    Fcfs,
+}
 
 /// Limits of one scheduler step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +83,11 @@ pub struct SchedulerConfig {
     /// Largest prefill chunk one sequence may take in a step, so a long prompt cannot starve
     /// the decodes; 0 means no cap beyond the budget.
     pub long_prefill_threshold: usize,
+    /// While any sequence decodes, prompt tokens are added to a step only as far as its
+    /// predicted time stays within this (what a decoding stream waits per token); `None`
+    /// lets every step use the whole budget.
+    pub target_step_time: Option<Duration>,
+    pub prefill_order: PrefillOrder,
 }
 
 /// One sequence's part in a step. `index` points into [`Scheduler::running`].
@@ -62,6 +109,11 @@ pub struct ScheduledBatch {
     pub num_tokens: usize,
     /// Sequences preempted while building this step.
     pub num_preempted: usize,
+    /// The work of the step, as the cost model prices it.
+    pub shape: StepShape,
+    /// Most prompt tokens this step could take: the cost model's cap while something decodes
+    /// under a target, else what the budget left after the decodes.
+    pub prefill_cap: usize,
 }
 
 impl ScheduledBatch {
@@ -77,6 +129,22 @@ enum Forfeit {
     DropCredit,
 }
 
+/// A sequence with prompt left, and what this step gives it.
+#[derive(Debug, Clone)]
+struct PrefillCandidate {
+    id: SeqId,
+    /// Index of its tenant in `Scheduler::demands`.
+    tenant: usize,
+    waiting: bool,
+    /// Rank within its tenant, smaller first: (needs shared blocks to be admitted, aged
+    /// remaining prefill, id).
+    rank: (bool, u64, SeqId),
+    /// Tokens it could compute this step (remaining prefill, capped per sequence).
+    want: usize,
+    /// Its part of its tenant's grant.
+    granted: usize,
+}
+
 /// Waiting and running sequences and the step logic over them.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -85,7 +153,25 @@ pub struct Scheduler {
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     preemptions_total: u64,
+    /// Steps planned so far: the clock of `Sequence::arrival_step`.
+    steps: u64,
+    cost: StepCostModel,
+    shares: TenantShares,
+    /// This step's prefill plan and tenants (buffers reused every step).
+    candidates: Vec<PrefillCandidate>,
+    demands: Vec<TenantDemand>,
+    decoding: Vec<SeqId>,
+    /// The order this step plans prefill in: the configured one, or FCFS under KV pressure.
+    order: PrefillOrder,
+    /// Steps before `PrefillOrder::TenantFair` applies again after KV pressure.
+    fcfs_until_step: u64,
+    /// An admission failed for want of blocks this step.
+    admission_blocked: bool,
 }
+
+/// Steps of FCFS prefill after a preemption or an admission refused for blocks, see
+/// [`Scheduler::schedule`].
+const KV_PRESSURE_STEPS: u64 = 16;
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, pool: Arc<BlockPool>) -> Scheduler {
@@ -95,6 +181,15 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             preemptions_total: 0,
+            steps: 0,
+            cost: StepCostModel::default(),
+            shares: TenantShares::new(config.max_batched_tokens),
+            candidates: Vec::new(),
+            demands: Vec::new(),
+            decoding: Vec::new(),
+            order: config.prefill_order,
+            fcfs_until_step: 0,
+            admission_blocked: false,
         }
     }
 
@@ -105,6 +200,7 @@ impl Scheduler {
     /// Queues a new sequence behind the others.
     pub fn add(&mut self, mut seq: Sequence) {
         seq.status = SeqStatus::Waiting;
+        seq.arrival_step = self.steps;
         self.waiting.push_back(seq);
     }
 
@@ -132,9 +228,24 @@ impl Scheduler {
         self.preemptions_total
     }
 
-    /// Tokens of a step for `seq` given what is left of the budget.
-    fn chunk_size(&self, seq: &Sequence, budget: usize) -> usize {
-        let mut n = seq.num_uncomputed_tokens().min(budget);
+    /// The step cost model (its fit is what the prefill cap follows).
+    pub fn cost_model(&self) -> &StepCostModel {
+        &self.cost
+    }
+
+    /// Replaces the cost model (tests, and callers that know their machine).
+    pub fn set_cost_model(&mut self, cost: StepCostModel) {
+        self.cost = cost;
+    }
+
+    /// Feeds the measured wall time of the step `batch` described to the cost model.
+    pub fn observe_step(&mut self, batch: &ScheduledBatch, elapsed: Duration) {
+        self.cost.observe(&batch.shape, elapsed);
+    }
+
+    /// Prompt tokens `seq` could compute in one step.
+    fn prefill_want(&self, seq: &Sequence) -> usize {
+        let mut n = seq.num_uncomputed_tokens();
         if self.config.long_prefill_threshold > 0 {
             n = n.min(self.config.long_prefill_threshold);
         }
@@ -149,91 +260,313 @@ impl Scheduler {
     }
 
     /// Plans the next step into `batch`.
+    ///
+    /// Under KV pressure (a preemption, or an admission refused for want of blocks, in the
+    /// last [`KV_PRESSURE_STEPS`] steps) prefill is planned FCFS whatever the configured
+    /// order: the preemption and admission rules above keep sequences with partial or no
+    /// reservations live in that order, while a fair order could keep admitting a sequence
+    /// that must preempt itself before the one holding the blocks it needs finishes. The
+    /// gateway reserves whole requests, so its sequences never meet that pressure.
     pub fn schedule(&mut self, batch: &mut ScheduledBatch) {
         batch.seqs.clear();
         batch.num_tokens = 0;
         batch.num_preempted = 0;
-        let block_size = self.config.block_size;
+        batch.shape = StepShape::default();
+        self.steps += 1;
+        self.order = if self.steps < self.fcfs_until_step {
+            PrefillOrder::Fcfs
+        } else {
+            self.config.prefill_order
+        };
+        self.admission_blocked = false;
         let mut budget = self.config.max_batched_tokens;
         for seq in &mut self.running {
             seq.num_scheduled_tokens = 0;
         }
 
-        // 1. Running sequences, in order.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let n = self.chunk_size(&self.running[i], budget);
-            if n == 0 {
-                i += 1;
-                continue;
+        // 1. Decodes, in running order.
+        self.decoding.clear();
+        let decoding = self.running.iter().filter(|s| s.is_decoding());
+        self.decoding.extend(decoding.map(|s| s.id));
+        for k in 0..self.decoding.len() {
+            if budget == 0 {
+                break;
             }
-            loop {
-                if Self::grow(&self.pool, block_size, &mut self.running[i], n) {
-                    self.running[i].num_scheduled_tokens = n;
-                    budget -= n;
-                    i += 1;
-                    break;
-                }
-                let Some((victim, forfeit)) = self.pick_victim() else {
-                    // Preempting anyone would free nothing: this one sits out the step.
-                    i += 1;
-                    break;
-                };
-                budget += self.running[victim].num_scheduled_tokens;
-                self.preempt(victim, forfeit);
-                batch.num_preempted += 1;
-                if victim == i {
-                    break; // it gave up its own blocks; the next sequence is now at `i`
-                }
-                if victim < i {
-                    i -= 1;
-                }
-            }
+            let id = self.decoding[k];
+            self.schedule_running(id, 1, &mut budget, batch, true);
         }
 
-        // 2. Waiting sequences, only if nobody was preempted (they would just take back the
-        //    blocks a running sequence lost).
-        if batch.num_preempted == 0 {
-            self.admit_waiting(&mut budget);
-            if self.running.is_empty() && !self.waiting.is_empty() {
-                self.release_partial_waiting_credits();
-                self.admit_waiting(&mut budget);
-            }
+        // 2. and 3. The prefill cap, and prefill shared under it.
+        let (running, waiting) = (&self.running, &self.waiting);
+        self.shares
+            .retain(|t| running.iter().chain(waiting).any(|s| &*s.label == t));
+        self.plan_prefill(budget, batch);
+        let mut prefill_left = budget.min(batch.prefill_cap);
+        self.run_prefill_plan(&mut budget, &mut prefill_left, batch);
+        if batch.num_preempted == 0 && self.running.is_empty() && !self.waiting.is_empty() {
+            // Nothing runs and nobody could be admitted: partial credits may be waiting on
+            // each other. Release them and try again with every waiting sequence.
+            self.release_partial_waiting_credits();
+            self.plan_prefill(budget, batch);
+            prefill_left = budget.min(batch.prefill_cap);
+            self.run_prefill_plan(&mut budget, &mut prefill_left, batch);
+        }
+        if batch.num_preempted > 0 || self.admission_blocked {
+            self.fcfs_until_step = self.steps + KV_PRESSURE_STEPS;
         }
 
         for (index, seq) in self.running.iter().enumerate() {
-            if seq.num_scheduled_tokens > 0 {
-                let start = seq.num_computed_tokens;
-                batch.seqs.push(ScheduledSeq {
-                    index,
-                    start,
-                    num_tokens: seq.num_scheduled_tokens,
-                    needs_logits: start + seq.num_scheduled_tokens == seq.len(),
-                });
-                batch.num_tokens += seq.num_scheduled_tokens;
+            let n = seq.num_scheduled_tokens;
+            if n == 0 {
+                continue;
+            }
+            let start = seq.num_computed_tokens;
+            batch.seqs.push(ScheduledSeq {
+                index,
+                start,
+                num_tokens: n,
+                needs_logits: start + n == seq.len(),
+            });
+            batch.num_tokens += n;
+            if seq.is_decoding() {
+                batch.shape.add_decode(start);
+            } else {
+                batch.shape.add_prefill(start, n);
             }
         }
     }
 
-    /// Moves waiting sequences into `running` while slots and budget last. Sequences whose
-    /// reservation covers their whole remaining growth go first: they take nothing from the
-    /// shared blocks, and letting an unreserved sequence hold the last slot while it waits for
-    /// blocks they have reserved would livelock both. Then FCFS; once the head cannot get free
-    /// blocks, only sequences their own credit serves may pass it.
-    fn admit_waiting(&mut self, budget: &mut usize) {
-        self.admit_pass(budget, true);
-        self.admit_pass(budget, false);
+    /// Gives running sequence `id` `n` tokens this step in total, preempting others (or itself)
+    /// for blocks when `may_preempt`. The caller guarantees the budget covers the increase.
+    /// Returns whether it got them.
+    fn schedule_running(
+        &mut self,
+        id: SeqId,
+        n: usize,
+        budget: &mut usize,
+        batch: &mut ScheduledBatch,
+        may_preempt: bool,
+    ) -> bool {
+        let block_size = self.config.block_size;
+        loop {
+            let Some(i) = self.running.iter().position(|s| s.id == id) else {
+                return false;
+            };
+            let before = self.running[i].num_scheduled_tokens;
+            if Self::grow(&self.pool, block_size, &mut self.running[i], n) {
+                self.running[i].num_scheduled_tokens = n;
+                *budget = (*budget + before).saturating_sub(n);
+                return true;
+            }
+            if !may_preempt {
+                return false;
+            }
+            let Some((victim, forfeit)) = self.pick_victim() else {
+                // Preempting anyone would free nothing: this one sits out the step.
+                return false;
+            };
+            *budget += self.running[victim].num_scheduled_tokens;
+            self.preempt(victim, forfeit);
+            batch.num_preempted += 1;
+            if victim == i {
+                return false; // it gave up its own blocks
+            }
+        }
     }
 
-    fn admit_pass(&mut self, budget: &mut usize, only_fully_covered: bool) {
+    /// Lists the sequences with prompt left (running ones, and waiting ones when admission is
+    /// open), sets `batch.prefill_cap`, and shares the capped budget between them.
+    fn plan_prefill(&mut self, budget: usize, batch: &mut ScheduledBatch) {
         let block_size = self.config.block_size;
-        let mut idx = 0;
+        self.candidates.clear();
+        self.demands.clear();
+        let admit = batch.num_preempted == 0 && self.running.len() < self.config.max_num_seqs;
+        let running = self
+            .running
+            .iter()
+            .filter(|s| s.num_scheduled_tokens == 0 && !s.is_decoding())
+            .map(|s| (s, false));
+        let waiting = self.waiting.iter().filter(|_| admit).map(|s| (s, true));
+        for (seq, is_waiting) in running.chain(waiting) {
+            let want = self.prefill_want(seq);
+            if want == 0 {
+                continue;
+            }
+            let tenant = match self.demands.iter().position(|d| d.tenant == seq.label) {
+                Some(t) => t,
+                None => {
+                    self.demands.push(TenantDemand {
+                        tenant: Arc::clone(&seq.label),
+                        weight: seq.weight.get(),
+                        want: 0,
+                        granted: 0,
+                    });
+                    self.demands.len() - 1
+                }
+            };
+            let demand = &mut self.demands[tenant];
+            demand.weight = demand.weight.max(seq.weight.get());
+            let remaining = seq.num_uncomputed_tokens() as u64;
+            let aged = remaining + seq.arrival_step.saturating_mul(AGING_TOKENS_PER_STEP);
+            let needs_shared = is_waiting && !seq.is_fully_covered(block_size);
+            self.candidates.push(PrefillCandidate {
+                id: seq.id,
+                tenant,
+                waiting: is_waiting,
+                rank: (needs_shared, aged, seq.id),
+                want,
+                granted: 0,
+            });
+        }
+
+        batch.prefill_cap = self.prefill_cap(budget);
+        let prefill_budget = budget.min(batch.prefill_cap);
+        match self.order {
+            PrefillOrder::Fcfs => {
+                // Running in admission order, then the waiting queue, those whose reservation
+                // covers them first (see `admit_pass`: they must not wait for a slot an
+                // unreserved sequence holds while it waits for their reserved blocks).
+                self.candidates.sort_by_key(|c| (c.waiting, c.rank.0));
+                let mut left = prefill_budget;
+                for c in &mut self.candidates {
+                    c.granted = c.want.min(left);
+                    left -= c.granted;
+                }
+            }
+            PrefillOrder::TenantFair => {
+                // When the free slots do not cover the waiting sequences whose reservation
+                // covers them, those get the slots, whatever their tenants' shares: an
+                // unreserved one holding the last slot while it waits for blocks they have
+                // reserved would livelock both (the FCFS order gets this from `admit_pass`).
+                let free_slots = self.config.max_num_seqs.saturating_sub(self.running.len());
+                let covered = self.candidates.iter().filter(|c| c.waiting && !c.rank.0);
+                if covered.count() >= free_slots {
+                    self.candidates.retain(|c| !c.rank.0);
+                }
+                self.candidates.sort_by_key(|c| c.rank);
+                // A tenant can use at most one waiting sequence per free slot.
+                let mut slots = vec![0usize; self.demands.len()];
+                for c in &self.candidates {
+                    if c.waiting {
+                        if slots[c.tenant] == free_slots {
+                            continue;
+                        }
+                        slots[c.tenant] += 1;
+                    }
+                    self.demands[c.tenant].want += c.want;
+                }
+                self.shares.split(prefill_budget, &mut self.demands);
+                let mut left: Vec<usize> = self.demands.iter().map(|d| d.granted).collect();
+                for c in &mut self.candidates {
+                    c.granted = c.want.min(left[c.tenant]);
+                    left[c.tenant] -= c.granted;
+                }
+            }
+        }
+    }
+
+    /// The most prompt tokens this step may take, see the module docs.
+    fn prefill_cap(&self, budget: usize) -> usize {
+        let Some(target) = self.config.target_step_time else {
+            return budget;
+        };
+        let mut decodes = StepShape::default();
+        for seq in self.running.iter().filter(|s| s.num_scheduled_tokens > 0) {
+            decodes.add_decode(seq.num_computed_tokens);
+        }
+        if decodes.decode_seqs == 0 {
+            return budget;
+        }
+        // Each prompt token attends to about the middle of what its sequence has left.
+        let context = if self.candidates.is_empty() {
+            0.0
+        } else {
+            let total: usize = self
+                .candidates
+                .iter()
+                .map(|c| self.context_of(c.id, c.waiting) + c.want / 2)
+                .sum();
+            total as f64 / self.candidates.len() as f64
+        };
+        let floor = self.config.block_size;
+        self.cost
+            .prefill_cap(target, &decodes, context, floor, budget)
+    }
+
+    fn context_of(&self, id: SeqId, waiting: bool) -> usize {
+        let found = if waiting {
+            self.waiting.iter().find(|s| s.id == id)
+        } else {
+            self.running.iter().find(|s| s.id == id)
+        };
+        found.map_or(0, |s| s.num_computed_tokens)
+    }
+
+    /// Schedules the plan: first every candidate's grant (running ones, which may preempt
+    /// for blocks, then admissions), then, work-conserving, what is left of the prefill budget
+    /// to candidates in plan order up to what they could use.
+    fn run_prefill_plan(
+        &mut self,
+        budget: &mut usize,
+        prefill_left: &mut usize,
+        batch: &mut ScheduledBatch,
+    ) {
+        for use_whole_want in [false, true] {
+            for k in 0..self.candidates.len() {
+                let c = &self.candidates[k];
+                if c.waiting || *prefill_left == 0 || *budget == 0 {
+                    continue;
+                }
+                let (id, limit) = (c.id, if use_whole_want { c.want } else { c.granted });
+                let Some(seq) = self.running.iter().find(|s| s.id == id) else {
+                    continue;
+                };
+                let before = seq.num_scheduled_tokens;
+                let n = limit.min(before + (*prefill_left).min(*budget));
+                if n <= before {
+                    continue;
+                }
+                // Only a fair grant may preempt; extra tokens are taken only if blocks are free.
+                if self.schedule_running(id, n, budget, batch, !use_whole_want) {
+                    *prefill_left -= n - before;
+                }
+            }
+            if batch.num_preempted == 0 {
+                self.admit_pass(budget, prefill_left, true, use_whole_want);
+                self.admit_pass(budget, prefill_left, false, use_whole_want);
+            }
+        }
+        self.settle_shares();
+    }
+
+    /// Admits waiting candidates in plan order while slots and budget last. Sequences whose
+    /// reservation covers their whole remaining growth go first: they take nothing from the
+    /// shared blocks, and letting an unreserved sequence hold the last slot while it waits for
+    /// blocks they have reserved would livelock both. Then the rest; once one cannot get free
+    /// blocks, only sequences their own credit serves may pass it.
+    fn admit_pass(
+        &mut self,
+        budget: &mut usize,
+        prefill_left: &mut usize,
+        only_fully_covered: bool,
+        use_whole_want: bool,
+    ) {
+        let block_size = self.config.block_size;
         let mut head_blocked = false;
-        while idx < self.waiting.len()
-            && self.running.len() < self.config.max_num_seqs
-            && *budget > 0
-        {
-            let n = self.chunk_size(&self.waiting[idx], *budget);
+        for k in 0..self.candidates.len() {
+            if self.running.len() >= self.config.max_num_seqs || *budget == 0 || *prefill_left == 0
+            {
+                break;
+            }
+            let c = &self.candidates[k];
+            if !c.waiting {
+                continue;
+            }
+            let limit = if use_whole_want { c.want } else { c.granted };
+            let n = limit.min(*budget).min(*prefill_left);
+            let Some(idx) = self.waiting.iter().position(|s| s.id == c.id) else {
+                continue; // admitted already
+            };
             let seq = &mut self.waiting[idx];
             let needed = blocks_for_tokens(seq.num_computed_tokens + n, block_size)
                 .saturating_sub(seq.block_table.len());
@@ -242,13 +575,12 @@ impl Scheduler {
             } else {
                 head_blocked && needed > seq.credit.blocks()
             };
-            if skip {
-                idx += 1;
+            if skip || n == 0 {
                 continue;
             }
-            if n == 0 || !Self::grow(&self.pool, block_size, seq, n) {
+            if !Self::grow(&self.pool, block_size, seq, n) {
                 head_blocked = true;
-                idx += 1;
+                self.admission_blocked = true;
                 continue;
             }
             let Some(mut seq) = self.waiting.remove(idx) else {
@@ -257,7 +589,26 @@ impl Scheduler {
             seq.status = SeqStatus::Running;
             seq.num_scheduled_tokens = n;
             *budget -= n;
+            *prefill_left -= n;
             self.running.push(seq);
+        }
+    }
+
+    /// Credits each tenant the granted tokens its sequences could not use, and charges the
+    /// extra ones they took.
+    fn settle_shares(&mut self) {
+        if self.order != PrefillOrder::TenantFair {
+            return;
+        }
+        for (t, demand) in self.demands.iter().enumerate() {
+            let used: usize = self
+                .candidates
+                .iter()
+                .filter(|c| c.tenant == t)
+                .filter_map(|c| self.running.iter().find(|s| s.id == c.id))
+                .map(|s| s.num_scheduled_tokens)
+                .sum();
+            self.shares.settle(&demand.tenant, demand.granted, used);
         }
     }
 

@@ -9,6 +9,7 @@
 mod output_text;
 
 use std::fmt;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -119,8 +120,15 @@ pub enum SeqStatus {
 #[derive(Debug)]
 pub struct Sequence {
     pub id: SeqId,
-    /// Who asked (tenant name), for inspection only.
+    /// Who asked (tenant name): `/admin/kv` shows it, and the scheduler shares prompt tokens
+    /// fairly between the tenants it names.
     pub label: Arc<str>,
+    /// The tenant's fair-share weight (its policy `weight`): under contention for prompt
+    /// tokens, tenants get them in proportion to it.
+    pub weight: NonZeroU32,
+    /// Scheduler step at which it was first queued; kept across preemptions, so a long prompt
+    /// ages towards the front of its tenant's prefill order.
+    pub arrival_step: u64,
     /// Prompt followed by the tokens generated so far.
     pub token_ids: Vec<u32>,
     pub prompt_len: usize,
@@ -161,6 +169,8 @@ impl Sequence {
         Sequence {
             id,
             label,
+            weight: NonZeroU32::MIN,
+            arrival_step: 0,
             prompt_len: prompt.len(),
             token_ids: prompt,
             num_computed_tokens: 0,
@@ -196,6 +206,12 @@ impl Sequence {
     /// Tokens not yet in the KV cache (≥ 1 for a sequence that still runs).
     pub fn num_uncomputed_tokens(&self) -> usize {
         self.token_ids.len() - self.num_computed_tokens
+    }
+
+    /// True when its next step computes exactly its last sampled token (it has generated and
+    /// its prompt, or recomputed context, is all in the KV cache).
+    pub fn is_decoding(&self) -> bool {
+        self.num_output_tokens() > 0 && self.num_uncomputed_tokens() == 1
     }
 
     /// The most tokens this sequence can ever hold in KV: prompt + max_tokens − 1 (the last

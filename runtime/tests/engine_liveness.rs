@@ -56,6 +56,7 @@ fn config() -> EngineConfig {
         long_prefill_threshold: 0,
         max_model_len: 64,
         command_queue: 8,
+        ..EngineConfig::default()
     }
 }
 

@@ -86,6 +86,8 @@ impl Default for Options {
             idle_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(60),
+            // Tests stop at once; the pre-drain tests set their own.
+            pre_drain: Duration::ZERO,
             ..ServeConfig::default()
         };
         Options {
@@ -101,6 +103,8 @@ impl Default for Options {
 /// A running server and the handles a test inspects it through.
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// The operator address (`metrics_listen`), when the options asked for one.
+    pub metrics_addr: Option<SocketAddr>,
     pub engine: Engine,
     pub store: PolicyStore,
     pub admission: Admission,
@@ -137,12 +141,14 @@ impl TestServer {
         .await
         .expect("bind 127.0.0.1:0");
         let addr = server.local_addr().expect("bound address");
+        let metrics_addr = server.metrics_addr();
         let (shutdown, signal) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(async {
             let _ = signal.await;
         }));
         TestServer {
             addr,
+            metrics_addr,
             engine,
             store,
             admission,
@@ -218,6 +224,7 @@ fn start_runtime(options: &Options) -> Runtime {
             threads: None,
             max_num_seqs: options.max_num_seqs,
             max_batched_tokens: 256,
+            ..RuntimeOptions::default()
         },
     )
     .expect("runtime starts");

@@ -1,8 +1,8 @@
 //! The admission actor: one task owns the fair queue and decides, step by step, which queued
 //! request starts next. It wakes when a request arrives or is cancelled, when a running request
-//! releases its slot, when the block pool returns blocks, and when a queue deadline passes;
-//! each wake-up expires, purges and dispatches. (A policy reload also wakes it, to forget the
-//! rate-limit state of removed tenants.)
+//! releases its slot, when the block pool returns blocks, when a queue deadline passes, on a
+//! policy reload, and every [`REFORECAST_EVERY`] while anything is queued; each wake-up expires,
+//! re-forecasts and dispatches.
 //!
 //! Dispatch takes the fair-queue candidate and asks its pool to reserve its blocks atomically
 //! under the watermark. If that fails, KV is the bottleneck for that lane of that pool and the
@@ -10,7 +10,26 @@
 //! smaller ones); the other lane, and every other pool, may go on. Once the blocked request has
 //! waited half its `max_queue_wait`, both lanes of its pool stop so freed blocks accumulate for
 //! it.
+//!
+//! **Forecasts follow the fair queue.** A tenant's request waits for its own backlog in its
+//! pool and, because the queue shares service by weight, for the part of every other tenant's
+//! backlog that is served meanwhile: min(their backlog, own backlog × their weight / own
+//! weight). Not everyone's sum: a flooding tenant cannot make a newcomer's forecast exceed its
+//! `max_queue_wait`. When the forecast says a request cannot start before its deadline it is
+//! refused at once with 429 `kv_cache_saturated` and the forecast as Retry-After — at enqueue,
+//! and again whenever the dispatcher wakes (the drain rate and the backlog change), youngest
+//! entry of each tenant first, so nobody holds a client for its whole deadline only to answer
+//! 503.
+//!
+//! **Per-command cost does not grow with the queue.** Expiry pops an ordered deadline set,
+//! cancellation and start find entries through the queue's index, forecasts read per-pool and
+//! per-tenant counters kept up to date on every queue change, and the re-forecast looks at one
+//! entry per backlogged tenant (plus each one it refuses): O(T + log N) per command for T
+//! backlogged tenants and N queued requests (`benches/dispatch.rs`). Only a policy reload walks
+//! the whole queue, once.
 
+use std::collections::HashMap;
+use std::num::NonZeroU32;
 use std::num::NonZeroU64;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,12 +41,16 @@ use tokio::time::Instant;
 
 use super::ledger::Ledger;
 use super::rejection::{Rejection, clamp_retry_after};
-use super::{AdmissionTicket, Admitted, MIN_CAPACITY_RETRY_AFTER, PoolId, watermark_limit};
+use super::{AdmissionTicket, Admitted, MIN_CAPACITY_RETRY_AFTER, PoolId, Stage, watermark_limit};
 use crate::metrics::QUEUE_ABANDONED_TOTAL;
-use crate::policy::TenantPolicy;
+use crate::policy::{Policy, TenantPolicy};
 use crate::queue::{EntryId, FairQueue, Lane, NewEntry, QueueEntry, QueueLimits};
 use crate::ratelimit::{Debit, RateLimits};
 use crate::reload::PolicyStore;
+
+/// How often queued requests are re-forecast when nothing else wakes the dispatcher: the drain
+/// rate and the engine's service time change with every step, not only on events.
+pub(super) const REFORECAST_EVERY: Duration = Duration::from_millis(250);
 
 pub(super) enum Command {
     Enqueue(Pending),
@@ -40,6 +63,7 @@ pub(super) struct Pending {
     pub key: u64,
     pub ticket: AdmissionTicket,
     pub lane: Lane,
+    /// KV blocks it reserves to start (recomputed when a reload changes the KV policy).
     pub needed_blocks: usize,
     /// `needed_blocks × block_size`: the KV capacity it will hold while running.
     pub reserved_tokens: u64,
@@ -56,6 +80,41 @@ pub(super) struct Dispatcher {
     limits: Arc<RateLimits>,
     ledger: Arc<Ledger>,
     queue: FairQueue<Pending>,
+    /// Queued KV blocks per pool (indexed by [`PoolId`]), in total and per tenant: what the
+    /// forecasts read, kept in step with the queue so no forecast scans it.
+    backlog: Vec<PoolBacklog>,
+    /// Which queued entry belongs to which `admit` call, for `Cancel`.
+    keys: HashMap<u64, EntryId>,
+    /// Queued max_tokens per tenant (all pools), for queue-full Retry-After estimates.
+    queued_output: HashMap<String, u64>,
+}
+
+/// Queued KV blocks of one pool.
+#[derive(Debug, Default, Clone)]
+struct PoolBacklog {
+    blocks: usize,
+    per_tenant: HashMap<String, usize>,
+}
+
+impl PoolBacklog {
+    fn add(&mut self, tenant: &str, blocks: usize) {
+        self.blocks += blocks;
+        *self.per_tenant.entry(tenant.to_owned()).or_default() += blocks;
+    }
+
+    fn remove(&mut self, tenant: &str, blocks: usize) {
+        self.blocks = self.blocks.saturating_sub(blocks);
+        if let Some(queued) = self.per_tenant.get_mut(tenant) {
+            *queued = queued.saturating_sub(blocks);
+            if *queued == 0 {
+                self.per_tenant.remove(tenant);
+            }
+        }
+    }
+
+    fn of(&self, tenant: &str) -> usize {
+        self.per_tenant.get(tenant).copied().unwrap_or(0)
+    }
 }
 
 impl Dispatcher {
@@ -69,10 +128,13 @@ impl Dispatcher {
         Dispatcher {
             commands,
             store,
-            pools,
             limits,
+            backlog: vec![PoolBacklog::default(); pools.len()],
+            pools,
             ledger,
             queue: FairQueue::new(),
+            keys: HashMap::new(),
+            queued_output: HashMap::new(),
         }
     }
 
@@ -99,14 +161,19 @@ impl Dispatcher {
 
             let now = Instant::now();
             self.expire(now);
-            self.purge_abandoned();
+            self.refuse_late(now);
             self.dispatch(now);
             self.ledger.publish(self.queue.backlogs());
 
             let deadline = self.queue.next_deadline().map(Instant::from_std);
-            let deadline_passes = async {
-                match deadline {
-                    Some(deadline) => tokio::time::sleep_until(deadline).await,
+            let reforecast = (!self.queue.is_empty()).then(|| now + REFORECAST_EVERY);
+            let wake_at = match (deadline, reforecast) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let wake = async {
+                match wake_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
                     None => std::future::pending().await,
                 }
             };
@@ -118,16 +185,70 @@ impl Dispatcher {
                 },
                 () = &mut freed => {}
                 () = &mut released => {}
-                Ok(()) = policy_updates.changed() => self.forget_removed_tenants(),
-                () = deadline_passes => {}
+                Ok(()) = policy_updates.changed() => self.apply_reload(),
+                () = wake => {}
             }
         }
     }
 
-    /// After a reload, drops rate-limit state of tenants the policy no longer has.
-    fn forget_removed_tenants(&self) {
+    /// After a reload: forgets the rate-limit state of removed tenants, and re-checks every
+    /// queued request under the new policy, as if it had just arrived. A removed tenant's
+    /// requests are refused (401); the others take the tenant's new policy (weight, concurrency,
+    /// max_queue_wait, hence deadline) and the new KV policy (blocks needed, lane), and those
+    /// that can no longer fit the pool are refused with the usual 400. The one O(N) step, taken
+    /// once per reload.
+    fn apply_reload(&mut self) {
         let policy = self.store.current();
         self.limits.retain(|tenant| policy.tenant(tenant).is_some());
+        let pools = Arc::clone(&self.pools);
+        let ledger = Arc::clone(&self.ledger);
+        let mut refused = Vec::new();
+        let dropped =
+            self.queue
+                .rewrite(|entry| match requeue(&policy, &pools, &mut entry.payload) {
+                    Ok(tenant) => {
+                        entry.lane = entry.payload.lane;
+                        entry.deadline =
+                            entry.enqueued_at + ledger.max_queue_wait(tenant.max_queue_wait);
+                        true
+                    }
+                    Err(rejection) => {
+                        refused.push((entry.id, rejection));
+                        false
+                    }
+                });
+        for tenant in policy.tenants() {
+            self.queue.set_weight(&tenant.name, tenant.weight);
+        }
+        let mut refusals: HashMap<EntryId, Rejection> = refused.into_iter().collect();
+        for entry in dropped {
+            self.keys.remove(&entry.payload.key);
+            let Pending {
+                ticket,
+                debit,
+                reply,
+                ..
+            } = entry.payload;
+            drop(debit);
+            if let Some(rejection) = refusals.remove(&entry.id) {
+                self.reject(reply, rejection, &ticket.tenant);
+            }
+        }
+        self.recount_backlog();
+    }
+
+    /// Rebuilds the per-pool backlog counters from the queue (after a reload rewrote it).
+    fn recount_backlog(&mut self) {
+        let mut backlog = vec![PoolBacklog::default(); self.pools.len()];
+        let mut queued_output = HashMap::<String, u64>::new();
+        for entry in self.queue.entries() {
+            let pending = &entry.payload;
+            backlog[pending.ticket.pool.0].add(&entry.tenant, pending.needed_blocks);
+            *queued_output.entry(entry.tenant.clone()).or_default() +=
+                pending.ticket.max_output_tokens as u64;
+        }
+        self.backlog = backlog;
+        self.queued_output = queued_output;
     }
 
     fn enqueue(&mut self, pending: Pending) {
@@ -148,22 +269,20 @@ impl Dispatcher {
             };
             return self.reject(pending.reply, rejection, &tenant);
         }
-        if let Some(estimated_wait) =
-            self.kv_backlog_wait(pending.ticket.pool, pending.needed_blocks)
-            && estimated_wait > tenant.max_queue_wait
+        let pool = pending.ticket.pool;
+        let max_wait = self.ledger.max_queue_wait(tenant.max_queue_wait);
+        let own_blocks = self.backlog[pool.0].of(&tenant.name) + pending.needed_blocks;
+        if let Some(estimated_wait) = self.kv_wait(pool, &tenant.name, tenant.weight, own_blocks)
+            && estimated_wait > max_wait
         {
             let needed_blocks = pending.needed_blocks;
             drop(pending.debit);
-            let rejection = Rejection::KvSaturated {
-                tenant: tenant.name.clone(),
-                needed_blocks,
-                estimated_wait,
-                retry_after: clamp_retry_after(estimated_wait),
-                headers: self.limits.headers(&tenant),
-            };
+            let rejection = self.saturated(&tenant, needed_blocks, estimated_wait);
             return self.reject(pending.reply, rejection, &tenant);
         }
         let now = pending.enqueued_at.into_std();
+        let (key, needed_blocks) = (pending.key, pending.needed_blocks);
+        let output_tokens = pending.ticket.max_output_tokens as u64;
         let new = NewEntry {
             tenant: tenant.name.clone(),
             weight: tenant.weight,
@@ -174,42 +293,71 @@ impl Dispatcher {
                 max_tokens: tenant.queue_tokens as u64,
             },
             enqueued_at: now,
-            deadline: now + tenant.max_queue_wait,
+            deadline: now + max_wait,
             payload: pending,
         };
-        if let Err((reason, pending)) = self.queue.push(new) {
-            drop(pending.debit);
-            let rejection = Rejection::QueueFull {
-                tenant: tenant.name.clone(),
-                reason,
-                retry_after: self.queue_slot_wait(&tenant, pending.ticket.pool, Instant::now()),
-                headers: self.limits.headers(&tenant),
-            };
-            self.reject(pending.reply, rejection, &tenant);
+        match self.queue.push(new) {
+            Ok(id) => {
+                self.keys.insert(key, id);
+                self.backlog[pool.0].add(&tenant.name, needed_blocks);
+                *self.queued_output.entry(tenant.name.clone()).or_default() += output_tokens;
+            }
+            Err((reason, pending)) => {
+                drop(pending.debit);
+                let rejection = Rejection::QueueFull {
+                    tenant: tenant.name.clone(),
+                    reason,
+                    retry_after: self.queue_slot_wait(&tenant, pool, Instant::now()),
+                    headers: self.limits.headers(&tenant),
+                };
+                self.reject(pending.reply, rejection, &tenant);
+            }
+        }
+    }
+
+    /// Takes an entry out of the queue (not started) and out of the counters.
+    fn unqueue(&mut self, id: EntryId) -> Option<QueueEntry<Pending>> {
+        let entry = self.queue.remove(id)?;
+        self.forget(&entry);
+        Some(entry)
+    }
+
+    /// Updates the counters for an entry that left the queue.
+    fn forget(&mut self, entry: &QueueEntry<Pending>) {
+        let pending = &entry.payload;
+        self.keys.remove(&pending.key);
+        self.backlog[pending.ticket.pool.0].remove(&entry.tenant, pending.needed_blocks);
+        if let Some(queued) = self.queued_output.get_mut(&entry.tenant) {
+            *queued = queued.saturating_sub(pending.ticket.max_output_tokens as u64);
+            if *queued == 0 {
+                self.queued_output.remove(&entry.tenant);
+            }
         }
     }
 
     fn cancel(&mut self, key: u64) {
-        for entry in self.queue.remove_where(|entry| entry.payload.key == key) {
+        if let Some(&id) = self.keys.get(&key)
+            && let Some(entry) = self.unqueue(id)
+        {
             count_abandoned(&entry.tenant);
         }
     }
 
-    /// Answers every entry whose deadline has passed with `QueueTimeout`.
+    /// Answers every entry whose deadline has passed with `QueueTimeout` (the forecast was
+    /// wrong, or capacity went elsewhere): earliest deadline first, O(log N) each.
     fn expire(&mut self, now: Instant) {
-        let now_std = now.into_std();
-        for entry in self.queue.remove_where(|entry| entry.deadline <= now_std) {
+        while let Some(entry) = self.queue.pop_expired(now.into_std()) {
+            self.forget(&entry);
             let QueueEntry { payload, .. } = entry;
             let tenant = Arc::clone(&payload.ticket.tenant);
             let pool = payload.ticket.pool;
             drop(payload.debit);
-            let queued_tokens: u64 = self
-                .queue
-                .entries()
-                .filter(|entry| entry.payload.ticket.pool == pool)
-                .map(|entry| entry.tokens)
-                .sum();
-            let backlog_tokens = queued_tokens + self.ledger.in_flight().reserved_tokens(pool);
+            if payload.reply.is_closed() {
+                count_abandoned(&tenant.name);
+                continue;
+            }
+            let backlog_tokens = (self.backlog[pool.0].blocks * self.block_size(pool)) as u64
+                + self.ledger.in_flight().reserved_tokens(pool);
             let estimate = self
                 .ledger
                 .time_to_drain(pool, backlog_tokens)
@@ -224,13 +372,57 @@ impl Dispatcher {
         }
     }
 
-    /// Drops entries whose client is gone (their `admit` future was dropped).
-    fn purge_abandoned(&mut self) {
-        for entry in self
+    /// Refuses queued requests that the forecast says cannot start before their deadline:
+    /// per backlogged tenant, its youngest entry (the one with the most of its own backlog
+    /// ahead), then the next youngest while they keep failing. O(T + refused).
+    fn refuse_late(&mut self, now: Instant) {
+        let tenants: Vec<(String, NonZeroU32)> = self
             .queue
-            .remove_where(|entry| entry.payload.reply.is_closed())
-        {
-            count_abandoned(&entry.tenant);
+            .backlogged_tenants()
+            .map(|(tenant, weight)| (tenant.to_owned(), weight))
+            .collect();
+        for (tenant, weight) in tenants {
+            while let Some(entry) = self.queue.youngest(&tenant) {
+                let (id, pool) = (entry.id, entry.payload.ticket.pool);
+                let left = Instant::from_std(entry.deadline).saturating_duration_since(now);
+                let own_blocks = self.backlog[pool.0].of(&tenant);
+                let Some(wait) = self.kv_wait(pool, &tenant, weight, own_blocks) else {
+                    break;
+                };
+                if wait <= left {
+                    break;
+                }
+                let Some(entry) = self.unqueue(id) else { break };
+                let Pending {
+                    ticket,
+                    needed_blocks,
+                    debit,
+                    reply,
+                    ..
+                } = entry.payload;
+                drop(debit);
+                if reply.is_closed() {
+                    count_abandoned(&tenant);
+                    continue;
+                }
+                let rejection = self.saturated(&ticket.tenant, needed_blocks, wait);
+                self.reject(reply, rejection, &ticket.tenant);
+            }
+        }
+    }
+
+    fn saturated(
+        &self,
+        tenant: &TenantPolicy,
+        needed_blocks: usize,
+        estimated_wait: Duration,
+    ) -> Rejection {
+        Rejection::KvSaturated {
+            tenant: tenant.name.clone(),
+            needed_blocks,
+            estimated_wait,
+            retry_after: clamp_retry_after(estimated_wait),
+            headers: self.limits.headers(tenant),
         }
     }
 
@@ -258,9 +450,16 @@ impl Dispatcher {
                                 long_cap,
                             )
                     })
-                    .map(|entry| Candidate::of(entry, now))
+                    .map(|entry| Candidate::of(entry, now, &self.ledger))
             };
             let Some(candidate) = candidate else { break };
+            if candidate.abandoned {
+                // Its client left and the cancel did not fit the command channel.
+                if let Some(entry) = self.unqueue(candidate.id) {
+                    count_abandoned(&entry.tenant);
+                }
+                continue;
+            }
             let pool = &self.pools[candidate.pool.0];
             let limit_blocks = watermark_limit(pool.total_blocks(), policy.kv.high_watermark);
             match pool.try_reserve_within(candidate.needed_blocks, limit_blocks) {
@@ -275,9 +474,11 @@ impl Dispatcher {
 
     /// Moves a queued entry into a running [`Admitted`] and hands it to its caller.
     fn grant(&mut self, id: EntryId, reservation: Reservation, now: Instant) {
-        let Some(QueueEntry { payload, lane, .. }) = self.queue.start(id) else {
+        let Some(entry) = self.queue.start(id) else {
             return;
         };
+        self.forget(&entry);
+        let QueueEntry { payload, lane, .. } = entry;
         let Pending {
             ticket,
             needed_blocks,
@@ -287,8 +488,13 @@ impl Dispatcher {
             reply,
             ..
         } = payload;
-        self.ledger
-            .start(&ticket.tenant.name, ticket.pool, lane, reserved_tokens);
+        self.ledger.start(
+            &ticket.tenant.name,
+            ticket.pool,
+            lane,
+            reserved_tokens,
+            ticket.max_output_tokens as u64,
+        );
         let admitted = Admitted {
             headers: debit.headers(),
             tenant: ticket.tenant,
@@ -296,11 +502,12 @@ impl Dispatcher {
             lane,
             request_id: ticket.request_id,
             prompt_tokens: ticket.prompt_tokens,
+            max_output_tokens: ticket.max_output_tokens,
             reserved_blocks: needed_blocks,
             reserved_tokens,
             queue_wait: now.saturating_duration_since(enqueued_at),
-            completion_tokens: None,
-            started_elsewhere: false,
+            stage: Stage::Admitted,
+            reported_output: 0,
             reservation: Some(reservation),
             debit: Some(debit),
             ledger: Arc::clone(&self.ledger),
@@ -320,27 +527,47 @@ impl Dispatcher {
         let _ = reply.send(Err(rejection));
     }
 
-    /// When KV blocks of `pool` are what this request lacks now: the estimated time until
-    /// enough capacity is returned for the queue ahead of it (in that pool) and itself. `None`
-    /// when blocks are available now or there is no drain-rate data for the pool yet.
-    fn kv_backlog_wait(&self, pool: PoolId, needed_blocks: usize) -> Option<Duration> {
+    /// The forecast wait of a request of `tenant` in `pool` with `own_blocks` of the tenant's
+    /// queued blocks up to and including it: the capacity that must come back before the fair
+    /// queue reaches it — its own backlog plus the others' fair share of the same time (see
+    /// the module docs) — at the pool's drain rate. Zero when that fits now; `None` when the
+    /// pool has no rate to forecast with yet.
+    pub(super) fn kv_wait(
+        &self,
+        pool: PoolId,
+        tenant: &str,
+        weight: NonZeroU32,
+        own_blocks: usize,
+    ) -> Option<Duration> {
         let policy = self.store.current();
         let occupancy = self.pools.get(pool.0)?.snapshot();
         let limit = watermark_limit(occupancy.total_blocks, policy.kv.high_watermark);
         let committed = occupancy.used_blocks + occupancy.reserved_blocks;
         let available = limit.saturating_sub(committed).min(occupancy.free_blocks);
-        if needed_blocks <= available {
-            return None;
+        let backlog = &self.backlog[pool.0];
+        let mut demand = own_blocks;
+        if backlog.blocks > backlog.of(tenant) {
+            for (other, other_weight) in self.queue.backlogged_tenants() {
+                if other == tenant {
+                    continue;
+                }
+                let share =
+                    own_blocks as u128 * u128::from(other_weight.get()) / u128::from(weight.get());
+                let share = usize::try_from(share).unwrap_or(usize::MAX);
+                demand = demand.saturating_add(backlog.of(other).min(share));
+            }
         }
-        let queued_blocks: usize = self
-            .queue
-            .entries()
-            .filter(|entry| entry.payload.ticket.pool == pool)
-            .map(|entry| entry.payload.needed_blocks)
-            .sum();
-        let deficit_blocks = queued_blocks + needed_blocks - available;
-        self.ledger
-            .time_to_drain(pool, (deficit_blocks * occupancy.block_size) as u64)
+        if demand <= available {
+            return Some(Duration::ZERO);
+        }
+        let deficit_tokens = (demand - available).saturating_mul(occupancy.block_size);
+        self.ledger.kv_drain_time(pool, deficit_tokens as u64)
+    }
+
+    fn block_size(&self, pool: PoolId) -> usize {
+        self.pools
+            .get(pool.0)
+            .map_or(1, |p| p.snapshot().block_size)
     }
 
     /// Estimated time until the tenant's queue has room again: one of its average entries
@@ -359,20 +586,15 @@ impl Dispatcher {
     ///
     /// Always within [1 s, 120 s].
     fn queue_slot_wait(&self, tenant: &TenantPolicy, pool: PoolId, now: Instant) -> Duration {
-        let entries: Vec<&Pending> = self
-            .queue
-            .entries()
-            .filter(|entry| entry.tenant == tenant.name)
-            .map(|entry| &entry.payload)
-            .collect();
-        let Some(count) = NonZeroU64::new(entries.len() as u64) else {
+        let Some(backlog) = self.queue.tenant_backlog(&tenant.name) else {
             return MIN_CAPACITY_RETRY_AFTER;
         };
-        let total = |tokens: fn(&AdmissionTicket) -> usize| -> u64 {
-            entries.iter().map(|p| tokens(&p.ticket) as u64).sum()
+        let Some(count) = NonZeroU64::new(backlog.requests as u64) else {
+            return MIN_CAPACITY_RETRY_AFTER;
         };
-        let average_entry = total(|t| t.prompt_tokens.saturating_add(t.max_output_tokens)) / count;
-        let average_output = total(|t| t.max_output_tokens) / count;
+        let queued_output = self.queued_output.get(&tenant.name).copied().unwrap_or(0);
+        let average_entry = backlog.tokens / count;
+        let average_output = queued_output / count;
         let share = f64::from(tenant.weight.get()) / self.queue.backlogged_weight().max(1) as f64;
         let share = share.clamp(f64::MIN_POSITIVE, 1.0);
         let measured = self.ledger.time_to_drain(pool, average_entry);
@@ -384,8 +606,10 @@ impl Dispatcher {
             Some(per_token.mul_f64(average_output as f64))
         };
         let oldest_wait = || {
-            let oldest = entries.iter().map(|p| p.enqueued_at).min();
-            oldest.map_or(Duration::ZERO, |at| now.saturating_duration_since(at))
+            let oldest = self.queue.oldest(&tenant.name).map(|e| e.enqueued_at);
+            oldest.map_or(Duration::ZERO, |at| {
+                now.into_std().saturating_duration_since(at)
+            })
         };
         let estimate = match measured.or_else(prior) {
             // A share may be tiny; keep the division finite before clamping.
@@ -401,6 +625,8 @@ impl Dispatcher {
 /// What dispatch needs from the fair-queue candidate (copied so the queue can be mutated).
 struct Candidate {
     id: EntryId,
+    /// The client went away (its `admit` future was dropped).
+    abandoned: bool,
     pool: PoolId,
     lane: Lane,
     needed_blocks: usize,
@@ -409,14 +635,15 @@ struct Candidate {
 }
 
 impl Candidate {
-    fn of(entry: &QueueEntry<Pending>, now: Instant) -> Candidate {
+    fn of(entry: &QueueEntry<Pending>, now: Instant, ledger: &Ledger) -> Candidate {
         Candidate {
             id: entry.id,
+            abandoned: entry.payload.reply.is_closed(),
             pool: entry.payload.ticket.pool,
             lane: entry.lane,
             needed_blocks: entry.payload.needed_blocks,
             waited: now.saturating_duration_since(entry.payload.enqueued_at),
-            max_wait: entry.payload.ticket.tenant.max_queue_wait,
+            max_wait: ledger.max_queue_wait(entry.payload.ticket.tenant.max_queue_wait),
         }
     }
 }
@@ -439,4 +666,32 @@ fn lane_index(lane: Lane) -> usize {
         Lane::Short => 0,
         Lane::Long => 1,
     }
+}
+
+/// Re-checks a queued request under a reloaded policy and updates it (tenant policy, blocks
+/// needed, lane); the tenant's new policy, or the rejection it now gets.
+fn requeue(
+    policy: &Policy,
+    pools: &[Arc<BlockPool>],
+    pending: &mut Pending,
+) -> Result<Arc<TenantPolicy>, Rejection> {
+    let Some(tenant) = policy.tenant(&pending.ticket.tenant.name) else {
+        return Err(Rejection::KeyRevoked {
+            tenant: pending.ticket.tenant.name.clone(),
+        });
+    };
+    let Some(pool) = pools.get(pending.ticket.pool.0) else {
+        return Err(Rejection::Unavailable);
+    };
+    let occupancy = pool.snapshot();
+    let (prompt, output) = (
+        pending.ticket.prompt_tokens,
+        pending.ticket.max_output_tokens,
+    );
+    let fit = super::check_fit(&policy.kv, &occupancy, prompt, output)?;
+    pending.needed_blocks = fit.needed_blocks;
+    pending.reserved_tokens = (fit.needed_blocks * occupancy.block_size) as u64;
+    pending.lane = super::lane_of(policy, prompt);
+    pending.ticket.tenant = Arc::clone(&tenant);
+    Ok(tenant)
 }

@@ -1,6 +1,7 @@
 //! State shared between the dispatcher and the [`super::Admitted`] guards, which may drop on any
-//! thread: running requests per tenant and, per block pool, the long lane, the capacity held and
-//! the drain-rate estimate; and the dispatcher's last published queue snapshot.
+//! thread: running requests per tenant and, per block pool, the running requests and their cap,
+//! the long lane, the capacity held and the drain-rate estimate; and the dispatcher's last
+//! published queue snapshot.
 //!
 //! A guard's `Drop` cannot await or send on a bounded channel without risking a lost release,
 //! so releases update this ledger under a short lock and wake the dispatcher with
@@ -14,17 +15,9 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::PoolId;
+use super::{PoolId, ServiceTime};
+use crate::metrics::TenantQueueSnapshot;
 use crate::queue::{Lane, TenantBacklog};
-
-/// One tenant's queue and running requests, for metrics and `/admin` inspection.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TenantQueueSnapshot {
-    pub tenant: String,
-    pub queued_requests: usize,
-    pub queued_tokens: u64,
-    pub in_flight: usize,
-}
 
 #[derive(Debug, Default)]
 pub(super) struct Ledger {
@@ -33,17 +26,20 @@ pub(super) struct Ledger {
     drain: Mutex<HashMap<PoolId, DrainRate>>,
     service_time: ServiceTimeSlot,
     backlogs: Mutex<Vec<TenantBacklog>>,
+    /// The longest any request may queue, whatever its tenant's `max_queue_wait`.
+    queue_wait_cap: Mutex<Option<Duration>>,
     /// Fired when a running request releases its slot.
     pub released: Notify,
 }
 
 /// Reads the engine's current per-token service time (wall time per generated token, all
 /// running sequences together); `None` while it has none (no step yet).
-pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<Duration> + Send + Sync>;
+pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<ServiceTime> + Send + Sync>;
 
-/// Where the [`ServiceTimeProbe`] lives; empty until the server wires the engine in.
+/// Where the [`ServiceTimeProbe`] lives (empty until the server wires the engine in), and the
+/// last decode time it gave: kept through prefill-dominated steps, which only bound it.
 #[derive(Default)]
-struct ServiceTimeSlot(Mutex<Option<ServiceTimeProbe>>);
+struct ServiceTimeSlot(Mutex<Option<ServiceTimeProbe>>, Mutex<Option<Duration>>);
 
 impl std::fmt::Debug for ServiceTimeSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -63,9 +59,17 @@ pub(super) struct InFlight {
 /// Running requests of one pool.
 #[derive(Debug, Default, Clone, Copy)]
 struct PoolInFlight {
+    requests: usize,
+    /// At most this many at once (the engine's submit queue bound); `None`: no cap.
+    max_requests: Option<usize>,
     long_lane: usize,
     /// KV capacity (in tokens) held by running requests.
     reserved_tokens: u64,
+    /// Output tokens (max_tokens) of the running requests.
+    max_output_tokens: u64,
+    /// Output tokens the running requests may still generate: max_tokens less what they
+    /// reported generating.
+    remaining_output_tokens: u64,
 }
 
 impl InFlight {
@@ -79,8 +83,10 @@ impl InFlight {
         long_max_concurrency: usize,
     ) -> bool {
         let running = self.per_tenant.get(tenant).copied().unwrap_or(0);
-        let long_lane = self.per_pool.get(&pool).map_or(0, |p| p.long_lane);
-        running < max_concurrency && (lane == Lane::Short || long_lane < long_max_concurrency)
+        let pool = self.per_pool.get(&pool).copied().unwrap_or_default();
+        running < max_concurrency
+            && pool.max_requests.is_none_or(|max| pool.requests < max)
+            && (lane == Lane::Short || pool.long_lane < long_max_concurrency)
     }
 
     /// KV capacity (in tokens) that running requests hold in `pool`.
@@ -94,17 +100,49 @@ impl Ledger {
         self.in_flight.lock()
     }
 
-    pub fn start(&self, tenant: &str, pool: PoolId, lane: Lane, reserved_tokens: u64) {
+    pub fn start(
+        &self,
+        tenant: &str,
+        pool: PoolId,
+        lane: Lane,
+        reserved_tokens: u64,
+        output_tokens: u64,
+    ) {
         let mut in_flight = self.in_flight.lock();
         *in_flight.per_tenant.entry(tenant.to_string()).or_default() += 1;
         let pool = in_flight.per_pool.entry(pool).or_default();
         if lane == Lane::Long {
             pool.long_lane += 1;
         }
+        pool.requests += 1;
         pool.reserved_tokens += reserved_tokens;
+        pool.max_output_tokens += output_tokens;
+        pool.remaining_output_tokens += output_tokens;
     }
 
-    pub fn finish(&self, tenant: &str, pool: PoolId, lane: Lane, reserved_tokens: u64) {
+    /// A running request of `pool` generated one more token.
+    pub fn generated(&self, pool: PoolId) {
+        if let Some(pool) = self.in_flight.lock().per_pool.get_mut(&pool) {
+            pool.remaining_output_tokens = pool.remaining_output_tokens.saturating_sub(1);
+        }
+    }
+
+    /// Caps the requests `pool` may run at once.
+    pub fn limit_requests(&self, pool: PoolId, max_requests: usize) {
+        let mut in_flight = self.in_flight.lock();
+        in_flight.per_pool.entry(pool).or_default().max_requests = Some(max_requests);
+    }
+
+    /// A running request ends: `output_tokens` is its max_tokens and `unreported_output` what
+    /// of it was not reported through [`Ledger::generated`].
+    pub fn finish(
+        &self,
+        tenant: &str,
+        pool: PoolId,
+        lane: Lane,
+        reserved_tokens: u64,
+        (output_tokens, unreported_output): (u64, u64),
+    ) {
         {
             let mut in_flight = self.in_flight.lock();
             if let Some(running) = in_flight.per_tenant.get_mut(tenant) {
@@ -117,7 +155,12 @@ impl Ledger {
                 if lane == Lane::Long {
                     pool.long_lane = pool.long_lane.saturating_sub(1);
                 }
+                pool.requests = pool.requests.saturating_sub(1);
                 pool.reserved_tokens = pool.reserved_tokens.saturating_sub(reserved_tokens);
+                pool.max_output_tokens = pool.max_output_tokens.saturating_sub(output_tokens);
+                pool.remaining_output_tokens = pool
+                    .remaining_output_tokens
+                    .saturating_sub(unreported_output);
             }
         }
         self.released.notify_one();
@@ -136,16 +179,69 @@ impl Ledger {
         self.drain.lock().get(&pool)?.time_for(tokens)
     }
 
+    /// Estimated time for `tokens` of `pool`'s capacity to be returned, for forecasts: the
+    /// measured drain rate, or before there is one (the first completions take seconds), for
+    /// the embedded engine, a model of its running requests. They hold R tokens of capacity and
+    /// generate one token per per-token service time s (all sequences together): R comes back
+    /// once the tokens they still may generate (G) are done, at G·s — in a lump, since a
+    /// request frees its blocks only when it ends; each further R needs a whole generation of
+    /// requests like them (max_tokens M in all), M·s. So `tokens` take
+    /// G·s + M·s·(⌈tokens / R⌉ − 1): never the optimistic fluid R/(G·s) rate, which would
+    /// promise capacity before any request ends. `None` without either.
+    pub fn kv_drain_time(&self, pool: PoolId, tokens: u64) -> Option<Duration> {
+        if let Some(measured) = self.time_to_drain(pool, tokens) {
+            return Some(measured);
+        }
+        if pool != PoolId::LOCAL {
+            return None;
+        }
+        let per_token = self.per_token_service_time()?;
+        let running = {
+            let in_flight = self.in_flight.lock();
+            in_flight.per_pool.get(&pool).copied().unwrap_or_default()
+        };
+        if running.reserved_tokens == 0 || running.max_output_tokens == 0 {
+            return None;
+        }
+        let rounds = tokens.div_ceil(running.reserved_tokens).max(1);
+        let steps = running.remaining_output_tokens as f64
+            + running.max_output_tokens as f64 * (rounds - 1) as f64;
+        Some(Duration::from_secs_f64(
+            (per_token.as_secs_f64() * steps).min(1e6),
+        ))
+    }
+
+    pub fn set_queue_wait_cap(&self, cap: Duration) {
+        *self.queue_wait_cap.lock() = Some(cap);
+    }
+
+    /// How long a request of a tenant with this `max_queue_wait` may queue.
+    pub fn max_queue_wait(&self, tenant_max: Duration) -> Duration {
+        self.queue_wait_cap
+            .lock()
+            .map_or(tenant_max, |cap| cap.min(tenant_max))
+    }
+
     pub fn set_service_time_probe(&self, probe: ServiceTimeProbe) {
         *self.service_time.0.lock() = Some(probe);
     }
 
-    /// The engine's per-token service time now, if a probe is set and the engine has one.
-    /// Only a prior for Retry-After values: admission decisions wait for a measured rate.
+    /// The engine's per-token service time now: its latest decode time, or while none has
+    /// been timed yet, the lower bound its prefill steps give; `None` without a probe or a step.
     pub fn per_token_service_time(&self) -> Option<Duration> {
         // Called outside the slot's lock: the probe takes the engine's stats lock.
         let probe = self.service_time.0.lock().clone()?;
-        probe().filter(|per_token| !per_token.is_zero())
+        let mut last_decode = self.service_time.1.lock();
+        match probe() {
+            Some(ServiceTime::Decode(per_token)) if !per_token.is_zero() => {
+                *last_decode = Some(per_token);
+                Some(per_token)
+            }
+            Some(ServiceTime::PrefillBound(bound)) if !bound.is_zero() => {
+                Some(last_decode.unwrap_or(bound))
+            }
+            _ => *last_decode,
+        }
     }
 
     pub fn publish(&self, backlogs: Vec<TenantBacklog>) {
@@ -265,7 +361,7 @@ mod tests {
     fn in_flight_caps_per_tenant_and_long_lane() {
         let ledger = Ledger::default();
         let (local, upstream) = (PoolId::LOCAL, PoolId(1));
-        ledger.start("a", local, Lane::Long, 10);
+        ledger.start("a", local, Lane::Long, 10, 5);
         assert!(!ledger.in_flight().may_start("a", 1, local, Lane::Short, 5));
         assert!(
             !ledger
@@ -283,7 +379,7 @@ mod tests {
         );
         assert_eq!(ledger.in_flight().reserved_tokens(local), 10);
         assert_eq!(ledger.in_flight().reserved_tokens(upstream), 0);
-        ledger.finish("a", local, Lane::Long, 10);
+        ledger.finish("a", local, Lane::Long, 10, (5, 5));
         assert!(ledger.in_flight().may_start("a", 1, local, Lane::Long, 1));
         assert_eq!(ledger.in_flight().reserved_tokens(local), 0);
         assert!(ledger.snapshot().is_empty());

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue};
 
+use crate::metrics::RejectReason;
 use crate::queue::QueueFull;
 use crate::ratelimit::{LimitKind, RateLimitHeaders, format_reset};
 
@@ -70,6 +71,8 @@ pub enum Rejection {
         total_blocks: usize,
         limit_blocks: usize,
     },
+    /// The tenant's key was removed by a policy reload while the request was queued.
+    KeyRevoked { tenant: String },
     /// The admission dispatcher is gone (shutting down).
     Unavailable,
 }
@@ -85,6 +88,7 @@ impl Rejection {
             | Rejection::KvSaturated { .. } => 429,
             Rejection::QueueTimeout { .. } | Rejection::Unavailable => 503,
             Rejection::NeverFits { .. } => 400,
+            Rejection::KeyRevoked { .. } => 401,
         }
     }
 
@@ -99,6 +103,7 @@ impl Rejection {
             Rejection::QueueTimeout { .. } => "queue_timeout",
             Rejection::KvSaturated { .. } => "kv_cache_saturated",
             Rejection::NeverFits { .. } => "context_length_exceeded",
+            Rejection::KeyRevoked { .. } => "invalid_api_key",
             Rejection::Unavailable => "service_unavailable",
         }
     }
@@ -113,7 +118,7 @@ impl Rejection {
             Rejection::QueueFull { .. } => "requests",
             Rejection::KvSaturated { .. } => "tokens",
             Rejection::QueueTimeout { .. } | Rejection::Unavailable => "server_error",
-            Rejection::NeverFits { .. } => "invalid_request_error",
+            Rejection::NeverFits { .. } | Rejection::KeyRevoked { .. } => "invalid_request_error",
         }
     }
 
@@ -202,6 +207,9 @@ impl Rejection {
             } => format!(
                 "This request needs {needed_blocks} KV cache blocks (prompt + max_tokens), but at most {limit_blocks} of the cache's {total_blocks} blocks can be reserved for requests. Reduce the prompt or max_tokens."
             ),
+            Rejection::KeyRevoked { .. } => {
+                "The API key was revoked while the request was queued.".to_string()
+            }
             Rejection::Unavailable => "The server is shutting down. Please retry.".to_string(),
         }
     }
@@ -216,7 +224,8 @@ impl Rejection {
             Rejection::Unavailable => MIN_CAPACITY_RETRY_AFTER,
             Rejection::InsufficientQuota { .. }
             | Rejection::QueueNeverFits { .. }
-            | Rejection::NeverFits { .. } => return None,
+            | Rejection::NeverFits { .. }
+            | Rejection::KeyRevoked { .. } => return None,
         };
         Some(after.min(MAX_RETRY_AFTER))
     }
@@ -237,7 +246,9 @@ impl Rejection {
             | Rejection::QueueFull { headers, .. }
             | Rejection::QueueTimeout { headers, .. }
             | Rejection::KvSaturated { headers, .. } => Some(headers.clone()),
-            Rejection::NeverFits { .. } | Rejection::Unavailable => None,
+            Rejection::NeverFits { .. } | Rejection::KeyRevoked { .. } | Rejection::Unavailable => {
+                None
+            }
         }
     }
 
@@ -259,9 +270,25 @@ impl Rejection {
         headers.insert("x-should-retry", HeaderValue::from_static(should_retry));
     }
 
+    /// The `reason` label of `kvgate_requests_rejected_total`.
+    pub fn reason(&self) -> RejectReason {
+        match self {
+            Rejection::RateLimited { .. } => RejectReason::Rate,
+            Rejection::InsufficientQuota { .. } | Rejection::QueueNeverFits { .. } => {
+                RejectReason::Quota
+            }
+            Rejection::QueueFull { .. } => RejectReason::QueueFull,
+            Rejection::QueueTimeout { .. } => RejectReason::QueueTimeout,
+            Rejection::KvSaturated { .. } => RejectReason::KvSaturation,
+            Rejection::NeverFits { .. } => RejectReason::Length,
+            Rejection::KeyRevoked { .. } => RejectReason::Auth,
+            Rejection::Unavailable => RejectReason::Unavailable,
+        }
+    }
+
     /// Counts this rejection in `kvgate_requests_rejected_total`.
     pub(super) fn count(&self, tenant: &str) {
-        crate::metrics::record_rejection(tenant, crate::metrics::RejectReason::from(self));
+        crate::metrics::record_rejection(tenant, self.reason());
     }
 }
 
@@ -322,6 +349,23 @@ mod tests {
             headers,
         };
         assert_eq!((quota.status(), quota.should_retry()), (429, false));
+    }
+
+    #[test]
+    fn every_rejection_has_a_reason_label() {
+        assert_eq!(Rejection::Unavailable.reason(), RejectReason::Unavailable);
+        let never = Rejection::NeverFits {
+            needed_blocks: 9,
+            total_blocks: 4,
+            limit_blocks: 3,
+        };
+        assert_eq!(never.reason().as_str(), "length");
+        let revoked = Rejection::KeyRevoked { tenant: "a".into() };
+        assert_eq!(
+            (revoked.status(), revoked.code(), revoked.reason().as_str()),
+            (401, "invalid_api_key", "auth")
+        );
+        assert!(!revoked.should_retry());
     }
 
     #[test]

@@ -349,7 +349,7 @@ async fn without_any_timing_a_full_queue_waits_as_long_as_its_oldest_entry() {
     let policy = "[tenants.a]\nmax_concurrency = 1\nqueue_depth = 1\n";
     let (admission, _pool, store) = setup(100, policy);
     // The engine has not timed a step yet.
-    admission.set_service_time_probe(|| None);
+    admission.set_service_time_probe(|| None::<ServiceTime>);
     let (rejection, _running, _waiting) =
         queue_full_rejection(&admission, &store, 200, Duration::from_millis(7300)).await;
     assert_eq!(rejection.retry_after(), Some(Duration::from_millis(7300)));
@@ -393,6 +393,52 @@ fn the_engine_service_time_is_step_time_per_running_sequence() {
     assert_eq!(
         per_token_service_time(&stats(4, 20_000)),
         Some(Duration::from_millis(5))
+    );
+}
+
+#[test]
+fn a_prefill_step_only_bounds_the_service_time_from_below() {
+    use kvgate_runtime::engine::EngineStats;
+    let prefill = EngineStats {
+        last_batch_seqs: 1,
+        last_batch_tokens: 500,
+        last_step_micros: 1_000_000,
+        ..EngineStats::default()
+    };
+    assert_eq!(per_token_service_time(&prefill), None);
+    assert_eq!(
+        engine_service_time(&prefill),
+        Some(ServiceTime::PrefillBound(Duration::from_millis(2)))
+    );
+    let decode = EngineStats {
+        last_batch_tokens: 1,
+        last_step_micros: 30_000,
+        ..prefill
+    };
+    assert_eq!(
+        engine_service_time(&decode),
+        Some(ServiceTime::Decode(Duration::from_millis(30)))
+    );
+    // The ledger uses the bound only until a decode time is known, then keeps that.
+    let ledger = ledger::Ledger::default();
+    let latest = Arc::new(parking_lot::Mutex::new(ServiceTime::PrefillBound(
+        Duration::from_millis(2),
+    )));
+    let probe = Arc::clone(&latest);
+    ledger.set_service_time_probe(Arc::new(move || Some(*probe.lock())));
+    assert_eq!(
+        ledger.per_token_service_time(),
+        Some(Duration::from_millis(2))
+    );
+    *latest.lock() = ServiceTime::Decode(Duration::from_millis(30));
+    assert_eq!(
+        ledger.per_token_service_time(),
+        Some(Duration::from_millis(30))
+    );
+    *latest.lock() = ServiceTime::PrefillBound(Duration::from_millis(2));
+    assert_eq!(
+        ledger.per_token_service_time(),
+        Some(Duration::from_millis(30))
     );
 }
 
@@ -498,13 +544,14 @@ async fn a_guard_dropped_before_the_engine_took_its_reservation_refunds_everythi
     assert_eq!(headers.tokens.map(|s| s.remaining), Some(1000));
     assert_eq!(pool.snapshot().reserved_blocks, 0);
 
-    // Once the engine has the reservation the request ran: without a recorded completion the
+    // Once the engine accepted it the request ran: without a count of what it generated the
     // full charge stays.
     let mut ran = admission
         .admit(ticket(&store, "a", 100, 100))
         .await
         .unwrap();
     let reservation = ran.take_reservation();
+    ran.mark_started();
     drop(ran);
     drop(reservation);
     assert_eq!(
@@ -643,4 +690,271 @@ async fn a_request_started_upstream_keeps_its_token_charge() {
     started.mark_started();
     drop(started);
     assert_eq!(remaining(), Some(800));
+}
+
+// === Issue 16: fair forecasts, exact refunds, reloads ===
+
+/// Teaches `admission` a drain rate of 160 tokens (10 blocks) of capacity per second.
+async fn teach_drain_rate(admission: &Admission, store: &PolicyStore, tenant: &str) {
+    for _ in 0..2 {
+        let mut done = admission
+            .admit(ticket(store, tenant, 80, 80))
+            .await
+            .unwrap();
+        done.record_completion(80);
+        drop(done);
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn another_tenants_backlog_does_not_refuse_a_newcomer_the_fair_queue_would_serve() {
+    let policy = "[tenants.flood]\nmax_queue_wait = \"600s\"\n\
+                  [tenants.quick]\nmax_queue_wait = \"3s\"\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, pool, store) = setup(20, policy);
+    teach_drain_rate(&admission, &store, "flood").await;
+    let full = pool.try_reserve(20).unwrap();
+    // The flood queues 100 blocks: about 10 s of drain, all of it ahead of nobody but itself.
+    let floods: Vec<_> = (0..10)
+        .map(|_| spawn_admit(&admission, ticket(&store, "flood", 80, 80)))
+        .collect();
+    until(|| queued(&admission) == 10).await;
+    // The newcomer's own 10 blocks plus its fair share of the flood's (another 10): about
+    // 2 s, within its 3 s. Summing everyone's backlog (11 s) would refuse it.
+    let quick = spawn_admit(&admission, ticket(&store, "quick", 80, 80));
+    until(|| queued(&admission) == 11 || quick.is_finished()).await;
+    assert!(!quick.is_finished(), "{:?}", quick.await.unwrap().err());
+    drop(full);
+    let started = admitted(quick).await;
+    assert_eq!(started.tenant().name, "quick");
+    drop(started);
+    for flood in floods {
+        flood.abort();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_whose_submit_failed_is_refunded_in_full() {
+    let (admission, pool, store) = setup(
+        100,
+        "[tenants.a]\nrequests_per_minute = 5\ntokens_per_minute = 1000\n",
+    );
+    let tenant = store.current().tenant("a").unwrap();
+    let mut admitted = admission
+        .admit(ticket(&store, "a", 100, 100))
+        .await
+        .unwrap();
+    // The handler hands the reservation to the engine, which refuses the request (QueueFull,
+    // ShutDown) and releases the reservation with it.
+    drop(admitted.take_reservation());
+    drop(admitted);
+    let headers = admission.rate_headers(&tenant);
+    assert_eq!(headers.requests.map(|s| s.remaining), Some(5));
+    assert_eq!(headers.tokens.map(|s| s.remaining), Some(1000));
+    assert_eq!(pool.snapshot().reserved_blocks, 0);
+}
+
+/// A policy store backed by a real file, so tests can reload it.
+fn setup_reloadable(blocks: usize, policy: &str) -> (Admission, Arc<BlockPool>, PolicyStore) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let path =
+        std::env::temp_dir().join(format!("kvgate-admission-{}-{n}.toml", std::process::id()));
+    std::fs::write(&path, policy).unwrap();
+    let store = PolicyStore::load(&path).unwrap();
+    let pool = BlockPool::new(blocks, BLOCK_SIZE, 1024);
+    (
+        Admission::new(store.clone(), Arc::clone(&pool)),
+        pool,
+        store,
+    )
+}
+
+fn reload(store: &PolicyStore, policy: &str) {
+    std::fs::write(store.path(), policy).unwrap();
+    store.reload().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_longer_fit() {
+    let policy = "[tenants.a]\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, pool, store) = setup_reloadable(10, policy);
+    let blocker = pool.try_reserve(10).unwrap();
+    let big = spawn_admit(&admission, ticket(&store, "a", 128, 0)); // 8 blocks
+    let small = spawn_admit(&admission, ticket(&store, "a", 32, 0)); // 2 blocks
+    until(|| queued(&admission) == 2).await;
+    // 8 blocks can never be reserved under 0.5 × 10: refused as if it had just arrived.
+    reload(&store, "[tenants.a]\n[kv]\nhigh_watermark = 0.5\n");
+    let rejection = big.await.unwrap().unwrap_err();
+    assert_eq!(
+        rejection,
+        Rejection::NeverFits {
+            needed_blocks: 8,
+            total_blocks: 10,
+            limit_blocks: 5
+        }
+    );
+    // The request behind it is no longer stuck behind a request that can never start.
+    drop(blocker);
+    let started = admitted(small).await;
+    assert_eq!(started.reserved_blocks(), 2);
+    let _ = std::fs::remove_file(store.path());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reload_refuses_the_queued_requests_of_a_removed_key_and_applies_new_limits() {
+    let policy = "[tenants.a]\nmax_queue_wait = \"60s\"\n[tenants.b]\n";
+    let (admission, pool, store) = setup_reloadable(10, policy);
+    let blocker = pool.try_reserve(10).unwrap();
+    let start = tokio::time::Instant::now();
+    let removed = spawn_admit(&admission, ticket(&store, "b", 16, 16));
+    let kept = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 2).await;
+    reload(&store, "[tenants.a]\nmax_queue_wait = \"2s\"\n");
+    let rejection = removed.await.unwrap().unwrap_err();
+    assert_eq!(
+        (rejection.status(), rejection.code()),
+        (401, "invalid_api_key")
+    );
+    // a's new max_queue_wait applies to the request already queued.
+    let rejection = kept.await.unwrap().unwrap_err();
+    assert_eq!(rejection.code(), "queue_timeout");
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    drop(blocker);
+    let _ = std::fs::remove_file(store.path());
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_stage_settles_the_debit_exactly() {
+    let (admission, _pool, store) = setup(100, "[tenants.a]\ntokens_per_minute = 1000\n");
+    let tenant = store.current().tenant("a").unwrap();
+    let remaining = || admission.rate_headers(&tenant).tokens.map(|s| s.remaining);
+    let start = || async {
+        admission
+            .admit(ticket(&store, "a", 100, 200))
+            .await
+            .unwrap()
+    };
+
+    // Refused by the engine before it started: nothing is charged.
+    let mut refused = start().await;
+    drop(refused.take_reservation());
+    refused.mark_failed_before_start();
+    assert_eq!(refused.stage(), Stage::FailedBeforeStart);
+    refused.record_generated(); // ignored: it never ran
+    drop(refused);
+    assert_eq!(remaining(), Some(1000));
+
+    // Cancelled (client gone, request timeout) after 7 tokens: prompt + 7.
+    let mut cancelled = start().await;
+    cancelled.mark_started();
+    for _ in 0..7 {
+        cancelled.record_generated();
+    }
+    assert_eq!(cancelled.stage(), Stage::Running { generated: Some(7) });
+    drop(cancelled);
+    assert_eq!(remaining(), Some(1000 - 107));
+
+    // Finished with 20 tokens: prompt + 20, whatever was counted on the way.
+    let mut finished = start().await;
+    finished.mark_started();
+    finished.record_generated();
+    finished.record_completion(20);
+    finished.mark_failed_before_start(); // too late: it ran
+    drop(finished);
+    assert_eq!(remaining(), Some(1000 - 107 - 120));
+}
+
+#[tokio::test(start_paused = true)]
+async fn admission_never_runs_more_than_the_engine_queue_takes() {
+    let (admission, _pool, store) = setup(100, "[tenants.a]\nmax_concurrency = 10\n");
+    admission.limit_in_flight(PoolId::LOCAL, 2);
+    let first = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+    let second = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+    let third = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 1).await;
+    assert!(
+        !third.is_finished(),
+        "a third would overflow the engine queue"
+    );
+    drop(first);
+    drop(admitted(third).await);
+    drop(second);
+}
+
+#[tokio::test(start_paused = true)]
+async fn queued_requests_the_forecast_says_cannot_start_in_time_are_refused_at_once() {
+    let policy = "[tenants.a]\nmax_queue_wait = \"3500ms\"\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, _pool, store) = setup(20, policy);
+    // Holds the whole pool (320 tokens of capacity) with 80 tokens left to generate.
+    let holder = admission.admit(ticket(&store, "a", 240, 80)).await.unwrap();
+    let start = tokio::time::Instant::now();
+    // No drain rate and no service time yet: nothing to forecast with, so all five wait.
+    let waiting: Vec<_> = (0..5)
+        .map(|_| spawn_admit(&admission, ticket(&store, "a", 80, 80))) // 10 blocks each
+        .collect();
+    until(|| queued(&admission) == 5).await;
+    // The engine times a step: 25 ms per token. The holder's 320 tokens of capacity come back
+    // when its 80 tokens are done (2 s); each further 320 tokens take another 2 s. The k-th
+    // request needs 10·k blocks (160·k tokens) back: 2, 2, 4, 4 and 6 s.
+    admission.set_service_time_probe(|| Some(Duration::from_millis(25)));
+    let mut waiting = waiting.into_iter();
+    let (fits, late): (Vec<_>, Vec<_>) = (waiting.by_ref().take(2).collect(), waiting.collect());
+    for (handle, forecast) in late.into_iter().zip([4, 4, 6]) {
+        match handle.await.unwrap() {
+            Err(Rejection::KvSaturated {
+                estimated_wait,
+                retry_after,
+                ..
+            }) => {
+                assert_eq!(estimated_wait, Duration::from_secs(forecast));
+                assert_eq!(retry_after, Duration::from_secs(forecast));
+            }
+            other => panic!("expected KvSaturated, got {other:?}"),
+        }
+    }
+    assert!(
+        start.elapsed() <= REFORECAST_EVERY,
+        "refused at the next re-forecast, not at the deadline: {:?}",
+        start.elapsed()
+    );
+    assert_eq!(queued(&admission), 2, "2 s of backlog fits 3.5 s");
+    drop(holder);
+    for handle in fits {
+        drop(admitted(handle).await);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn upstream_pools_learn_a_drain_rate_and_refuse_what_cannot_start_in_time() {
+    let policy =
+        "[tenants.a]\n[tenants.quick]\nmax_queue_wait = \"500ms\"\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, remote, id, store) = setup_with_upstream(10, 20, policy);
+    // Two forwarded requests, a second apart; their bodies are never metered (no completion
+    // count), yet each end returns 160 tokens of capacity: 160 tokens per second.
+    for _ in 0..2 {
+        let mut forwarded = admission
+            .admit(upstream_ticket(&store, id, "a", 80, 80))
+            .await
+            .unwrap();
+        forwarded.mark_started();
+        drop(forwarded);
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let _full = remote.try_reserve(20).unwrap();
+    let rejection = admission
+        .admit(upstream_ticket(&store, id, "quick", 80, 80))
+        .await
+        .unwrap_err();
+    match rejection {
+        Rejection::KvSaturated { estimated_wait, .. } => {
+            assert_eq!(estimated_wait, Duration::from_secs(1));
+        }
+        other => panic!("expected KvSaturated, got {other:?}"),
+    }
 }

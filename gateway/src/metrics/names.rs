@@ -37,6 +37,9 @@ pub const CANCELLATIONS_TOTAL: &str = "kvgate_cancellations_total";
 pub const ENGINE_STEPS_TOTAL: &str = "kvgate_engine_steps_total";
 pub const BATCH_SIZE: &str = "kvgate_batch_size";
 pub const BATCH_TOKENS: &str = "kvgate_batch_tokens";
+pub const ENGINE_STEP_DURATION_SECONDS: &str = "kvgate_engine_step_duration_seconds";
+pub const ENGINE_PREFILL_CAP_TOKENS: &str = "kvgate_engine_prefill_cap_tokens";
+pub const ENGINE_TARGET_ITL_SECONDS: &str = "kvgate_engine_target_itl_seconds";
 pub const BUILD_INFO: &str = "kvgate_build_info";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,13 +113,13 @@ pub const RECORDED: &[Family] = &[
     family(
         TIME_TO_FIRST_TOKEN_SECONDS,
         Histogram,
-        &[],
+        &["tenant"],
         "Time from request arrival to the first generated token.",
     ),
     family(
         INTER_TOKEN_LATENCY_SECONDS,
         Histogram,
-        &[],
+        &["tenant"],
         "Time between successive tokens of one stream.",
     ),
     family(
@@ -265,6 +268,24 @@ pub const STATE: &[Family] = &[
         "Tokens computed per engine step (prefill chunks plus decodes), every step since start.",
     ),
     family(
+        ENGINE_STEP_DURATION_SECONDS,
+        Histogram,
+        &[],
+        "Wall time of every engine step, from scheduling to streamed tokens: what a decoding stream waits per token.",
+    ),
+    family(
+        ENGINE_PREFILL_CAP_TOKENS,
+        Gauge,
+        &[],
+        "Most prompt tokens the last engine step could take: below the step budget when the step-time target capped it because sequences were decoding.",
+    ),
+    family(
+        ENGINE_TARGET_ITL_SECONDS,
+        Gauge,
+        &[],
+        "Step-time target the prefill cap keeps steps under while sequences decode (0 when off).",
+    ),
+    family(
         BUILD_INFO,
         Gauge,
         &["version", "backend", "model"],
@@ -273,8 +294,9 @@ pub const STATE: &[Family] = &[
 ];
 
 /// Histogram buckets of the recorded histograms (upper bounds; +Inf is implicit). The state
-/// histograms ([`BATCH_SIZE`], [`BATCH_TOKENS`]) use the engine's fixed bounds,
-/// `kvgate_runtime::engine::STEP_BUCKET_BOUNDS`.
+/// histograms use the engine's fixed bounds: `kvgate_runtime::engine::STEP_BUCKET_BOUNDS` for
+/// [`BATCH_SIZE`] and [`BATCH_TOKENS`], `STEP_MICROS_BUCKET_BOUNDS` for
+/// [`ENGINE_STEP_DURATION_SECONDS`].
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     (
         QUEUE_WAIT_SECONDS,

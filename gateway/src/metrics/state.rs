@@ -16,7 +16,7 @@ use kvgate_runtime::engine::{Engine, EngineStats, StepHistogram};
 use super::MetricsConfig;
 use super::exposition::Writer;
 use super::names::{self, *};
-use crate::admission::{Admission, TenantQueueSnapshot};
+use super::{QueueSource, TenantQueueSnapshot};
 
 /// Everything a scrape reports, read in one go.
 #[derive(Debug, Clone, Default)]
@@ -29,11 +29,11 @@ pub(super) struct Snapshot {
 }
 
 impl Snapshot {
-    pub fn take(engine: &Engine, admission: Option<&Admission>) -> Snapshot {
+    pub fn take(engine: &Engine, queues: Option<&dyn QueueSource>) -> Snapshot {
         Snapshot {
             stats: engine.stats(),
             occupancy: engine.pool().snapshot(),
-            queues: admission.map(|a| with_configured_tenants(a.queue_snapshot(), a)),
+            queues: queues.map(QueueSource::tenant_queues),
             resident_bytes: resident_memory_bytes(),
         }
     }
@@ -48,27 +48,6 @@ impl Snapshot {
             .sum();
         queued + self.stats.waiting
     }
-}
-
-/// Adds a zero row for every configured tenant without queue state, so per-tenant gauges read 0
-/// instead of vanishing when a tenant goes idle.
-fn with_configured_tenants(
-    mut rows: Vec<TenantQueueSnapshot>,
-    admission: &Admission,
-) -> Vec<TenantQueueSnapshot> {
-    let policy = admission.policy_store().current();
-    for tenant in policy.tenants() {
-        if !rows.iter().any(|r| r.tenant == tenant.name) {
-            rows.push(TenantQueueSnapshot {
-                tenant: tenant.name.clone(),
-                queued_requests: 0,
-                queued_tokens: 0,
-                in_flight: 0,
-            });
-        }
-    }
-    rows.sort_by(|a, b| a.tenant.cmp(&b.tenant));
-    rows
 }
 
 /// Resident set size from `/proc/self/status` (`VmRSS`, in kB); `None` off Linux.
@@ -186,24 +165,33 @@ impl StateTracker {
             }
         }
 
-        write_histogram(out, BATCH_SIZE, &stats.batch_seqs);
-        write_histogram(out, BATCH_TOKENS, &stats.batch_tokens);
+        family(
+            ENGINE_PREFILL_CAP_TOKENS,
+            &[(&[], stats.prefill_cap_tokens as f64)],
+        );
+        let target = stats.target_step_micros.unwrap_or(0) as f64 / 1e6;
+        family(ENGINE_TARGET_ITL_SECONDS, &[(&[], target)]);
+
+        write_histogram(out, BATCH_SIZE, &stats.batch_seqs, 1.0);
+        write_histogram(out, BATCH_TOKENS, &stats.batch_tokens, 1.0);
+        write_histogram(out, ENGINE_STEP_DURATION_SECONDS, &stats.step_micros, 1e6);
     }
 }
 
-/// One of the engine's per-step histograms as a Prometheus histogram family.
-fn write_histogram(out: &mut Writer, name: &str, histogram: &StepHistogram) {
+/// One of the engine's per-step histograms as a Prometheus histogram family, its bounds and
+/// sum divided by `unit` (1e6: microseconds to seconds; dividing keeps 25 000 µs "0.025").
+fn write_histogram(out: &mut Writer, name: &str, histogram: &StepHistogram, unit: f64) {
     if let Some(f) = names::family_of(name) {
         out.family(f.name, f.kind.as_str(), f.help);
     }
     let buckets = histogram
         .cumulative()
-        .filter_map(|(bound, n)| bound.map(|b| (b as f64, n)));
+        .filter_map(|(bound, n)| bound.map(|b| (b as f64 / unit, n)));
     out.histogram(
         name,
         &[],
         buckets,
-        histogram.sum() as f64,
+        histogram.sum() as f64 / unit,
         histogram.count(),
     );
 }
@@ -333,6 +321,22 @@ mod tests {
         let tokens = |le| scrape.value("kvgate_batch_tokens_bucket", &[("le", le)]);
         assert_eq!((tokens("256"), tokens("512")), (Some(0.0), Some(1.0)));
         assert_eq!(scrape.value("kvgate_batch_tokens_sum", &[]), Some(300.0));
+        // Step times are kept in microseconds and exported in seconds.
+        snap.stats.step_micros.record(40_000);
+        snap.stats.step_micros.record(120_000);
+        snap.stats.prefill_cap_tokens = 37;
+        snap.stats.target_step_micros = Some(100_000);
+        let scrape = render(&StateTracker::default(), &snap);
+        assert_eq!(scrape.check_histograms(), Ok(()));
+        let step = |le| scrape.value("kvgate_engine_step_duration_seconds_bucket", &[("le", le)]);
+        assert_eq!(
+            (step("0.025"), step("0.05"), step("0.15")),
+            (Some(0.0), Some(1.0), Some(2.0))
+        );
+        let sum = scrape.value("kvgate_engine_step_duration_seconds_sum", &[]);
+        assert!(sum.is_some_and(|s| (s - 0.16).abs() < 1e-9), "{sum:?}");
+        assert_eq!(scrape.value(ENGINE_PREFILL_CAP_TOKENS, &[]), Some(37.0));
+        assert_eq!(scrape.value(ENGINE_TARGET_ITL_SECONDS, &[]), Some(0.1));
     }
 
     #[test]

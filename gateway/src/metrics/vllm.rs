@@ -79,7 +79,7 @@ pub(super) fn write(out: &mut Writer, snap: &Snapshot, config: &MetricsConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::TenantQueueSnapshot;
+    use crate::metrics::TenantQueueSnapshot;
     use crate::metrics::exposition::Scrape;
     use kvgate_runtime::block_pool::Occupancy;
     use kvgate_runtime::engine::EngineStats;

@@ -18,6 +18,11 @@ const BUILTIN_MAX_OUTPUT_TOKENS: u64 = 512;
 const BUILTIN_MAX_TOTAL_TOKENS: u64 = 2560;
 const BUILTIN_MAX_MESSAGES: u64 = 64;
 const BUILTIN_MAX_CONCURRENCY: u64 = 4;
+/// Requests of one tenant being read or validated at once: as many as its queue holds by
+/// default, so a burst the queue would absorb is not refused earlier, yet bounded, so one key's
+/// slow uploads cannot tie up the server's connections and memory (each may buffer up to the
+/// body limit).
+const BUILTIN_MAX_VALIDATING: u64 = BUILTIN_QUEUE_DEPTH;
 const BUILTIN_QUEUE_DEPTH: u64 = 64;
 const BUILTIN_QUEUE_TOKENS: u64 = 65_536;
 const BUILTIN_MAX_QUEUE_WAIT: Duration = Duration::from_secs(30);
@@ -48,6 +53,7 @@ pub(super) struct Limits {
     max_messages: Field<u64>,
     overflow: Field<Overflow>,
     max_concurrency: Field<u64>,
+    max_validating: Field<u64>,
     requests_per_minute: Field<Option<u64>>,
     tokens_per_minute: Field<Option<u64>>,
     queue_depth: Field<u64>,
@@ -65,6 +71,7 @@ impl Limits {
             max_messages: Field::builtin(BUILTIN_MAX_MESSAGES),
             overflow: Field::builtin(Overflow::Reject),
             max_concurrency: Field::builtin(BUILTIN_MAX_CONCURRENCY),
+            max_validating: Field::builtin(BUILTIN_MAX_VALIDATING),
             requests_per_minute: Field::builtin(None),
             tokens_per_minute: Field::builtin(None),
             queue_depth: Field::builtin(BUILTIN_QUEUE_DEPTH),
@@ -151,6 +158,12 @@ impl Limits {
                 "max_concurrency",
                 1,
             )?,
+            max_validating: int(
+                &own.max_validating,
+                &self.max_validating,
+                "max_validating",
+                1,
+            )?,
             requests_per_minute: rate(
                 &own.requests_per_minute,
                 &self.requests_per_minute,
@@ -198,6 +211,7 @@ impl Limits {
             max_messages: to_usize(self.max_messages),
             overflow: self.overflow.value,
             max_concurrency: to_usize(self.max_concurrency),
+            max_validating: to_usize(self.max_validating),
             requests_per_minute: to_rate(self.requests_per_minute),
             tokens_per_minute: to_rate(self.tokens_per_minute),
             queue_depth: to_usize(self.queue_depth),

@@ -49,6 +49,7 @@ pub(super) struct RawLimits {
     pub max_messages: Option<Spanned<i64>>,
     pub overflow: Option<Spanned<RawOverflow>>,
     pub max_concurrency: Option<Spanned<i64>>,
+    pub max_validating: Option<Spanned<i64>>,
     pub requests_per_minute: Option<Spanned<i64>>,
     pub tokens_per_minute: Option<Spanned<i64>>,
     pub queue_depth: Option<Spanned<i64>>,
@@ -89,7 +90,7 @@ pub(super) struct RawLanes {
 }
 
 /// Parses durations such as `"30s"`, `"500ms"`, `"2m"` or `"1m30s"` (units h, m, s, ms).
-pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let bad = || format!("`{text}` is not a duration; write e.g. \"30s\", \"500ms\" or \"1m30s\"");
     let mut rest = text.trim();
     if rest.is_empty() {

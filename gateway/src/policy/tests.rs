@@ -251,3 +251,20 @@ fn the_summary_says_which_unknown_keys_mode_is_in_force_and_why() {
         "{written}"
     );
 }
+
+#[test]
+fn max_validating_inherits_and_must_be_positive() {
+    let policy = parse_policy(
+        "p.toml",
+        "[defaults]\nmax_validating = 5\n[tenants.a]\n[tenants.b]\nmax_validating = 2\n",
+    )
+    .unwrap();
+    assert_eq!(policy.tenant("a").unwrap().max_validating, 5);
+    assert_eq!(policy.tenant("b").unwrap().max_validating, 2);
+    let builtin = parse_policy("p.toml", "[tenants.c]\n").unwrap();
+    assert_eq!(builtin.tenant("c").unwrap().max_validating, 64);
+    let (line, column, field, message) = error_of("[tenants.a]\nmax_validating = 0\n");
+    assert_eq!((line, column), (2, 18));
+    assert_eq!(field, "tenants.a.max_validating");
+    assert!(message.contains("at least 1"), "{message}");
+}

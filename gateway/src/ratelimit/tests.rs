@@ -176,6 +176,56 @@ async fn a_quota_change_on_reload_rebuilds_the_buckets() {
     assert!(limits.try_debit(&after, 1).is_ok());
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_quota_change_on_reload_keeps_what_was_spent_and_refunds_reach_the_new_bucket() {
+    let limits = RateLimits::new();
+    let before = tenant(None, Some(1000));
+    let held = limits.try_debit(&before, 600).unwrap();
+    let after = tenant(None, Some(2000));
+    // The 600 tokens spent stay spent: a reload does not refill the bucket.
+    assert_eq!(remaining_tokens(&limits, &after), 1400);
+    // The request admitted before the reload used 100: its refund goes to the bucket in force.
+    held.settle(100);
+    assert_eq!(remaining_tokens(&limits, &after), 1900);
+    // Lowering the quota below what was spent leaves the bucket empty, not negative.
+    let spent = limits.try_debit(&after, 1500).unwrap();
+    let lower = tenant(None, Some(500));
+    assert_eq!(remaining_tokens(&limits, &lower), 0);
+    drop(spent);
+}
+
 fn tenant_without_limits() -> TenantPolicy {
     tenant(None, None)
+}
+
+#[tokio::test(start_paused = true)]
+async fn checking_the_request_rate_spends_nothing_and_refuses_with_governors_wait() {
+    let limits = RateLimits::new();
+    let tenant = tenant(Some(2), None);
+    // Checks alone never empty the bucket.
+    for _ in 0..10 {
+        assert!(limits.check_request(&tenant).is_ok());
+    }
+    assert_eq!(
+        limits.headers(&tenant).requests.map(|s| s.remaining),
+        Some(2)
+    );
+    limits.try_debit(&tenant, 1).unwrap().settle(1);
+    limits.try_debit(&tenant, 1).unwrap().settle(1);
+    // Empty: the check refuses with the same wait a debit would get.
+    let (kind, wait) = match limits.check_request(&tenant) {
+        Err(RateLimitError::Limited { kind, wait, .. }) => (kind, wait),
+        other => panic!("expected Limited, got {other:?}"),
+    };
+    assert_eq!(kind, LimitKind::Requests);
+    assert_eq!(wait_of(limits.try_debit(&tenant, 1)), (kind, wait));
+    assert!(
+        wait > Duration::ZERO && wait <= Duration::from_secs(30),
+        "{wait:?}"
+    );
+    tokio::time::advance(wait).await;
+    assert!(limits.check_request(&tenant).is_ok());
+    assert!(limits.try_debit(&tenant, 1).is_ok());
+    // A tenant without a request limit always passes.
+    assert!(limits.check_request(&tenant_without_limits()).is_ok());
 }

@@ -141,12 +141,14 @@ async fn an_error_after_the_start_is_an_openai_error_event_without_done() {
     let data = sse_data(sse_body(meta, handle, FakeGuard(probe.clone()), None)).await;
     let last = json(data.last().unwrap());
     assert_eq!(last["error"]["type"], "server_error");
+    // The engine's message is logged, not sent.
     assert!(
-        last["error"]["message"]
+        !last["error"]["message"]
             .as_str()
             .unwrap()
             .contains("backend failure")
     );
+    assert_eq!(last["error"]["code"], "generation_failed");
     assert!(!data.contains(&"[DONE]".to_owned()));
     assert_eq!(
         probe.completion.load(Ordering::SeqCst),

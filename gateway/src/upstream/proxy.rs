@@ -30,7 +30,7 @@ use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderName};
 use http::{HeaderMap, Request};
 use http_body::{Frame, SizeHint};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use serde_json::Value;
 
@@ -115,14 +115,20 @@ impl Upstream {
         body: Bytes,
         request_id: &str,
     ) -> Result<http::Response<Incoming>, GatewayError> {
-        let unavailable = |detail: String| GatewayError::UpstreamUnavailable {
+        let unavailable = |reason: &str, detail: String| GatewayError::UpstreamUnavailable {
             upstream: self.spec.name.clone(),
+            reason: reason.to_owned(),
             detail,
         };
         let mut request = Request::post(self.url(endpoint))
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(body))
-            .map_err(|error| unavailable(format!("cannot build the request: {error}")))?;
+            .map_err(|error| {
+                unavailable(
+                    "the request could not be sent",
+                    format!("cannot build the request: {error}"),
+                )
+            })?;
         if let Ok(id) = http::HeaderValue::from_str(request_id)
             && !request_id.is_empty()
         {
@@ -131,11 +137,12 @@ impl Upstream {
         let timeout = self.spec.timeout;
         match tokio::time::timeout(timeout, self.client().request(request)).await {
             Ok(Ok(response)) => Ok(response),
-            Ok(Err(error)) => Err(unavailable(describe(&error))),
-            Err(_) => Err(unavailable(format!(
-                "no response within {}s",
-                timeout.as_secs_f64()
-            ))),
+            // The transport error names the upstream's address: logged, not sent.
+            Ok(Err(error)) => Err(unavailable("it could not be reached", describe(&error))),
+            Err(_) => {
+                let waited = format!("no response within {}s", timeout.as_secs_f64());
+                Err(unavailable(&waited, waited.clone()))
+            }
         }
     }
 }
@@ -156,13 +163,19 @@ fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// headers and the ones kvgate writes itself (`x-request-id`, `x-ratelimit-*`: the client's
 /// limits are this gateway's). `Retry-After` and the rest pass through. `guard` (the
 /// admission guard) lives until the body ends or is dropped. An SSE body is watched: see
-/// [`GuardedBody::watching`].
+/// [`GuardedBody::watching`]. A server error (5xx) is not relayed as written: see
+/// [`server_error`].
 pub(crate) fn relay<G: Send + Unpin + 'static>(
     upstream: http::Response<Incoming>,
     guard: G,
     from: &Upstream,
 ) -> Response {
     let (mut parts, body) = upstream.into_parts();
+    if parts.status.is_server_error() {
+        // Nothing runs upstream any more: its capacity comes back now.
+        drop(guard);
+        return server_error(parts, body, from);
+    }
     strip_own_headers(&mut parts.headers);
     let content_type = parts
         .headers
@@ -191,6 +204,42 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
         body
     };
     Response::from_parts(parts, Body::new(body))
+}
+
+/// Most bytes of an upstream's 5xx body that are read into the log.
+const LOGGED_ERROR_BYTES: usize = 8 * 1024;
+
+/// An upstream's 5xx, answered as kvgate's own `upstream_error` with the same status and retry
+/// headers. Its body (a stack trace, file paths, internal addresses: the upstream's internals)
+/// is read into the log, at most [`LOGGED_ERROR_BYTES`] and the upstream's timeout, by a task
+/// of its own, not sent. A 4xx is about the client's request and is relayed as written.
+fn server_error(parts: http::response::Parts, body: Incoming, from: &Upstream) -> Response {
+    let (upstream, status, timeout) = (from.spec.name.clone(), parts.status, from.spec.timeout);
+    let logged = upstream.clone();
+    tokio::spawn(async move {
+        let read = tokio::time::timeout(timeout, Limited::new(body, LOGGED_ERROR_BYTES).collect());
+        let text = match read.await {
+            Ok(Ok(collected)) => String::from_utf8_lossy(&collected.to_bytes()).into_owned(),
+            Ok(Err(error)) => format!("(body not read: {error})"),
+            Err(_) => "(no body within the upstream's timeout)".to_owned(),
+        };
+        tracing::warn!(
+            upstream = %logged,
+            status = status.as_u16(),
+            body = %text,
+            "upstream answered with a server error"
+        );
+    });
+    let mut response = axum::response::IntoResponse::into_response(GatewayError::UpstreamError {
+        upstream,
+        status,
+    });
+    for name in ["retry-after", "retry-after-ms"] {
+        if let Some(value) = parts.headers.get(name) {
+            response.headers_mut().insert(name, value.clone());
+        }
+    }
+    response
 }
 
 fn strip_own_headers(headers: &mut HeaderMap) {
@@ -259,10 +308,11 @@ impl<B, G> GuardedBody<B, G> {
 }
 
 /// The SSE error event for an upstream that failed after its stream started.
-fn failed_event(upstream: &str, detail: String) -> Frame<Bytes> {
+fn failed_event(upstream: &str, reason: &str, detail: String) -> Frame<Bytes> {
     tracing::warn!(upstream, detail = %detail, "upstream stream failed after it started");
     let error = GatewayError::UpstreamUnavailable {
         upstream: upstream.to_owned(),
+        reason: reason.to_owned(),
         detail,
     };
     Frame::data(Bytes::from(format!("data: {}\n\n", error.sse_data())))
@@ -306,7 +356,7 @@ where
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(error))) => {
-                let event = failed_event(&watch.upstream, describe(&error));
+                let event = failed_event(&watch.upstream, "its stream broke", describe(&error));
                 this.finish();
                 Poll::Ready(Some(Ok(event)))
             }
@@ -318,8 +368,8 @@ where
                 if stall.as_mut().poll(cx).is_pending() {
                     return Poll::Pending;
                 }
-                let detail = format!("no data within {}s", timeout.as_secs_f64());
-                let event = failed_event(&watch.upstream, detail);
+                let stalled = format!("no data within {}s", timeout.as_secs_f64());
+                let event = failed_event(&watch.upstream, &stalled, stalled.clone());
                 this.finish();
                 Poll::Ready(Some(Ok(event)))
             }

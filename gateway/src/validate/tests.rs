@@ -292,11 +292,9 @@ fn message_content_cannot_inject_control_tokens() {
     use kvgate_runtime::gguf::GgufFile;
     use kvgate_runtime::tokenizer::Tokenizer;
 
-    let path = kvgate_runtime::provision::default_model_location().expect("a cache folder");
-    if !path.is_file() {
-        eprintln!("skipping: {} is not provisioned", path.display());
+    let Some(path) = kvgate_runtime::provision::provisioned_default_model() else {
         return;
-    }
+    };
     let gguf = GgufFile::open(&path).expect("model opens");
     let tokenizer = Tokenizer::from_gguf(&gguf).expect("tokenizer loads");
     let (start, end) = (1, 2);

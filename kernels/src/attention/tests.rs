@@ -354,3 +354,32 @@ fn block_ids_beyond_the_cache_are_rejected() {
         &mut scratch,
     );
 }
+
+/// The head index is the one thing the per-head kernels take that `check_row` cannot see: a
+/// head past the layout must stop at the entry, not read the neighbouring slot's K/V (or,
+/// for the last slot, memory past the cache).
+#[test]
+#[should_panic(expected = "kv_head 3 out of range for 3 KV heads")]
+fn a_kv_head_outside_the_layout_is_refused_at_the_entry() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let f = fixture(&mut rng, 5, 4);
+    let args = HeadArgs {
+        layout: &LAYOUT,
+        k_cache: &f.k_cache,
+        v_cache: &f.v_cache,
+        block_table: &f.block_table,
+        context_len: 5,
+        scale: 0.125,
+        order: ReductionOrder::TinyBlas,
+    };
+    let group = N_HEADS / LAYOUT.num_kv_heads;
+    let q = vec![0.5; group * LAYOUT.head_dim];
+    let mut out = vec![0.0; q.len()];
+    attention_group(
+        &args,
+        &q,
+        LAYOUT.num_kv_heads,
+        &mut out,
+        &mut AttentionScratch::new(),
+    );
+}

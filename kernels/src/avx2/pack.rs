@@ -4,6 +4,7 @@
 
 use super::hsum_i32_8;
 use crate::quant::QK;
+use crate::simd::Avx2Fma;
 use std::arch::x86_64::*;
 
 /// Activations quantized for the AVX2 kernels, block-major so that the activation rows a tile
@@ -75,7 +76,14 @@ impl std::ops::DerefMut for LineAligned {
 pub(crate) const GROUP: usize = 8;
 
 /// Quantizes the `m` rows of `x` (`m × cols`) into `p`; `with_sums` for Q8_1 (Q4_1 weights).
-pub(super) fn pack_acts(x: &[f32], m: usize, cols: usize, with_sums: bool, p: &mut PackedActs) {
+pub(super) fn pack_acts(
+    _cpu: Avx2Fma,
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    with_sums: bool,
+    p: &mut PackedActs,
+) {
     let nb = cols / QK;
     p.nb = nb;
     p.m = m;
@@ -101,7 +109,7 @@ pub(super) fn pack_acts(x: &[f32], m: usize, cols: usize, with_sums: bool, p: &m
         }
     }
     for a in 0..m {
-        // SAFETY: AVX2/F16C detected by the caller's dispatch; buffers sized above.
+        // SAFETY: `_cpu` proves AVX2/FMA/F16C; buffers sized above.
         unsafe { quantize_row(&x[a * cols..(a + 1) * cols], a, p, with_sums) };
     }
 }
@@ -219,9 +227,9 @@ mod tests {
 
     #[test]
     fn packed_quants_match_the_scalar_quantizers() {
-        if crate::simd_level() != crate::SimdLevel::Avx2 {
+        let Some(cpu) = Avx2Fma::detect() else {
             return;
-        }
+        };
         let cols = 96;
         let nb = cols / QK;
         // m = 1 and Q8_0 are block-major; Q8_1 with m ≥ 2 is grouped (11 rows: a full group and
@@ -234,8 +242,8 @@ mod tests {
             x[5] = 2.5 * 127.0 / 50.0 * 0.07; // values near rounding ties
             let mut p = PackedActs::default();
             // Stale contents from a bigger call must not leak into the padding rows.
-            pack_acts(&vec![3.0; 16 * cols], 16, cols, with_sums, &mut p);
-            pack_acts(&x, m, cols, with_sums, &mut p);
+            pack_acts(cpu, &vec![3.0; 16 * cols], 16, cols, with_sums, &mut p);
+            pack_acts(cpu, &x, m, cols, with_sums, &mut p);
             assert_eq!(p.grouped, with_sums && m >= 2);
             for a in 0..m {
                 let mut q1 = vec![0u8; nb * Q8_1_BLOCK_BYTES];

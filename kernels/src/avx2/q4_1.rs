@@ -21,8 +21,9 @@
 
 use super::pack::{GROUP, PackedActs};
 use super::{f16_at, hsum_i32_8, nibbles};
-use crate::matmul::{OutPtr, QMatrix};
+use crate::matrix::{OutPtr, QMatrix};
 use crate::quant::{Q4_1_BLOCK_BYTES, QK};
+use crate::simd::Avx2Fma;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -39,12 +40,17 @@ unsafe fn values(p: *const u8) -> __m256i {
 }
 
 /// Weight rows `rows` of the Q4_1 matrix `w` × the activations packed by `pack_acts`.
-pub(super) fn compute_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr) {
+pub(super) fn compute_rows(
+    _cpu: Avx2Fma,
+    w: &QMatrix,
+    acts: &PackedActs,
+    rows: Range<usize>,
+    out: OutPtr<'_>,
+) {
     let row_bytes = w.row_bytes();
     assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
     assert!(acts.nb * Q4_1_BLOCK_BYTES == row_bytes && acts.s.len() >= acts.d.len());
-    // SAFETY: AVX2/FMA/F16C were detected before this path was chosen; shapes asserted above
-    // and in the callees.
+    // SAFETY: `_cpu` proves AVX2/FMA/F16C; shapes asserted above and in the callees.
     unsafe {
         if acts.grouped {
             grouped_rows(w, acts, rows, out)
@@ -56,7 +62,7 @@ pub(super) fn compute_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, o
 
 /// One activation row: tiles of [`DECODE_ROWS`] weight rows streamed from memory.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr) {
+unsafe fn decode_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr<'_>) {
     assert!(acts.m == 1 && acts.qs.len() == acts.nb * QK && acts.d.len() == acts.nb);
     assert!(acts.s.len() >= acts.nb * acts.s_stride);
     let row_bytes = w.row_bytes();
@@ -79,7 +85,13 @@ unsafe fn decode_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: O
 /// Four weight rows from `wp` × activation row 0; lane `i` of the chains is row `r0 + i`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_tile4(wp: *const u8, row_bytes: usize, acts: &PackedActs, r0: usize, out: OutPtr) {
+unsafe fn decode_tile4(
+    wp: *const u8,
+    row_bytes: usize,
+    acts: &PackedActs,
+    r0: usize,
+    out: OutPtr<'_>,
+) {
     let ones = _mm256_set1_epi16(1);
     let mut acc = _mm_setzero_ps();
     let mut summs = _mm_setzero_ps();
@@ -126,7 +138,7 @@ unsafe fn decode_tile4(wp: *const u8, row_bytes: usize, acts: &PackedActs, r0: u
 /// One weight row at `wp` × activation row 0 (the rows left over after the four-row tiles).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_tile1(wp: *const u8, acts: &PackedActs, r: usize, out: OutPtr) {
+unsafe fn decode_tile1(wp: *const u8, acts: &PackedActs, r: usize, out: OutPtr<'_>) {
     let ones = _mm256_set1_epi16(1);
     let (mut acc, mut summs) = (0.0f32, 0.0f32);
     for b in 0..acts.nb {
@@ -150,7 +162,7 @@ const ROW_BLOCK: usize = 16;
 /// Two or more activation rows, grouped: for each block of [`ROW_BLOCK`] weight rows, the
 /// activation groups pass two at a time (a weight block unpacked once serves both).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn grouped_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr) {
+unsafe fn grouped_rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr<'_>) {
     let (nb, groups) = (acts.nb, acts.groups);
     let slots = nb * groups * GROUP;
     assert!(acts.qs.len() == slots * QK && acts.d.len() == slots && acts.s.len() == slots);
@@ -191,7 +203,7 @@ unsafe fn write_group(
     g: usize,
     row: usize,
     rows: usize,
-    out: OutPtr,
+    out: OutPtr<'_>,
 ) {
     let live = (acts.m - g * GROUP).min(GROUP);
     let mut results = [0.0f32; GROUP];

@@ -1,4 +1,5 @@
 use super::*;
+use crate::KernelError;
 use crate::quant::{QK, dequantize_row};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};

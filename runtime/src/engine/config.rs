@@ -1,7 +1,15 @@
 //! Engine sizing and limits, validated once at spawn.
 
+use std::time::Duration;
+
 use super::EngineError;
-use crate::scheduler::SchedulerConfig;
+use crate::scheduler::{PrefillOrder, SchedulerConfig};
+
+/// Step-time target while sequences decode, unless configured: long enough that prompt
+/// tokens still go through in chunks of useful size on a small CPU (the flooding tenant of
+/// BENCHMARKS.md's tenant-isolation run keeps its throughput), short enough that a stream's
+/// tokens keep coming however many prompts queue behind it.
+pub const DEFAULT_TARGET_ITL: Duration = Duration::from_millis(100);
 
 /// Sizes and limits of an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +30,11 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Capacity of the submit queue (and of the engine's waiting list).
     pub command_queue: usize,
+    /// While any sequence decodes, each step takes only the prompt tokens that keep its
+    /// predicted time within this; `None` lets every step use the whole budget.
+    pub target_itl: Option<Duration>,
+    /// How prompt tokens are shared between sequences (and tenants) with prefill left.
+    pub prefill_order: PrefillOrder,
 }
 
 impl Default for EngineConfig {
@@ -35,6 +48,8 @@ impl Default for EngineConfig {
             long_prefill_threshold: 256,
             max_model_len: 8192,
             command_queue: 256,
+            target_itl: Some(DEFAULT_TARGET_ITL),
+            prefill_order: PrefillOrder::TenantFair,
         }
     }
 }
@@ -61,6 +76,11 @@ impl EngineConfig {
                 self.num_blocks, self.block_size
             )));
         }
+        if self.target_itl.is_some_and(|t| t.is_zero()) {
+            return Err(EngineError::InvalidConfig(
+                "target_itl must be positive (or None for no target)".into(),
+            ));
+        }
         Ok(())
     }
 
@@ -70,6 +90,8 @@ impl EngineConfig {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
             long_prefill_threshold: self.long_prefill_threshold,
+            target_step_time: self.target_itl,
+            prefill_order: self.prefill_order,
         }
     }
 }

@@ -4,7 +4,9 @@
 
 mod fake;
 
+use std::num::NonZeroU32;
 use std::sync::mpsc as std_mpsc;
+use std::time::Duration;
 
 use fake::{EOS, FakeBackend, FakeDecoder, Mode, VOCAB, reference_greedy};
 
@@ -20,6 +22,11 @@ fn config(block_size: usize, num_blocks: usize, budget: usize, threshold: usize)
         long_prefill_threshold: threshold,
         max_model_len: 256,
         command_queue: 16,
+        // Step counts below are exact; a cap that follows measured (test-gated) step times
+        // would make them depend on timing. `step_times_and_the_prefill_cap_are_published`
+        // runs with a target.
+        target_itl: None,
+        prefill_order: PrefillOrder::TenantFair,
     }
 }
 
@@ -473,6 +480,49 @@ fn every_step_is_counted_in_the_batch_histograms() {
     assert_eq!(le(&tokens, Some(4)), 2);
     assert_eq!(le(&tokens, Some(8)), 4);
     assert_eq!(le(&tokens, None), 4);
+}
+
+#[test]
+fn step_times_and_the_prefill_cap_are_published() {
+    let mut cfg = config(4, 64, 32, 0);
+    cfg.target_itl = Some(Duration::from_millis(1));
+    let engine = start(Mode::Hash, FakeDecoder::letters(), cfg);
+    assert_eq!(engine.stats().target_step_micros, Some(1000));
+    assert_eq!(engine.stats().prefill_cap_tokens, 32, "nothing has run");
+    // Tenants with different weights, prompts long enough to be capped while others decode:
+    // whatever the cap, greedy output is the reference.
+    let cases: Vec<(Vec<u32>, usize, &str, u32)> = (0..6)
+        .map(|i| {
+            (
+                prompt(i, 5 + 9 * i as usize),
+                6,
+                ["a", "b"][i as usize % 2],
+                1 + i % 3,
+            )
+        })
+        .collect();
+    let mut handles: Vec<GenerationHandle> = cases
+        .iter()
+        .map(|(p, n, tenant, weight)| {
+            let mut req = request(p.clone(), *n);
+            req.label = (*tenant).to_owned();
+            req.weight = NonZeroU32::new(*weight).unwrap_or(NonZeroU32::MIN);
+            engine.submit(req).expect("accepted")
+        })
+        .collect();
+    for ((p, n, _, _), handle) in cases.iter().zip(&mut handles) {
+        assert_eq!(tokens_of(&collect(handle)), reference_greedy(p, *n));
+    }
+    let stats = engine.stats();
+    assert!(stats.steps > 0);
+    assert_eq!(stats.step_micros.count(), stats.steps, "every step timed");
+    assert_eq!(
+        stats.step_micros.bounds(),
+        &STEP_MICROS_BUCKET_BOUNDS[..],
+        "microsecond buckets"
+    );
+    assert!(stats.prefill_cap_tokens <= 32);
+    assert!(stats.step_cost.per_step_us >= 0.0);
 }
 
 #[test]

@@ -142,6 +142,7 @@ impl Worker {
 
     /// One scheduler step. Returns false when nothing could be scheduled.
     fn step(&mut self) -> bool {
+        let scheduled_at = Instant::now();
         self.scheduler.schedule(&mut self.batch);
         self.stats.preemptions_total = self.scheduler.preemptions_total();
         if self.batch.is_empty() {
@@ -175,6 +176,13 @@ impl Worker {
         self.stats.batch_seqs.record(self.batch.seqs.len() as u64);
         self.stats.batch_tokens.record(self.batch.num_tokens as u64);
         self.stats.last_step_micros = started.elapsed().as_micros() as u64;
+        // The whole step, as a decoding stream waits for it, feeds the cost model the prefill
+        // cap follows.
+        let step_time = scheduled_at.elapsed();
+        self.scheduler.observe_step(&self.batch, step_time);
+        self.stats.step_micros.record(step_time.as_micros() as u64);
+        self.stats.prefill_cap_tokens = self.batch.prefill_cap;
+        self.stats.step_cost = self.scheduler.cost_model().cost();
         true
     }
 

@@ -106,6 +106,7 @@ fn gguf_plan_matches_the_pool_the_runtime_builds_for_the_same_kv_budget() {
             threads: Some(1),
             max_num_seqs: 4,
             max_batched_tokens: 64,
+            ..RuntimeOptions::default()
         };
         let runtime = match Runtime::start(&path, options) {
             Ok(runtime) => runtime,

@@ -1,7 +1,9 @@
 //! Scheduler behaviour without a backend: steps are simulated by `postprocess` with made-up
 //! sampled tokens, and sequences finish when they reach prompt + max_tokens.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::num::NonZeroU32;
+use std::time::Duration;
 
 use proptest::prelude::*;
 use tokio::sync::mpsc;
@@ -21,6 +23,8 @@ fn config(
         max_num_seqs,
         max_batched_tokens: budget,
         long_prefill_threshold: threshold,
+        target_step_time: None,
+        prefill_order: PrefillOrder::TenantFair,
     }
 }
 
@@ -46,6 +50,33 @@ fn seq(
         tx,
     );
     (seq, rx)
+}
+
+/// A sequence of `tenant` with fair-share `weight`.
+fn tenant_seq(
+    id: u64,
+    tenant: &str,
+    weight: u32,
+    prompt: usize,
+    max_tokens: usize,
+    credit: Reservation,
+) -> (Sequence, mpsc::Receiver<TokenEvent>) {
+    let (mut q, rx) = seq(id, prompt, max_tokens, credit);
+    q.label = tenant.into();
+    q.weight = NonZeroU32::new(weight).unwrap_or(NonZeroU32::MIN);
+    (q, rx)
+}
+
+/// Prompt (non-decode) tokens each tenant got in `batch`.
+fn prefill_by_tenant(s: &Scheduler, batch: &ScheduledBatch) -> HashMap<String, usize> {
+    let mut out = HashMap::new();
+    for e in &batch.seqs {
+        let q = &s.running()[e.index];
+        if !q.is_decoding() {
+            *out.entry(q.label.to_string()).or_insert(0) += e.num_tokens;
+        }
+    }
+    out
 }
 
 /// Runs one step: schedule, "sample" token 7 for every sequence needing logits, finish those at
@@ -211,20 +242,318 @@ fn waiting_head_blocks_free_blocks_but_not_self_reserved_requests() {
     assert!(!ids.contains(&SeqId(2)));
 }
 
+/// Ten sequences decoding (prompt of 4, long outputs) in a scheduler with `target`, and the
+/// cost model `cost`.
+fn decoding_scheduler(
+    pool: &Arc<BlockPool>,
+    target: Option<Duration>,
+    cost: StepCost,
+) -> (Scheduler, Vec<mpsc::Receiver<TokenEvent>>) {
+    let mut cfg = config(4, 16, 512, 0);
+    cfg.target_step_time = target;
+    let mut s = Scheduler::new(cfg, pool.clone());
+    s.set_cost_model(StepCostModel::with_cost(cost));
+    let mut receivers = Vec::new();
+    for id in 0..10 {
+        let (q, rx) = seq(id, 4, 1000, pool.empty_reservation());
+        receivers.push(rx);
+        s.add(q);
+    }
+    step(&mut s);
+    assert!(s.running().iter().all(Sequence::is_decoding));
+    (s, receivers)
+}
+
+const CPU_COST: StepCost = StepCost {
+    per_step_us: 5000.0,
+    per_prefill_token_us: 1000.0,
+    per_decode_seq_us: 2000.0,
+    per_attended_token_ns: 0.0,
+};
+
+#[test]
+fn prefill_cap_follows_the_cost_model() {
+    let pool = BlockPool::new(4096, 4, 1);
+    let target = Some(Duration::from_millis(100));
+    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
+    let (long, _rl) = seq(100, 2000, 4, pool.empty_reservation());
+    s.add(long);
+    let batch = step(&mut s);
+    // 5 ms + 10 decodes × 2 ms = 25 ms; the other 75 ms buy 75 prompt tokens at 1 ms each.
+    assert_eq!(batch.prefill_cap, 75);
+    assert_eq!(batch.num_tokens, 10 + 75);
+    assert_eq!(batch.shape.decode_seqs, 10);
+    assert_eq!(batch.shape.prefill_tokens, 75);
+
+    // Twice the cost per prompt token: half the tokens.
+    s.set_cost_model(StepCostModel::with_cost(StepCost {
+        per_prefill_token_us: 2000.0,
+        ..CPU_COST
+    }));
+    let batch = step(&mut s);
+    assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (37, 37));
+
+    // The model learns from measured steps: on a machine 3× slower than the given model, after
+    // a mix of steps (prompts alone, decodes alone, both), the cap is a third as large.
+    let slow = |shape: &StepShape| {
+        let ms = 15.0 + 3.0 * shape.prefill_tokens as f64 + 6.0 * shape.decode_seqs as f64;
+        Duration::from_secs_f64(ms / 1e3)
+    };
+    let mut s2 = decoding_scheduler(&pool, target, CPU_COST).0;
+    let (long, _rl2) = seq(200, 4000, 4, pool.empty_reservation());
+    s2.add(long);
+    let mut batch = ScheduledBatch::default();
+    s2.schedule(&mut batch);
+    assert_eq!(
+        batch.prefill_cap, 75,
+        "before any measurement: the given model"
+    );
+    for i in 0..80 {
+        let mut measured = ScheduledBatch::default();
+        measured.shape.add_prefill(0, (i * 37) % 200);
+        for _ in 0..(i * 7) % 13 {
+            measured.shape.add_decode(30);
+        }
+        s2.observe_step(&measured, slow(&measured.shape));
+    }
+    let sampled = vec![7; batch.seqs.iter().filter(|e| e.needs_logits).count()];
+    s2.postprocess(&batch, &sampled);
+    s2.schedule(&mut batch);
+    // (100 − 15 − 10 × 6) / 3 = 8.3.
+    assert!(
+        (7..=9).contains(&batch.prefill_cap),
+        "{} {:?}",
+        batch.prefill_cap,
+        s2.cost_model().cost()
+    );
+    assert_eq!(batch.shape.prefill_tokens, batch.prefill_cap);
+}
+
+#[test]
+fn prefill_gets_the_whole_budget_when_nothing_decodes_or_without_a_target() {
+    let pool = BlockPool::new(4096, 4, 1);
+    let mut cfg = config(4, 16, 512, 0);
+    cfg.target_step_time = Some(Duration::from_millis(10));
+    let mut s = Scheduler::new(cfg, pool.clone());
+    s.set_cost_model(StepCostModel::with_cost(CPU_COST));
+    let (long, _rl) = seq(1, 2000, 4, pool.empty_reservation());
+    s.add(long);
+    let batch = step(&mut s);
+    assert_eq!((batch.prefill_cap, batch.num_tokens), (512, 512));
+
+    let (mut s, _rx) = decoding_scheduler(&pool, None, CPU_COST);
+    let (long, _rl) = seq(100, 2000, 4, pool.empty_reservation());
+    s.add(long);
+    let batch = step(&mut s);
+    assert_eq!((batch.prefill_cap, batch.num_tokens), (502, 512));
+
+    // Decodes alone over the target: prefill still moves, one block a step.
+    let target = Some(Duration::from_millis(20));
+    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
+    let (long, _rl) = seq(100, 2000, 4, pool.empty_reservation());
+    s.add(long);
+    let batch = step(&mut s);
+    assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (4, 4));
+}
+
+#[test]
+fn weighted_shares_over_many_steps_match_the_weights() {
+    let pool = BlockPool::new(8192, 16, 1);
+    let mut s = Scheduler::new(config(16, 64, 96, 0), pool.clone());
+    let weights = [("gold", 3u32), ("silver", 2), ("bronze", 1)];
+    let mut receivers = Vec::new();
+    let mut next_id = 0;
+    let mut totals: HashMap<String, usize> = HashMap::new();
+    for n in 0..600 {
+        // Keep every tenant backlogged with prompts of varied length.
+        for (tenant, weight) in weights {
+            while s.waiting().filter(|q| &*q.label == tenant).count() < 3 {
+                let prompt = 20 + (next_id as usize * 37) % 300;
+                let (q, rx) =
+                    tenant_seq(next_id, tenant, weight, prompt, 1, pool.empty_reservation());
+                next_id += 1;
+                receivers.push(rx);
+                s.add(q);
+            }
+        }
+        let mut batch = ScheduledBatch::default();
+        s.schedule(&mut batch);
+        assert_eq!(batch.num_tokens, 96, "step {n} leaves budget idle");
+        for (tenant, tokens) in prefill_by_tenant(&s, &batch) {
+            *totals.entry(tenant).or_insert(0) += tokens;
+        }
+        let sampled = vec![7; batch.seqs.iter().filter(|e| e.needs_logits).count()];
+        s.postprocess(&batch, &sampled);
+        for q in s.running_mut() {
+            if q.num_output_tokens() >= q.stop.max_tokens {
+                q.status = SeqStatus::Finished;
+            }
+        }
+        let mut done = Vec::new();
+        s.take_finished(&mut done);
+    }
+    let all: usize = totals.values().sum();
+    for (tenant, weight) in weights {
+        let share = totals[tenant] as f64 / all as f64;
+        let expected = f64::from(weight) / 6.0;
+        assert!(
+            (share - expected).abs() <= 0.05 * expected,
+            "{tenant}: {share:.4} of the prompt tokens, weight share {expected:.4} ({totals:?})"
+        );
+    }
+}
+
+#[test]
+fn a_short_prompt_is_not_stuck_behind_another_tenants_long_ones() {
+    let steps_to_first_token = |order: PrefillOrder| {
+        let pool = BlockPool::new(4096, 16, 1);
+        let mut cfg = config(16, 64, 64, 0);
+        cfg.prefill_order = order;
+        let mut s = Scheduler::new(cfg, pool.clone());
+        let mut receivers = Vec::new();
+        for id in 0..5 {
+            let (q, rx) = tenant_seq(id, "flood", 3, 400, 8, pool.empty_reservation());
+            receivers.push(rx);
+            s.add(q);
+        }
+        step(&mut s);
+        let (chat, _rc) = tenant_seq(99, "chat", 2, 40, 8, pool.empty_reservation());
+        s.add(chat);
+        for n in 1..200 {
+            step(&mut s);
+            let chat = s.running().iter().find(|q| q.id == SeqId(99));
+            if chat.is_some_and(|q| q.num_output_tokens() > 0) {
+                return n;
+            }
+        }
+        panic!("the chat never got its first token");
+    };
+    // Weight 2 of 5: 25 of each 64-token step, 40 tokens in two steps.
+    assert_eq!(steps_to_first_token(PrefillOrder::TenantFair), 2);
+    assert!(steps_to_first_token(PrefillOrder::Fcfs) >= 25);
+}
+
+#[test]
+fn a_long_prompt_is_not_starved_by_a_stream_of_short_ones() {
+    // Within one tenant the shortest prefill goes first, so three new 8-token prompts per step
+    // would take a 24-token budget forever; aging lets the long prompt through.
+    let pool = BlockPool::new(16384, 8, 1);
+    let mut s = Scheduler::new(config(8, 256, 24, 0), pool.clone());
+    let (long, _rl) = seq(0, 400, 1, pool.empty_reservation());
+    s.add(long);
+    let mut receivers = Vec::new();
+    let mut next_id = 1;
+    let mut finished_at = None;
+    for n in 0..200 {
+        for _ in 0..3 {
+            let (q, rx) = seq(next_id, 8, 1, pool.empty_reservation());
+            next_id += 1;
+            receivers.push(rx);
+            s.add(q);
+        }
+        let mut batch = ScheduledBatch::default();
+        s.schedule(&mut batch);
+        let sampled = vec![7; batch.seqs.iter().filter(|e| e.needs_logits).count()];
+        let long_done = batch
+            .seqs
+            .iter()
+            .any(|e| e.needs_logits && s.running()[e.index].id == SeqId(0));
+        s.postprocess(&batch, &sampled);
+        for q in s.running_mut() {
+            if q.num_output_tokens() >= q.stop.max_tokens {
+                q.status = SeqStatus::Finished;
+            }
+        }
+        let mut done = Vec::new();
+        s.take_finished(&mut done);
+        if long_done {
+            finished_at = Some(n);
+            break;
+        }
+    }
+    // Passed by shorter prompts for (400 − 8) / 16 ≈ 25 steps, then 400 / 24 ≈ 17 steps alone.
+    let finished_at = finished_at.expect("the long prompt finished");
+    assert!(finished_at <= 45, "took {finished_at} steps");
+    assert!(
+        finished_at >= 17,
+        "it cannot beat the budget: {finished_at}"
+    );
+}
+
+#[test]
+fn preemption_and_cancellation_free_blocks_under_tenant_fair_prefill() {
+    // A pool far too small for everyone: sequences are preempted and recomputed, some are
+    // cancelled mid-flight; at the end every block and reservation is back.
+    let pool = BlockPool::new(24, 4, 1);
+    let mut cfg = config(4, 8, 32, 12);
+    cfg.target_step_time = Some(Duration::from_millis(30));
+    let mut s = Scheduler::new(cfg, pool.clone());
+    s.set_cost_model(StepCostModel::with_cost(CPU_COST));
+    let mut receivers = Vec::new();
+    for id in 0..12u64 {
+        let tenant = ["a", "b", "c"][id as usize % 3];
+        let credit = if id % 4 == 0 {
+            pool.try_reserve(3)
+                .unwrap_or_else(|| pool.empty_reservation())
+        } else {
+            pool.empty_reservation()
+        };
+        let (q, rx) = tenant_seq(
+            id,
+            tenant,
+            1 + id as u32 % 3,
+            10 + id as usize * 3,
+            20,
+            credit,
+        );
+        receivers.push(rx);
+        s.add(q);
+    }
+    let mut cancelled = Vec::new();
+    let mut steps = 0;
+    while s.has_work() {
+        step(&mut s);
+        steps += 1;
+        if steps % 7 == 0 {
+            let victim = SeqId(steps / 7 * 2);
+            s.remove_where(|q| q.id == victim, &mut cancelled);
+        }
+        let occ = pool.snapshot();
+        let held: usize = s.running().iter().map(|q| q.block_table.len()).sum();
+        assert_eq!(occ.used_blocks, held);
+        assert!(steps < 5000, "no progress");
+    }
+    assert!(
+        s.preemptions_total() > 0,
+        "the pool was meant to be too small"
+    );
+    assert!(!cancelled.is_empty());
+    let occ = pool.snapshot();
+    assert_eq!(
+        (occ.used_blocks, occ.reserved_blocks, occ.free_blocks),
+        (0, 0, 24)
+    );
+}
+
 /// A workload step for the property test: new requests arrive, optionally with reservations.
 #[derive(Debug, Clone)]
 struct Arrival {
     prompt: usize,
     max_tokens: usize,
     reserve: bool,
+    /// One of three tenants, weighted 1, 2 and 3.
+    tenant: usize,
 }
 
 fn arrival() -> impl Strategy<Value = Arrival> {
-    (1..20usize, 1..12usize, any::<bool>()).prop_map(|(prompt, max_tokens, reserve)| Arrival {
-        prompt,
-        max_tokens,
-        reserve,
-    })
+    (1..20usize, 1..12usize, any::<bool>(), 0..3usize).prop_map(
+        |(prompt, max_tokens, reserve, tenant)| Arrival {
+            prompt,
+            max_tokens,
+            reserve,
+            tenant,
+        },
+    )
 }
 
 proptest! {
@@ -235,13 +564,18 @@ proptest! {
         max_num_seqs in 1..6usize,
         budget in 1..24usize,
         threshold in 0..8usize,
+        fair in any::<bool>(),
+        target_ms in prop::option::of(1..40u64),
         arrivals in prop::collection::vec(prop::collection::vec(arrival(), 0..3), 1..12),
     ) {
         // The pool always fits the largest single request (as the engine's submit check ensures).
         let total = (20 + 12usize).div_ceil(block_size) + extra_blocks;
         let pool = BlockPool::new(total, block_size, 1);
-        let cfg = config(block_size, max_num_seqs, budget, threshold);
+        let mut cfg = config(block_size, max_num_seqs, budget, threshold);
+        cfg.prefill_order = if fair { PrefillOrder::TenantFair } else { PrefillOrder::Fcfs };
+        cfg.target_step_time = target_ms.map(Duration::from_millis);
         let mut s = Scheduler::new(cfg, pool.clone());
+        s.set_cost_model(StepCostModel::with_cost(CPU_COST));
         let mut receivers = Vec::new();
         let mut next_id = 0;
         let mut rounds = arrivals.into_iter();
@@ -251,7 +585,9 @@ proptest! {
                 let needed = blocks_for_tokens(a.prompt + a.max_tokens, block_size);
                 let credit = if a.reserve { pool.try_reserve(needed) } else { None };
                 let credit = credit.unwrap_or_else(|| pool.empty_reservation());
-                let (q, rx) = seq(next_id, a.prompt, a.max_tokens, credit);
+                let tenant = ["a", "b", "c"][a.tenant];
+                let (q, rx) =
+                    tenant_seq(next_id, tenant, a.tenant as u32 + 1, a.prompt, a.max_tokens, credit);
                 next_id += 1;
                 receivers.push(rx);
                 s.add(q);
@@ -259,6 +595,11 @@ proptest! {
             let mut batch = ScheduledBatch::default();
             s.schedule(&mut batch);
             prop_assert!(batch.num_tokens <= budget);
+            prop_assert!(batch.shape.prefill_tokens <= batch.prefill_cap);
+            prop_assert_eq!(
+                batch.shape.prefill_tokens + batch.shape.decode_seqs,
+                batch.num_tokens
+            );
             prop_assert!(s.running().len() <= max_num_seqs);
             let mut seen = HashSet::new();
             let mut held = 0;

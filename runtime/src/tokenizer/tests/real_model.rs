@@ -1,7 +1,8 @@
-//! Checks against the real SmolLM2 vocabulary (skipped, with a note, when the model is absent).
+//! Checks against the real SmolLM2 vocabulary (skipped, with a note, when the model is absent;
+//! a failure instead under `KVGATE_REQUIRE_MODEL=1`, as in CI).
 
 use super::super::*;
-use crate::provision::default_model_location;
+use crate::provision::provisioned_default_model;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::sync::OnceLock;
@@ -11,11 +12,7 @@ pub(super) fn smollm() -> Option<&'static Tokenizer> {
     static TOKENIZER: OnceLock<Option<Tokenizer>> = OnceLock::new();
     TOKENIZER
         .get_or_init(|| {
-            let path = default_model_location().expect("a cache folder for the model");
-            if !path.is_file() {
-                eprintln!("skipping: {} is not provisioned", path.display());
-                return None;
-            }
+            let path = provisioned_default_model()?;
             let gguf = GgufFile::open(&path).expect("model file opens");
             Some(Tokenizer::from_gguf(&gguf).expect("SmolLM2 vocabulary loads"))
         })
@@ -23,7 +20,7 @@ pub(super) fn smollm() -> Option<&'static Tokenizer> {
 }
 
 fn smollm_vocab() -> Option<Vocab> {
-    let path = default_model_location().ok()?;
+    let path = provisioned_default_model()?;
     let gguf = GgufFile::open(path).ok()?;
     Some(Vocab::from_gguf(&gguf).expect("SmolLM2 vocabulary parses"))
 }

@@ -1,0 +1,158 @@
+use std::time::Duration;
+
+use super::*;
+use crate::policy::parse_policy;
+
+fn tenant(name: &str, max_validating: usize) -> TenantPolicy {
+    let policy = parse_policy("t.toml", &format!("[tenants.{name}]\n")).unwrap();
+    let mut tenant = TenantPolicy::clone(&policy.tenant(name).unwrap());
+    tenant.max_validating = max_validating;
+    tenant
+}
+
+#[test]
+fn the_in_flight_cap_is_per_tenant_and_freed_by_the_permit() {
+    let intake = Intake::new(2);
+    let (a, b) = (tenant("a", 2), tenant("b", 1));
+    let first = intake.enter(&a).expect("room for a");
+    let _second = intake.enter(&a).expect("room for a second");
+    assert_eq!(
+        intake.enter(&a).unwrap_err(),
+        IntakeFull {
+            tenant: "a".into(),
+            limit: 2
+        }
+    );
+    // Another tenant is unaffected by a's full intake.
+    let _b = intake.enter(&b).expect("b has its own cap");
+    assert!(intake.enter(&b).is_err());
+    assert_eq!(intake.in_flight("a"), 2);
+    drop(first);
+    assert_eq!(intake.in_flight("a"), 1);
+    assert!(intake.enter(&a).is_ok());
+}
+
+/// Whether a waiting `worker` future has been granted, without waiting.
+fn granted(waiter: &mut tokio::task::JoinHandle<ValidationWorker>) -> bool {
+    waiter.is_finished()
+}
+
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+#[tokio::test]
+async fn a_freed_worker_goes_to_the_tenant_holding_fewest_not_the_longest_queue() {
+    let intake = Intake::new(1);
+    let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+    let held = intake.worker(&a).await;
+    // a queues three more, then b queues one.
+    let mut a_waiters: Vec<_> = (0..3)
+        .map(|_| {
+            let (intake, a) = (intake.clone(), Arc::clone(&a));
+            tokio::spawn(async move { intake.worker(&a).await })
+        })
+        .collect();
+    settle().await;
+    let mut b_waiter = {
+        let (intake, b) = (intake.clone(), Arc::clone(&b));
+        tokio::spawn(async move { intake.worker(&b).await })
+    };
+    settle().await;
+    assert!(!granted(&mut b_waiter) && a_waiters.iter_mut().all(|w| !granted(w)));
+
+    // a's worker frees up: b (holding none, never served) goes before a's backlog.
+    drop(held);
+    let b_worker = tokio::time::timeout(Duration::from_secs(5), &mut b_waiter)
+        .await
+        .expect("b is served next")
+        .unwrap();
+    assert!(a_waiters.iter_mut().all(|w| !granted(w)));
+    // Then a's oldest waiter.
+    drop(b_worker);
+    let first_a = tokio::time::timeout(Duration::from_secs(5), &mut a_waiters[0])
+        .await
+        .expect("a's oldest waiter next")
+        .unwrap();
+    assert!(a_waiters[1..].iter_mut().all(|w| !granted(w)));
+    drop(first_a);
+    for waiter in &mut a_waiters[1..] {
+        drop(
+            tokio::time::timeout(Duration::from_secs(5), waiter)
+                .await
+                .expect("every waiter is served in turn")
+                .unwrap(),
+        );
+    }
+    assert_eq!(intake.shared.state.lock().busy, 0);
+}
+
+#[tokio::test]
+async fn a_waiter_that_left_does_not_keep_the_worker() {
+    let intake = Intake::new(1);
+    let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+    let held = intake.worker(&a).await;
+    let gone = {
+        let (intake, b) = (intake.clone(), Arc::clone(&b));
+        tokio::spawn(async move { intake.worker(&b).await })
+    };
+    settle().await;
+    gone.abort();
+    settle().await;
+    let mut next = {
+        let (intake, a) = (intake.clone(), Arc::clone(&a));
+        tokio::spawn(async move { intake.worker(&a).await })
+    };
+    settle().await;
+    drop(held);
+    let worker = tokio::time::timeout(Duration::from_secs(5), &mut next)
+        .await
+        .expect("the worker skips the waiter that left")
+        .unwrap();
+    drop(worker);
+    let state = intake.shared.state.lock();
+    assert_eq!(state.busy, 0);
+    assert!(state.tenants.is_empty(), "no tenant entry outlives its use");
+}
+
+#[tokio::test]
+async fn validate_holds_permit_and_worker_until_the_job_returns() {
+    let intake = Intake::new(1);
+    let a = tenant("a", 1);
+    let permit = intake.enter(&a).unwrap();
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (finish_tx, finish_rx) = std::sync::mpsc::channel::<()>();
+    let job = {
+        let intake = intake.clone();
+        tokio::spawn(async move {
+            intake
+                .validate(permit, move || {
+                    started_tx.send(()).unwrap();
+                    finish_rx.recv().unwrap();
+                    7
+                })
+                .await
+        })
+    };
+    tokio::task::spawn_blocking(move || started_rx.recv().unwrap())
+        .await
+        .unwrap();
+    // The caller stops waiting (its client left): the job still runs and still counts.
+    job.abort();
+    settle().await;
+    assert_eq!(intake.in_flight("a"), 1);
+    assert!(intake.enter(&a).is_err());
+    finish_tx.send(()).unwrap();
+    wait_for(|| intake.in_flight("a") == 0).await;
+    assert_eq!(intake.shared.state.lock().busy, 0);
+}
+
+async fn wait_for(mut condition: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if condition() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("condition never held");
+}

@@ -1,0 +1,157 @@
+//! [`AppState`]: what every handler and extractor shares (engine, policy, admission, intake,
+//! metrics, the shutdown phase). Its own module so that `handlers` and `extract` both depend on
+//! it and not on each other.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+use kvgate_runtime::engine::Engine;
+
+use crate::admission::Admission;
+use crate::intake::Intake;
+use crate::metrics::Metrics;
+use crate::reload::PolicyStore;
+use crate::upstream::UpstreamRoute;
+use crate::validate::PromptCodec;
+
+/// Everything the handlers share. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub(crate) inner: Arc<StateInner>,
+}
+
+pub(crate) struct StateInner {
+    pub(crate) engine: Engine,
+    pub(crate) codec: Arc<dyn PromptCodec>,
+    pub(crate) store: PolicyStore,
+    pub(crate) admission: Admission,
+    pub(crate) metrics: Metrics,
+    pub(crate) model_name: String,
+    /// Models served by other engines, proxied (see `upstream.rs`).
+    pub(crate) upstreams: Vec<UpstreamRoute>,
+    pub(crate) created: u64,
+    body: BodyLimits,
+    /// Per-tenant limits before the body, and the fair validation workers.
+    pub(crate) intake: Intake,
+    /// A [`Phase`], as its `u8`.
+    phase: AtomicU8,
+}
+
+/// Where the server is in its life. Shutdown has two steps so that load balancers can stop
+/// routing here before anything is refused: first readiness fails while requests are still
+/// served as usual (the pre-drain delay), then the listener closes and the drain begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Phase {
+    Serving = 0,
+    /// Shutdown was asked for: `/readyz` fails, requests are still served.
+    PreDrain = 1,
+    /// The listener is closed; in-flight requests finish, new generations are refused.
+    Draining = 2,
+}
+
+/// How request bodies are read.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimits {
+    pub max_bytes: usize,
+    /// Longest gap between two body frames before 408.
+    pub idle_timeout: Duration,
+}
+
+/// What [`AppState::new`] needs.
+pub struct StateParts {
+    pub engine: Engine,
+    pub codec: Arc<dyn PromptCodec>,
+    pub store: PolicyStore,
+    pub admission: Admission,
+    pub metrics: Metrics,
+    pub model_name: String,
+    /// [`crate::upstream::Upstreams::routes`]; empty when this server fronts no other engine.
+    pub upstreams: Vec<UpstreamRoute>,
+    pub body: BodyLimits,
+    pub validation_workers: usize,
+}
+
+impl AppState {
+    pub fn new(parts: StateParts) -> AppState {
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        AppState {
+            inner: Arc::new(StateInner {
+                engine: parts.engine,
+                codec: parts.codec,
+                store: parts.store,
+                admission: parts.admission,
+                metrics: parts.metrics,
+                model_name: parts.model_name,
+                upstreams: parts.upstreams,
+                created,
+                body: parts.body,
+                intake: Intake::new(parts.validation_workers),
+                phase: AtomicU8::new(Phase::Serving as u8),
+            }),
+        }
+    }
+
+    pub fn policy_store(&self) -> &PolicyStore {
+        &self.inner.store
+    }
+
+    pub fn body_limits(&self) -> BodyLimits {
+        self.inner.body
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    pub fn admission(&self) -> &Admission {
+        &self.inner.admission
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// The upstream serving model `name`, if it is not the embedded model.
+    pub fn upstream(&self, name: &str) -> Option<&UpstreamRoute> {
+        self.inner
+            .upstreams
+            .iter()
+            .find(|route| route.upstream().name() == name)
+    }
+
+    /// Per-tenant intake (see `intake.rs`).
+    pub fn intake(&self) -> &Intake {
+        &self.inner.intake
+    }
+
+    /// Shutdown was asked for: readiness fails from now on; requests are still served.
+    pub fn begin_shutdown(&self) {
+        self.advance(Phase::PreDrain);
+    }
+
+    /// Marks the server as draining (the listener has closed): new generations are refused.
+    pub fn start_draining(&self) {
+        self.advance(Phase::Draining);
+    }
+
+    pub fn phase(&self) -> Phase {
+        match self.inner.phase.load(Ordering::Acquire) {
+            0 => Phase::Serving,
+            1 => Phase::PreDrain,
+            _ => Phase::Draining,
+        }
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.phase() == Phase::Draining
+    }
+
+    /// Phases only move forward.
+    fn advance(&self, to: Phase) {
+        self.inner.phase.fetch_max(to as u8, Ordering::AcqRel);
+    }
+}

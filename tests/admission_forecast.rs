@@ -1,0 +1,345 @@
+//! Admission's core through the real server and model (issue 16): `reservation = "prompt"`
+//! with preemption, the engine's submit-queue bound, reloads while requests are queued, a
+//! `max_queue_wait` longer than the request timeout, and fail-fast 429s for a KV backlog
+//! that cannot drain in time (a scaled-down version of the 48 MiB measurement).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{
+    LONG_ANSWER, Options, Reply, TenantSpec, TestServer, chat, hold_slot, policy, queued,
+    wait_until,
+};
+use hyper::StatusCode;
+use kvgate_gateway::admission::PoolId;
+
+const CHAT: &str = "/v1/chat/completions";
+const WAIT: Duration = Duration::from_secs(120);
+
+/// prompt_tokens + completion_tokens of a 200 reply.
+fn used_tokens(reply: &Reply) -> u64 {
+    let usage = &reply.json()["usage"];
+    usage["prompt_tokens"].as_u64().expect("prompt_tokens")
+        + usage["completion_tokens"]
+            .as_u64()
+            .expect("completion_tokens")
+}
+
+/// The tenant's token bucket now.
+fn remaining_tokens(server: &TestServer, tenant: &str) -> u64 {
+    let policy = server.store.current().tenant(tenant).expect("tenant");
+    let headers = server.admission.rate_headers(&policy);
+    u64::from(headers.tokens.expect("a token limit").remaining)
+}
+
+/// The bucket ends where real usage puts it: the limit less what the served requests used,
+/// plus at most what refilled since `since` (tokens_per_minute / 60 per second).
+fn assert_bucket_reflects_usage(server: &TestServer, limit: u64, used: u64, since: Instant) {
+    let remaining = remaining_tokens(server, "a");
+    let refill = (limit as f64 * since.elapsed().as_secs_f64() / 60.0).ceil() as u64 + 1;
+    let floor = limit.saturating_sub(used);
+    assert!(
+        remaining >= floor && remaining <= (floor + refill).min(limit),
+        "remaining {remaining}, limit {limit}, used {used}, refill ≤ {refill}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_reservations_overcommit_preempt_and_still_finish_every_request() {
+    // 24 blocks of 16 tokens. Each request (~40 prompt tokens + 100) needs 9 blocks to finish,
+    // so full reservations would run two at a time; prompt reservations (3 + 1 headroom)
+    // admit four, whose growth (36 blocks) overflows the pool: the engine must preempt.
+    let options = Options {
+        num_blocks: 24,
+        ..Options::default()
+    };
+    let limit = 100_000;
+    let extra = format!("tokens_per_minute = {limit}\nmax_concurrency = 4");
+    let server = TestServer::start_with(
+        &policy(
+            &[TenantSpec {
+                name: "a",
+                key: "sk-a",
+                extra: &extra,
+            }],
+            "[kv]\nreservation = \"prompt\"\nprompt_headroom_blocks = 1\nhigh_watermark = 1.0\n",
+        ),
+        options,
+    )
+    .await;
+    let client = server.client();
+    let start = Instant::now();
+    let requests: Vec<_> = (0..4)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, 100))
+                    .await
+            })
+        })
+        .collect();
+    let mut used = 0;
+    for request in requests {
+        let reply = request.await.unwrap();
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.json());
+        assert_eq!(reply.json()["usage"]["completion_tokens"], 100);
+        used += used_tokens(&reply);
+    }
+    assert!(
+        server.engine.stats().preemptions_total > 0,
+        "the pool was overcommitted: {:?}",
+        server.engine.stats().preemptions_total
+    );
+    server.wait_for_idle_kv(WAIT).await;
+    assert_bucket_reflects_usage(&server, limit, used, start);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_the_engine_queue_wait_in_admission_instead_of_failing() {
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra: "max_concurrency = 8\ntokens_per_minute = 100000",
+        }],
+        "",
+    ))
+    .await;
+    // An engine whose submit queue takes one request: without the gate the other three would
+    // be answered 503 by the engine (`QueueFull`).
+    server.admission.limit_in_flight(PoolId::LOCAL, 1);
+    let client = server.client();
+    let running = hold_slot(&client, "sk-a", 300).await;
+    let waiting: Vec<_> = (0..3)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move { client.post(CHAT, Some("sk-a"), &chat("hi", 4)).await })
+        })
+        .collect();
+    wait_until(
+        "three requests queue behind the engine's bound",
+        WAIT,
+        || queued(&server, "a") == 3,
+    )
+    .await;
+    assert_eq!(
+        server.engine.stats().running + server.engine.stats().waiting,
+        1
+    );
+    drop(running);
+    for request in waiting {
+        let reply = request.await.unwrap();
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.json());
+    }
+    server.wait_for_idle_kv(WAIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_while_requests_are_queued_refuses_a_removed_keys_requests() {
+    let options = Options {
+        num_blocks: 48,
+        ..Options::default()
+    };
+    let tenants = |with_b: bool| {
+        let mut specs = vec![TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra: "max_concurrency = 1",
+        }];
+        if with_b {
+            specs.push(TenantSpec {
+                name: "b",
+                key: "sk-b",
+                extra: "",
+            });
+        }
+        specs
+    };
+    let before = policy(&tenants(true), "[kv]\nhigh_watermark = 1.0\n");
+    let server = TestServer::start_with(&before, options).await;
+    let client = server.client();
+    let running = hold_slot(&client, "sk-a", 300).await;
+    let post = |key: &'static str, max_tokens: u32| {
+        let client = client.clone();
+        tokio::spawn(async move { client.post(CHAT, Some(key), &chat("hi", max_tokens)).await })
+    };
+    // Held back by a's concurrency (1).
+    let small = post("sk-a", 4);
+    // The holder reserved ~21 of the 48 blocks; ~30 + 500 tokens (34 blocks) wait for KV.
+    let big = post("sk-b", 500);
+    wait_until("both requests queue", WAIT, || {
+        queued(&server, "a") == 1 && queued(&server, "b") == 1
+    })
+    .await;
+    // b's key is removed: its queued request is refused, not started.
+    let after = policy(&tenants(false), "[kv]\nhigh_watermark = 1.0\n");
+    std::fs::write(&server.policy_path, after).unwrap();
+    server.store.reload().expect("the new policy is valid");
+    let refused = big.await.unwrap();
+    assert_eq!(
+        refused.status,
+        StatusCode::UNAUTHORIZED,
+        "{:?}",
+        refused.json()
+    );
+    assert_eq!(refused.error_code(), "invalid_api_key");
+    // a's queued request stays and starts when the holder leaves.
+    drop(running);
+    let served = small.await.unwrap();
+    assert_eq!(served.status, StatusCode::OK, "{:?}", served.json());
+    server.wait_for_idle_kv(WAIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_longer_fit() {
+    let options = Options {
+        num_blocks: 48,
+        ..Options::default()
+    };
+    let spec = [TenantSpec {
+        name: "a",
+        key: "sk-a",
+        extra: "max_input_tokens = 400\nmax_output_tokens = 700\nmax_total_tokens = 1100",
+    }];
+    let server =
+        TestServer::start_with(&policy(&spec, "[kv]\nhigh_watermark = 1.0\n"), options).await;
+    let client = server.client();
+    // ~30 + 500 tokens: 34 blocks held; the next one (34 more) waits for KV.
+    let running = hold_slot(&client, "sk-a", 500).await;
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { client.post(CHAT, Some("sk-a"), &chat("hi", 500)).await })
+    };
+    wait_until("the second request queues", WAIT, || {
+        queued(&server, "a") == 1
+    })
+    .await;
+    std::fs::write(
+        &server.policy_path,
+        policy(&spec, "[kv]\nhigh_watermark = 0.5\n"),
+    )
+    .unwrap();
+    server.store.reload().expect("the new policy is valid");
+    let refused = waiting.await.unwrap();
+    assert_eq!(
+        refused.status,
+        StatusCode::BAD_REQUEST,
+        "{:?}",
+        refused.json()
+    );
+    assert_eq!(refused.error_code(), "context_length_exceeded");
+    assert_eq!(queued(&server, "a"), 0);
+    drop(running);
+    server.wait_for_idle_kv(WAIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_wait_longer_than_the_request_timeout_ends_in_admissions_answer() {
+    let mut options = Options::default();
+    options.serve.request_timeout = Duration::from_secs(2);
+    let server = TestServer::start_with(
+        &policy(
+            &[TenantSpec {
+                name: "a",
+                key: "sk-a",
+                extra: "max_concurrency = 1\nmax_queue_wait = \"60s\"\nrequests_per_minute = 2",
+            }],
+            "",
+        ),
+        options,
+    )
+    .await;
+    let client = server.client();
+    // A stream outlives the request timeout (it bounds the headers, not the body).
+    let running = hold_slot(&client, "sk-a", 300).await;
+    let started = Instant::now();
+    let waited = client.post(CHAT, Some("sk-a"), &chat("hi", 1)).await;
+    // Admission's 503 with Retry-After, before the timeout layer's bare 504.
+    assert_eq!(
+        waited.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        waited.json()
+    );
+    assert_eq!(waited.error_code(), "queue_timeout");
+    assert!(waited.header("retry-after").is_some());
+    assert!(started.elapsed() < Duration::from_secs(60));
+    assert_eq!(queued(&server, "a"), 0);
+    // It never ran: its request was refunded (2 per minute, the holder spent one).
+    let policy = server.store.current().tenant("a").unwrap();
+    let requests = server.admission.rate_headers(&policy).requests.unwrap();
+    assert!(requests.remaining >= 1, "{requests:?}");
+    drop(running);
+    server.wait_for_idle_kv(WAIT).await;
+}
+
+/// The 48 MiB measurement of issue 16, scaled down to run in seconds: a pool that holds one
+/// request at a time, 8 concurrent requests of ~40 + 100 tokens, a 4 s `max_queue_wait`.
+/// Whoever cannot start in time is told so at once (429 `kv_cache_saturated` with a
+/// Retry-After, well before the deadline), the rest are served, nobody waits out the
+/// deadline for a 503, and the token bucket ends where the served requests' usage puts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_backlog_that_cannot_drain_in_time_is_refused_at_once_and_the_rest_served() {
+    let options = Options {
+        num_blocks: 16,
+        ..Options::default()
+    };
+    let limit: u64 = 2000;
+    let max_wait = Duration::from_secs(4);
+    let extra = format!(
+        "max_concurrency = 16\ntokens_per_minute = {limit}\nmax_queue_wait = \"{}ms\"",
+        max_wait.as_millis()
+    );
+    let server = TestServer::start_with(
+        &policy(
+            &[TenantSpec {
+                name: "a",
+                key: "sk-a",
+                extra: &extra,
+            }],
+            "",
+        ),
+        options,
+    )
+    .await;
+    let client = server.client();
+    let start = Instant::now();
+    let requests: Vec<_> = (0..8)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                let reply = client
+                    .post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, 100))
+                    .await;
+                (reply, sent.elapsed())
+            })
+        })
+        .collect();
+    let (mut served, mut refused, mut used) = (0, 0, 0);
+    for request in requests {
+        let (reply, took) = request.await.unwrap();
+        match reply.status {
+            StatusCode::OK => {
+                served += 1;
+                used += used_tokens(&reply);
+            }
+            StatusCode::TOO_MANY_REQUESTS => {
+                refused += 1;
+                assert_eq!(reply.error_code(), "kv_cache_saturated");
+                let retry: u64 = reply.header("retry-after").unwrap().parse().unwrap();
+                assert!((1..=120).contains(&retry), "retry-after {retry}");
+                assert!(took < max_wait, "refused after {took:?}, not at once");
+            }
+            other => panic!("{other}: {:?}", reply.json()),
+        }
+    }
+    assert!(
+        served >= 1 && refused >= 1,
+        "served {served}, refused {refused}"
+    );
+    server.wait_for_idle_kv(WAIT).await;
+    assert_bucket_reflects_usage(&server, limit, used, start);
+}
