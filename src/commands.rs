@@ -1,7 +1,7 @@
 //! The one-shot commands: generate, tokenize, bench, plan, policy, top, fetch-model,
 //! synth-model.
 
-use std::io::{IsTerminal, Read, Write};
+use std::io::{Read, Write};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -19,11 +19,10 @@ use kvgate_runtime::provision;
 use kvgate_runtime::sequence::{SamplingParams, StopParams};
 use kvgate_runtime::synth::{SynthModel, SynthSpec};
 use kvgate_runtime::tokenizer::Tokenizer;
-use tracing_subscriber::EnvFilter;
 
 use crate::cli::{
-    BenchArgs, GenerateArgs, ModelArgs, PlanCliArgs, PolicyCommand, SynthModelArgs, TokenizeArgs,
-    TopArgs,
+    BenchArgs, GenerateArgs, LogFormat, ModelArgs, PlanCliArgs, PolicyCommand, SynthModelArgs,
+    TokenizeArgs, TopArgs,
 };
 
 /// Loads the model named by `args` (fetching the default one if needed) and starts the engine.
@@ -52,22 +51,8 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
 /// Logs of the one-shot commands go to stderr and stay quiet unless `RUST_LOG` asks (e.g.
 /// `RUST_LOG=info` shows the device choice and the KV plan): stdout carries only results, and
 /// a failure stays one line on stderr.
-fn init_cli_logging() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
-    let ansi = crate::serve::use_color(
-        std::io::stderr().is_terminal(),
-        std::env::var_os("NO_COLOR").as_deref(),
-    );
-    // A subscriber already set (none is, today) keeps its settings.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 pub fn generate(args: GenerateArgs) -> Result<()> {
-    init_cli_logging();
+    crate::logging::init(LogFormat::Plain, "warn");
     if !(0.0..=2.0).contains(&args.temperature) {
         bail!(
             "--temperature must be within [0, 2], got {}",
@@ -131,7 +116,7 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
-    init_cli_logging();
+    crate::logging::init(LogFormat::Plain, "warn");
     let runtime = start_runtime(&args.model)?;
     if args.kv_waste {
         let report = measure_kv_waste(&runtime, &KvWasteOptions::default())?;

@@ -2,6 +2,7 @@
 
 mod cli;
 mod commands;
+mod logging;
 #[cfg(test)]
 mod readme_commands;
 mod serve;

@@ -2,7 +2,6 @@
 //! the OpenAI API (and proxy the `--upstream` models) until SIGTERM/SIGINT, drain in-flight
 //! requests within the grace period, exit 0.
 
-use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,11 +15,10 @@ use kvgate_gateway::server::{self, ServeConfig, ServeError};
 use kvgate_gateway::shutdown;
 use kvgate_gateway::upstream::Upstreams;
 use kvgate_gateway::validate::PromptCodec;
-use tracing_subscriber::EnvFilter;
 
 use kvgate_runtime::kv_math::parse_size;
 
-use crate::cli::{LogFormat, MetricsCompat, ServeArgs};
+use crate::cli::{MetricsCompat, ServeArgs};
 use crate::commands::start_runtime;
 
 /// `policies/default.toml`, built in: `kvgate serve` without `--policy` works from any
@@ -30,7 +28,7 @@ pub const DEFAULT_POLICY: &str = include_str!("../policies/default.toml");
 const DEFAULT_POLICY_NAME: &str = "(built-in policies/default.toml)";
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    init_logging(args.log_format);
+    crate::logging::init(args.log_format, "info");
     // Check the policy before spending time on the model: a typo should fail in milliseconds.
     let store = load_policy(args.policy.as_deref())?;
     let memory_budget_bytes = match &args.memory_budget {
@@ -158,44 +156,9 @@ fn bind_error(error: ServeError) -> anyhow::Error {
     }
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let ansi = use_color(
-        std::io::stderr().is_terminal(),
-        std::env::var_os("NO_COLOR").as_deref(),
-    );
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Plain => builder.init(),
-    }
-}
-
-/// Colour only on a terminal, and never when `NO_COLOR` is set to anything non-empty
-/// (<https://no-color.org>): logs piped to files or journald stay plain text.
-pub(crate) fn use_color(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
-    stderr_is_terminal && no_color.is_none_or(|value| value.is_empty())
-}
-
 #[cfg(test)]
 mod tests {
-    use std::ffi::OsStr;
-
     use super::*;
-
-    #[test]
-    fn colour_only_on_a_terminal_without_no_color() {
-        assert!(use_color(true, None));
-        assert!(
-            use_color(true, Some(OsStr::new(""))),
-            "an empty NO_COLOR is unset"
-        );
-        assert!(!use_color(true, Some(OsStr::new("1"))));
-        assert!(!use_color(false, None));
-    }
 
     #[test]
     fn without_a_policy_file_the_built_in_default_loads() {
