@@ -54,7 +54,7 @@ def percentile(values, q):
 
 
 class Server:
-    """`kvgate serve` on an ephemeral port; the port is read from its `serving` log line."""
+    """`kvgate serve` on an ephemeral port; the port is read from its `kvgate ready` log line."""
 
     def __init__(self, binary, policy, extra):
         cmd = [binary, "serve", "--policy", policy, "--listen", "127.0.0.1:0",
@@ -65,7 +65,7 @@ class Server:
         deadline = time.time() + 300
         for line in self.proc.stderr:
             found = re.search(r"127\.0\.0\.1:(\d+)", line)
-            if "serving" in line and found:
+            if "kvgate ready" in line and found:
                 self.port = int(found.group(1))
                 break
             if time.time() > deadline:
