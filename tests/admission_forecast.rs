@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    LONG_ANSWER, Options, Reply, TenantSpec, TestServer, chat, hold_slot, policy, queued,
+    Client, LONG_ANSWER, Options, Reply, TenantSpec, TestServer, chat, hold_slot, policy, queued,
     wait_until,
 };
 use hyper::StatusCode;
@@ -16,6 +16,38 @@ use kvgate_gateway::admission::PoolId;
 
 const CHAT: &str = "/v1/chat/completions";
 const WAIT: Duration = Duration::from_secs(120);
+
+/// A server whose policy has one tenant, `a` (key `sk-a`), with the tenant settings `extra`
+/// and the policy-level `sections` (e.g. `[kv]` settings).
+async fn tenant_a_server(extra: &str, sections: &str, options: Options) -> TestServer {
+    let spec = [TenantSpec {
+        name: "a",
+        key: "sk-a",
+        extra,
+    }];
+    TestServer::start_with(&policy(&spec, sections), options).await
+}
+
+/// `n` concurrent chats of tenant `a`, each asking for `max_tokens` of a long answer; each
+/// task yields its reply and the time from its own send to the reply.
+fn spawn_long_chats(
+    client: &Client,
+    n: usize,
+    max_tokens: u32,
+) -> Vec<tokio::task::JoinHandle<(Reply, Duration)>> {
+    (0..n)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                let reply = client
+                    .post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, max_tokens))
+                    .await;
+                (reply, sent.elapsed())
+            })
+        })
+        .collect()
+}
 
 /// prompt_tokens + completion_tokens of a 200 reply.
 fn used_tokens(reply: &Reply) -> u64 {
@@ -56,33 +88,17 @@ async fn prompt_reservations_overcommit_preempt_and_still_finish_every_request()
     };
     let limit = 100_000;
     let extra = format!("tokens_per_minute = {limit}\nmax_concurrency = 4");
-    let server = TestServer::start_with(
-        &policy(
-            &[TenantSpec {
-                name: "a",
-                key: "sk-a",
-                extra: &extra,
-            }],
-            "[kv]\nreservation = \"prompt\"\nprompt_headroom_blocks = 1\nhigh_watermark = 1.0\n",
-        ),
+    let server = tenant_a_server(
+        &extra,
+        "[kv]\nreservation = \"prompt\"\nprompt_headroom_blocks = 1\nhigh_watermark = 1.0\n",
         options,
     )
     .await;
-    let client = server.client();
     let start = Instant::now();
-    let requests: Vec<_> = (0..4)
-        .map(|_| {
-            let client = client.clone();
-            tokio::spawn(async move {
-                client
-                    .post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, 100))
-                    .await
-            })
-        })
-        .collect();
+    let requests = spawn_long_chats(&server.client(), 4, 100);
     let mut used = 0;
     for request in requests {
-        let reply = request.await.unwrap();
+        let (reply, _) = request.await.unwrap();
         assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.json());
         assert_eq!(reply.json()["usage"]["completion_tokens"], 100);
         used += used_tokens(&reply);
@@ -98,14 +114,11 @@ async fn prompt_reservations_overcommit_preempt_and_still_finish_every_request()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_engine_queue_wait_in_admission_instead_of_failing() {
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra: "max_concurrency = 8\ntokens_per_minute = 100000",
-        }],
+    let server = tenant_a_server(
+        "max_concurrency = 8\ntokens_per_minute = 100000",
         "",
-    ))
+        Options::default(),
+    )
     .await;
     // An engine whose submit queue takes one request: without the gate the other three would
     // be answered 503 by the engine (`QueueFull`).
@@ -239,15 +252,9 @@ async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_long
 async fn a_queue_wait_longer_than_the_request_timeout_ends_in_admissions_answer() {
     let mut options = Options::default();
     options.serve.request_timeout = Duration::from_secs(2);
-    let server = TestServer::start_with(
-        &policy(
-            &[TenantSpec {
-                name: "a",
-                key: "sk-a",
-                extra: "max_concurrency = 1\nmax_queue_wait = \"60s\"\nrequests_per_minute = 2",
-            }],
-            "",
-        ),
+    let server = tenant_a_server(
+        "max_concurrency = 1\nmax_queue_wait = \"60s\"\nrequests_per_minute = 2",
+        "",
         options,
     )
     .await;
@@ -292,32 +299,9 @@ async fn a_kv_backlog_that_cannot_drain_in_time_is_refused_at_once_and_the_rest_
         "max_concurrency = 16\ntokens_per_minute = {limit}\nmax_queue_wait = \"{}ms\"",
         max_wait.as_millis()
     );
-    let server = TestServer::start_with(
-        &policy(
-            &[TenantSpec {
-                name: "a",
-                key: "sk-a",
-                extra: &extra,
-            }],
-            "",
-        ),
-        options,
-    )
-    .await;
-    let client = server.client();
+    let server = tenant_a_server(&extra, "", options).await;
     let start = Instant::now();
-    let requests: Vec<_> = (0..8)
-        .map(|_| {
-            let client = client.clone();
-            tokio::spawn(async move {
-                let sent = Instant::now();
-                let reply = client
-                    .post(CHAT, Some("sk-a"), &chat(LONG_ANSWER, 100))
-                    .await;
-                (reply, sent.elapsed())
-            })
-        })
-        .collect();
+    let requests = spawn_long_chats(&server.client(), 8, 100);
     let (mut served, mut refused, mut used) = (0, 0, 0);
     for request in requests {
         let (reply, took) = request.await.unwrap();
