@@ -84,8 +84,15 @@ fn prefill_by_tenant(s: &Scheduler, batch: &ScheduledBatch) -> HashMap<String, u
 fn step(s: &mut Scheduler) -> ScheduledBatch {
     let mut batch = ScheduledBatch::default();
     s.schedule(&mut batch);
+    finish_step(s, &batch);
+    batch
+}
+
+/// The second half of [`step`], for tests that inspect a batch between scheduling and
+/// postprocessing.
+fn finish_step(s: &mut Scheduler, batch: &ScheduledBatch) {
     let sampled = vec![7; batch.seqs.iter().filter(|e| e.needs_logits).count()];
-    s.postprocess(&batch, &sampled);
+    s.postprocess(batch, &sampled);
     for seq in s.running_mut() {
         if seq.num_output_tokens() >= seq.stop.max_tokens {
             seq.status = SeqStatus::Finished;
@@ -93,7 +100,6 @@ fn step(s: &mut Scheduler) -> ScheduledBatch {
     }
     let mut done = Vec::new();
     s.take_finished(&mut done);
-    batch
 }
 
 #[test]
@@ -382,15 +388,7 @@ fn weighted_shares_over_many_steps_match_the_weights() {
         for (tenant, tokens) in prefill_by_tenant(&s, &batch) {
             *totals.entry(tenant).or_insert(0) += tokens;
         }
-        let sampled = vec![7; batch.seqs.iter().filter(|e| e.needs_logits).count()];
-        s.postprocess(&batch, &sampled);
-        for q in s.running_mut() {
-            if q.num_output_tokens() >= q.stop.max_tokens {
-                q.status = SeqStatus::Finished;
-            }
-        }
-        let mut done = Vec::new();
-        s.take_finished(&mut done);
+        finish_step(&mut s, &batch);
     }
     let all: usize = totals.values().sum();
     for (tenant, weight) in weights {
@@ -453,19 +451,11 @@ fn a_long_prompt_is_not_starved_by_a_stream_of_short_ones() {
         }
         let mut batch = ScheduledBatch::default();
         s.schedule(&mut batch);
-        let sampled = vec![7; batch.seqs.iter().filter(|e| e.needs_logits).count()];
         let long_done = batch
             .seqs
             .iter()
             .any(|e| e.needs_logits && s.running()[e.index].id == SeqId(0));
-        s.postprocess(&batch, &sampled);
-        for q in s.running_mut() {
-            if q.num_output_tokens() >= q.stop.max_tokens {
-                q.status = SeqStatus::Finished;
-            }
-        }
-        let mut done = Vec::new();
-        s.take_finished(&mut done);
+        finish_step(&mut s, &batch);
         if long_done {
             finished_at = Some(n);
             break;
