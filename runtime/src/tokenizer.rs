@@ -1,23 +1,26 @@
-//! Byte-level BPE tokenizer built from a GGUF vocabulary, token for token equal to llama.cpp's.
+//! Tokenizers built from a GGUF vocabulary, token for token equal to llama.cpp's.
 //!
-//! Encoding is llama.cpp's pipeline: cut out special tokens ([`special`]), pre-tokenize each
-//! remaining fragment into words ([`pretokenize`]), then merge each word's bytes. Merging runs on
-//! tiktoken-rs's `CoreBPE` (rank-based, O(n log n) on long words). A rank is a token's merge
-//! priority: the position of the merge in `tokenizer.ggml.merges` that creates it, so the result
-//! is the merge-list BPE llama.cpp runs (in SmolLM2 that order is also the token-id order; tests
-//! check both claims on the real vocabulary). Words containing a byte the vocabulary has no token
-//! for (SmolLM2 lacks six ASCII control bytes and 0xF1/0xF2) go through [`merge_bpe`], which
-//! drops that byte and merges around it exactly as llama.cpp does.
+//! Encoding is llama.cpp's pipeline: cut out special tokens ([`special`]), then encode each
+//! remaining plain-text fragment with the vocabulary's model:
+//! - byte-level BPE (`tokenizer.ggml.model = gpt2`: GPT-2, SmolLM2, Llama 3, Qwen2; [`bpe`]):
+//!   pre-tokenize into words ([`pretokenize`]), then merge each word's bytes by merge rank on
+//!   tiktoken-rs's `CoreBPE`;
+//! - SentencePiece (`tokenizer.ggml.model = llama`: Llama 2, Mistral, Phi-3; [`spm`]): spaces
+//!   become `▁` (with one in front of text that starts the input or follows a special token,
+//!   `add_space_prefix`), then characters merge by piece score, with `<0xXX>` byte fallback.
 //!
-//! Decoding maps the GPT-2 byte spelling ([`byte_level`]) back to raw bytes. Control tokens
-//! decode to nothing, like llama.cpp's detokenizer with `special = false`;
-//! [`Tokenizer::decode_with_special`] renders them.
+//! Decoding maps each token back to raw bytes: the GPT-2 byte spelling ([`byte_level`]) for BPE,
+//! `▁` → space and `<0xXX>` → that byte for SentencePiece. Control tokens decode to nothing,
+//! like llama.cpp's detokenizer with `special = false`; [`Tokenizer::decode_with_special`]
+//! renders them.
 
+mod bpe;
 mod byte_level;
 mod chat;
 mod merge_bpe;
 mod pretokenize;
 mod special;
+mod spm;
 mod stream;
 #[cfg(test)]
 mod tests;
@@ -29,13 +32,12 @@ pub use vocab::TokenKind;
 
 use crate::chat_template::{ChatMessage, ChatTemplate, FALLBACK_CHATML, TemplateError};
 use crate::gguf::GgufFile;
+use bpe::BpeModel;
 use byte_level::ByteDecoder;
-use merge_bpe::MergeBpe;
-use pretokenize::PreTokenizer;
 use special::{Fragment, SpecialToken};
-use std::collections::{BTreeSet, HashMap};
-use tiktoken_rs::CoreBPE;
-use vocab::Vocab;
+use spm::SpmModel;
+use std::collections::BTreeSet;
+use vocab::{ModelKind, Vocab};
 
 /// Why a GGUF vocabulary cannot be turned into a tokenizer.
 #[derive(Debug, thiserror::Error)]
@@ -43,11 +45,13 @@ pub enum TokenizerError {
     #[error("GGUF file has no `{0}`")]
     Missing(&'static str),
     #[error(
-        "tokenizer model `{0}` is not supported: kvgate implements byte-level BPE (`gpt2`) only"
+        "tokenizer model `{0}` is not supported: kvgate implements byte-level BPE (`gpt2`) and \
+         SentencePiece (`llama`)"
     )]
     UnsupportedModel(String),
     #[error(
-        "pre-tokenizer `{0}` is not supported (supported: smollm and GPT-2 style pre-tokenizers)"
+        "pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm, llama-bpe, qwen2 and \
+         their aliases)"
     )]
     UnsupportedPreTokenizer(String),
     #[error("invalid vocabulary: {0}")]
@@ -56,21 +60,12 @@ pub enum TokenizerError {
     Regex(String),
 }
 
-/// A GGUF byte-level BPE tokenizer. `Send + Sync`; share it behind an `Arc`.
+/// A GGUF tokenizer (byte-level BPE or SentencePiece). `Send + Sync`; share it behind an `Arc`.
 pub struct Tokenizer {
     texts: Vec<String>,
     kinds: Vec<TokenKind>,
     spellings: TokenSpellings,
-    bpe: CoreBPE,
-    /// Whole-word shortcut: most words are one token, and a hash lookup is far cheaper than a
-    /// CoreBPE call (CoreBPE takes the same shortcut, after a regex search).
-    token_of_word: HashMap<Box<[u8]>, u32>,
-    /// CoreBPE speaks ranks (merge priority); this maps them back to token ids.
-    id_of_rank: Vec<u32>,
-    /// Bytes no token spells; words containing one take the `merge_bpe` path.
-    unencodable: [bool; 256],
-    merge_bpe: MergeBpe,
-    pre: PreTokenizer,
+    model: Model,
     specials: Vec<SpecialToken>,
     bos: Option<u32>,
     eos: Option<u32>,
@@ -79,40 +74,27 @@ pub struct Tokenizer {
     chat_template: Result<ChatTemplate, TemplateError>,
 }
 
+/// How plain text becomes tokens: the part of the tokenizer that differs between models.
+enum Model {
+    BytePairs(BpeModel),
+    SentencePiece(SpmModel),
+}
+
 impl Tokenizer {
-    /// Builds the tokenizer for a byte-level BPE (`tokenizer.ggml.model = gpt2`) vocabulary.
+    /// Builds the tokenizer for a byte-level BPE (`tokenizer.ggml.model = gpt2`) or
+    /// SentencePiece (`llama`) vocabulary.
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {
         Self::from_vocab(Vocab::from_gguf(gguf)?)
     }
 
     fn from_vocab(vocab: Vocab) -> Result<Self, TokenizerError> {
-        let pre = PreTokenizer::for_pre_type(&vocab.pre)?;
         let (spellings, is_plain_bpe_token) = TokenSpellings::new(&vocab);
-        let span = |id: usize| spellings.get(id);
-        let merges = vocab
-            .merges
-            .as_deref()
-            .ok_or(TokenizerError::Missing("tokenizer.ggml.merges"))?;
-        let ranked = RankedMerges::new(&vocab.texts, merges, &is_plain_bpe_token, span);
-
-        let mut byte_token = [None; 256];
-        let mut encoder = HashMap::default();
-        let mut token_of_word = HashMap::with_capacity(ranked.ids.len());
-        let mut id_of_rank = vec![0u32; ranked.ids.len()];
-        for (rank, &id) in ranked.ids.iter().enumerate() {
-            let token = span(id as usize);
-            if let [b] = token {
-                byte_token[*b as usize].get_or_insert(id);
+        let model = match vocab.model {
+            ModelKind::BytePairs => {
+                Model::BytePairs(BpeModel::new(&vocab, &spellings, &is_plain_bpe_token)?)
             }
-            encoder.entry(token.to_vec()).or_insert(rank as u32);
-            token_of_word.entry(Box::from(token)).or_insert(id);
-            id_of_rank[rank] = id;
-        }
-        let unencodable = byte_token.map(|t| t.is_none());
-        let merge_bpe = MergeBpe::new(byte_token, &ranked.merges);
-        // One pattern matching the whole input: the words are cut by `pre`, CoreBPE only merges.
-        let bpe = CoreBPE::new(encoder, HashMap::default(), r"(?s).+")
-            .map_err(|e| TokenizerError::Invalid(format!("BPE tables: {e}")))?;
+            ModelKind::SentencePiece => Model::SentencePiece(SpmModel::new(&vocab)),
+        };
 
         let specials = special::matching_order(special_tokens(&vocab));
         let text_of = |id: Option<u32>| {
@@ -128,12 +110,7 @@ impl Tokenizer {
             texts: vocab.texts,
             kinds: vocab.kinds,
             spellings,
-            bpe,
-            token_of_word,
-            id_of_rank,
-            unencodable,
-            merge_bpe,
-            pre,
+            model,
             specials,
             bos: vocab.bos,
             eos: vocab.eos,
@@ -154,16 +131,24 @@ impl Tokenizer {
     /// Token ids of partitioned text (`text_len` bytes in all, to size the output).
     fn encode_fragments(&self, fragments: Vec<Fragment<'_>>, text_len: usize) -> Vec<u32> {
         let mut ids = Vec::with_capacity(text_len / 3 + 1);
-        let mut words = Vec::new();
+        // SentencePiece's leading space goes before text at the start and after each special
+        // token (llama.cpp's `is_prev_special`, true at the start).
+        let mut after_special = true;
         for fragment in fragments {
             match fragment {
-                Fragment::Token(id) => ids.push(id),
+                Fragment::Token(id) => {
+                    ids.push(id);
+                    after_special = true;
+                }
                 Fragment::Text(text) => {
-                    words.clear();
-                    self.pre.split(text, &mut words);
-                    for word in &words {
-                        self.encode_word(word, &mut ids);
+                    match &self.model {
+                        Model::BytePairs(bpe) => bpe.encode(text, &mut ids),
+                        Model::SentencePiece(spm) => {
+                            let prefix = spm.add_space_prefix && after_special;
+                            spm.encode(&spm::escape_spaces(text, prefix), &mut ids);
+                        }
                     }
+                    after_special = false;
                 }
             }
         }
@@ -178,20 +163,6 @@ impl Tokenizer {
         }
         ids.extend(self.encode(text, parse_special));
         ids
-    }
-
-    fn encode_word(&self, word: &str, ids: &mut Vec<u32>) {
-        if word.bytes().any(|b| self.unencodable[b as usize]) {
-            // Rare (control bytes, unassigned planes); CoreBPE would panic on the missing byte.
-            self.merge_bpe.encode(word.as_bytes(), ids);
-            return;
-        }
-        if let Some(&id) = self.token_of_word.get(word.as_bytes()) {
-            ids.push(id);
-            return;
-        }
-        let ranks = self.bpe.encode_ordinary(word);
-        ids.extend(ranks.into_iter().map(|r| self.id_of_rank[r as usize]));
     }
 
     /// Text of `ids`, lossily. Control tokens (BOS, `<|im_end|>`, …) contribute nothing, as in
@@ -297,51 +268,6 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
-/// The merge list resolved to token ids, and the tokens in rank order (merge priority).
-struct RankedMerges {
-    /// Single-byte tokens first, then each merge's result in merge order. Tokens no merge
-    /// creates are left out: merge-list BPE can never produce them.
-    ids: Vec<u32>,
-    /// (left id, right id, merged id) in priority order.
-    merges: Vec<(u32, u32, u32)>,
-}
-
-impl RankedMerges {
-    fn new<'b>(
-        texts: &[String],
-        merges: &[(String, String)],
-        is_plain: &[bool],
-        span: impl Fn(usize) -> &'b [u8],
-    ) -> Self {
-        let plain_ids = || (0..texts.len()).filter(|&id| is_plain[id]);
-        let mut ids: Vec<u32> = plain_ids()
-            .filter(|&id| span(id).len() == 1)
-            .map(|id| id as u32)
-            .collect();
-        let id_of: HashMap<&str, u32> = plain_ids()
-            .map(|id| (texts[id].as_str(), id as u32))
-            .collect();
-        let mut seen = vec![false; texts.len()];
-        let mut resolved = Vec::with_capacity(merges.len());
-        for (left, right) in merges {
-            let merged = id_of.get(format!("{left}{right}").as_str());
-            // A merge whose parts or result are not tokens can never fire in llama.cpp either.
-            if let (Some(&l), Some(&r), Some(&m)) =
-                (id_of.get(left.as_str()), id_of.get(right.as_str()), merged)
-            {
-                resolved.push((l, r, m));
-                if !std::mem::replace(&mut seen[m as usize], true) {
-                    ids.push(m);
-                }
-            }
-        }
-        Self {
-            ids,
-            merges: resolved,
-        }
-    }
-}
-
 /// Raw bytes of every token, back to back.
 struct TokenSpellings {
     bytes: Vec<u8>,
@@ -353,6 +279,7 @@ impl TokenSpellings {
     /// The spellings, and for each token whether it is a plain GPT-2-spelled BPE token.
     fn new(vocab: &Vocab) -> (Self, Vec<bool>) {
         let byte_decoder = ByteDecoder::new();
+        let spm = vocab.model == ModelKind::SentencePiece;
         let mut spellings = Self {
             bytes: Vec::new(),
             offsets: vec![0],
@@ -360,6 +287,8 @@ impl TokenSpellings {
         let mut is_plain = Vec::with_capacity(vocab.texts.len());
         for (text, kind) in vocab.texts.iter().zip(&vocab.kinds) {
             let (bytes, all_mapped) = match kind {
+                // SentencePiece pieces are UTF-8 with `▁` for a space.
+                TokenKind::Normal if spm => (text.replace(spm::SPACE, " ").into_bytes(), false),
                 TokenKind::Normal => byte_decoder.decode(text),
                 TokenKind::Byte => (parse_byte_token(text).into_iter().collect(), false),
                 // Added tokens are stored verbatim, not in the GPT-2 spelling.

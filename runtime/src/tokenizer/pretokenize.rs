@@ -7,9 +7,16 @@
 //! `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)`. A single combined
 //! regex is not equivalent (" 123" becomes " ", "1", "2", "3" here).
 //!
-//! llama.cpp does not run the GPT-2 regex: it runs a hand-written scanner
-//! (`unicode_regex_split_custom_gpt2`). [`PreTokenizer::split_gpt2`] is a port of that scanner,
-//! which is also several times faster than a regex engine here (no per-word search set-up).
+//! Llama 3 (`llama-bpe`) and Qwen2 (`qwen2`) use one regex each,
+//! `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`,
+//! Qwen2's with `\p{N}` (one digit a word) where Llama 3 has `\p{N}{1,3}`.
+//!
+//! llama.cpp does not run the GPT-2 and Llama 3 regexes: it runs hand-written scanners
+//! (`unicode_regex_split_custom_gpt2`, `…_llama3`). [`PreTokenizer::split_gpt2`] and
+//! [`PreTokenizer::split_llama3`] are ports of them, which are also several times faster than a
+//! regex engine here (no per-word search set-up). For Qwen2 llama.cpp runs the regex itself on
+//! text whose non-ASCII characters are collapsed to their class; the Llama 3 scanner with runs of
+//! one digit is that regex's behaviour (the two regexes differ only there).
 //! Character classes come from regex-syntax's Unicode tables (`\p{L}`, `\p{N}`) and Rust's
 //! `White_Space` (llama.cpp's whitespace set is the same property).
 
@@ -50,6 +57,21 @@ const GPT2_ONLY: &[&str] = &[
     "trillion",
     "granite-docling",
 ];
+
+/// `tokenizer.ggml.pre` values whose llama.cpp regex is the Llama 3 one (`\p{N}{1,3}`).
+const LLAMA3: &[&str] = &[
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+];
+
+/// `tokenizer.ggml.pre` values whose llama.cpp regex is Qwen2's (Llama 3's with `\p{N}`).
+const QWEN2: &[&str] = &["qwen2", "deepseek-r1-qwen", "kormo", "megrez"];
 
 /// The four disjoint classes the GPT-2 scanner distinguishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,32 +152,66 @@ fn unicode_ranges(class: &str) -> Result<Vec<(char, char)>, TokenizerError> {
     }
 }
 
+/// Which scanner cuts the words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scheme {
+    /// The GPT-2 regex; with `split_numbers`, after the `\p{N}` stage (every number character
+    /// its own piece).
+    Gpt2 { split_numbers: bool },
+    /// The Llama 3 regex, number runs cut every `max_digits` characters (3; Qwen2: 1).
+    Llama3 { max_digits: usize },
+}
+
 /// A pre-tokenizer for one `tokenizer.ggml.pre` value.
 pub(super) struct PreTokenizer {
-    /// Whether the `\p{N}` stage runs first (every number character its own piece).
-    split_numbers: bool,
+    scheme: Scheme,
+    /// llama.cpp's `ignore_merges` (Llama 3): a word that is a token is taken whole.
+    ignore_merges: bool,
     classes: CharClasses,
 }
 
 impl PreTokenizer {
     /// The pre-tokenizer llama.cpp uses for `pre`; unsupported names are an error naming them.
     pub(super) fn for_pre_type(pre: &str) -> Result<Self, TokenizerError> {
-        let split_numbers = if DIGITS_THEN_GPT2.contains(&pre) {
-            true
+        let (scheme, ignore_merges) = if DIGITS_THEN_GPT2.contains(&pre) {
+            (
+                Scheme::Gpt2 {
+                    split_numbers: true,
+                },
+                false,
+            )
         } else if GPT2_ONLY.contains(&pre) {
-            false
+            (
+                Scheme::Gpt2 {
+                    split_numbers: false,
+                },
+                false,
+            )
+        } else if LLAMA3.contains(&pre) {
+            (Scheme::Llama3 { max_digits: 3 }, true)
+        } else if QWEN2.contains(&pre) {
+            (Scheme::Llama3 { max_digits: 1 }, false)
         } else {
             return Err(TokenizerError::UnsupportedPreTokenizer(pre.to_string()));
         };
         Ok(Self {
-            split_numbers,
+            scheme,
+            ignore_merges,
             classes: CharClasses::new()?,
         })
     }
 
+    pub(super) fn ignores_merges(&self) -> bool {
+        self.ignore_merges
+    }
+
     /// Appends the words of `text` to `words`, in order; their concatenation is `text`.
     pub(super) fn split<'t>(&self, text: &'t str, words: &mut Vec<&'t str>) {
-        if !self.split_numbers {
+        let split_numbers = match self.scheme {
+            Scheme::Llama3 { max_digits } => return self.split_llama3(text, max_digits, words),
+            Scheme::Gpt2 { split_numbers } => split_numbers,
+        };
+        if !split_numbers {
             return self.split_gpt2(text, words);
         }
         let mut gap_start = 0;
@@ -167,6 +223,107 @@ impl PreTokenizer {
             }
         }
         self.split_gpt2(&text[gap_start..], words);
+    }
+
+    /// Port of llama.cpp's `unicode_regex_split_custom_llama3`, with the digit-run length as a
+    /// parameter.
+    fn split_llama3<'t>(&self, piece: &'t str, max_digits: usize, words: &mut Vec<&'t str>) {
+        let chars: Vec<(usize, char)> = piece.char_indices().collect();
+        let n = chars.len();
+        // Positions past the end classify as `None`, like llama.cpp's OUT_OF_RANGE.
+        let class = |i: usize| chars.get(i).map(|&(_, c)| self.classes.of(c));
+        let char_at = |i: usize| chars.get(i).map(|&(_, c)| c);
+        let byte_at = |i: usize| chars.get(i).map_or(piece.len(), |&(offset, _)| offset);
+        let is_newline = |c: Option<char>| matches!(c, Some('\r' | '\n'));
+        let mut start = 0;
+        let mut push = |end: usize, words: &mut Vec<&'t str>| {
+            if end > start {
+                words.push(&piece[byte_at(start)..byte_at(end)]);
+            }
+            start = end;
+        };
+        let mut pos = 0;
+        while pos < n {
+            let c = chars[pos].1;
+            let here = class(pos);
+            // (?i:'s|'t|'re|'ve|'m|'ll|'d)
+            if c == '\'' && pos + 1 < n {
+                let next = chars[pos + 1].1.to_ascii_lowercase();
+                if matches!(next, 's' | 't' | 'm' | 'd') {
+                    pos += 2;
+                    push(pos, words);
+                    continue;
+                }
+                let after = char_at(pos + 2).map(|c| c.to_ascii_lowercase());
+                if matches!(
+                    (next, after),
+                    ('r', Some('e')) | ('v', Some('e')) | ('l', Some('l'))
+                ) {
+                    pos += 3;
+                    push(pos, words);
+                    continue;
+                }
+            }
+            // [^\r\n\p{L}\p{N}]?\p{L}+
+            if !is_newline(Some(c))
+                && here != Some(CharClass::Number)
+                && (here == Some(CharClass::Letter) || class(pos + 1) == Some(CharClass::Letter))
+            {
+                pos += 1;
+                while class(pos) == Some(CharClass::Letter) {
+                    pos += 1;
+                }
+                push(pos, words);
+                continue;
+            }
+            // \p{N}{1,max_digits}
+            if here == Some(CharClass::Number) {
+                let mut run_start = pos;
+                while class(pos) == Some(CharClass::Number) {
+                    pos += 1;
+                    if pos - run_start >= max_digits {
+                        push(pos, words);
+                        run_start = pos;
+                    }
+                }
+                push(pos, words);
+                continue;
+            }
+            // ` ?[^\s\p{L}\p{N}]+[\r\n]*`
+            let run_class = if c == ' ' { class(pos + 1) } else { here };
+            if run_class == Some(CharClass::Other) {
+                pos += usize::from(c == ' ');
+                while class(pos) == Some(CharClass::Other) {
+                    pos += 1;
+                }
+                while is_newline(char_at(pos)) {
+                    pos += 1;
+                }
+                push(pos, words);
+                continue;
+            }
+            let mut spaces = 0;
+            let mut last_newline_end = None;
+            while class(pos + spaces) == Some(CharClass::Space) {
+                if is_newline(char_at(pos + spaces)) {
+                    last_newline_end = Some(pos + spaces + 1);
+                }
+                spaces += 1;
+            }
+            // \s*[\r\n]+
+            if let Some(end) = last_newline_end {
+                pos = end;
+            } else if spaces > 1 && pos + spaces < n {
+                // \s+(?!\S): the last space goes to the next word.
+                pos += spaces - 1;
+            } else if spaces > 0 {
+                // \s+
+                pos += spaces;
+            } else {
+                pos += 1;
+            }
+            push(pos, words);
+        }
     }
 
     /// Port of llama.cpp's `unicode_regex_split_custom_gpt2` over one piece.
@@ -279,8 +436,26 @@ mod tests {
     }
 
     #[test]
+    fn llama3_cuts_numbers_in_threes_and_keeps_newlines_together() {
+        assert_eq!(words("llama-bpe", "1234567"), ["123", "456", "7"]);
+        assert_eq!(words("qwen2", "x 123"), ["x", " ", "1", "2", "3"]);
+        assert_eq!(words("llama-bpe", "Hello world"), ["Hello", " world"]);
+        // A non-letter, non-newline character leads a letter run ("(hello"), but only one.
+        assert_eq!(
+            words("llama-bpe", "(hello) .Net"),
+            ["(hello", ")", " .", "Net"]
+        );
+        assert_eq!(words("llama-bpe", "a \n\n b"), ["a", " \n\n", " b"]);
+        assert_eq!(words("llama-bpe", "x;\n\ny"), ["x", ";\n\n", "y"]);
+        assert_eq!(words("llama-bpe", "a   b  "), ["a", "  ", " b", "  "]);
+        // Contractions are case-insensitive in Llama 3, not in GPT-2.
+        assert_eq!(words("llama-bpe", "IT'S we'LL"), ["IT", "'S", " we", "'LL"]);
+        assert_eq!(words("gpt-2", "IT'S"), ["IT", "'", "S"]);
+    }
+
+    #[test]
     fn unknown_pre_tokenizer_is_named() {
-        let err = PreTokenizer::for_pre_type("llama-bpe").err();
-        assert!(err.is_some_and(|e| e.to_string().contains("llama-bpe")));
+        let err = PreTokenizer::for_pre_type("tekken").err();
+        assert!(err.is_some_and(|e| e.to_string().contains("tekken")));
     }
 }

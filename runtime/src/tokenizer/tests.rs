@@ -27,8 +27,10 @@ fn tiny_vocab(merges: &[(&str, &str)], missing_bytes: &[u8]) -> Vocab {
         kinds.push(TokenKind::Normal);
     }
     let mut vocab = Vocab {
+        model: vocab::ModelKind::BytePairs,
         texts,
         kinds,
+        scores: Vec::new(),
         merges: Some(
             merges
                 .iter()
@@ -39,6 +41,8 @@ fn tiny_vocab(merges: &[(&str, &str)], missing_bytes: &[u8]) -> Vocab {
         bos: Some(1),
         eos: Some(2),
         add_bos: false,
+        add_space_prefix: false,
+        unk: None,
         eog_ids: [2].into(),
         chat_template: None,
     };
@@ -163,11 +167,14 @@ fn bos_is_added_only_when_the_vocabulary_asks() {
 }
 
 #[test]
-fn non_bpe_models_and_unknown_pre_tokenizers_are_named() {
+fn unsupported_models_and_pre_tokenizers_are_named() {
     use crate::gguf::testutil::GgufBuilder;
     let dir = std::env::temp_dir().join(format!("kvgate-tok-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    for (model, pre, expected) in [("llama", "default", "llama"), ("gpt2", "qwen2", "qwen2")] {
+    for (model, pre, expected) in [
+        ("bert", "default", "bert"),
+        ("gpt2", "chatglm-bpe", "chatglm-bpe"),
+    ] {
         let bytes = GgufBuilder::new()
             .str("tokenizer.ggml.model", model)
             .str("tokenizer.ggml.pre", pre)

@@ -82,16 +82,34 @@ const FIM_EOG: &[(&str, &[&str])] = &[
     ("tokenizer.ggml.fim_sep_token_id", &["<|file_sep|>"]),
 ];
 
+/// The two tokenizer models llama.cpp calls `LLAMA_VOCAB_TYPE_BPE` and `LLAMA_VOCAB_TYPE_SPM`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ModelKind {
+    /// `tokenizer.ggml.model = gpt2`: byte-level BPE over pre-tokenized words, merge ranks.
+    BytePairs,
+    /// `tokenizer.ggml.model = llama`: SentencePiece pieces with scores and `<0xXX>` byte
+    /// fallback (Llama 2, Mistral, Phi-3).
+    SentencePiece,
+}
+
 /// Everything the tokenizer needs from the file, validated.
 pub(super) struct Vocab {
+    pub(super) model: ModelKind,
     pub(super) texts: Vec<String>,
     pub(super) kinds: Vec<TokenKind>,
+    /// `tokenizer.ggml.scores` (SentencePiece merge priorities; higher merges first). Empty
+    /// when the file has none: llama.cpp then scores every token 0.
+    pub(super) scores: Vec<f32>,
     /// `tokenizer.ggml.merges`, in priority order, as (left, right) token strings.
     pub(super) merges: Option<Vec<(String, String)>>,
     pub(super) pre: String,
     pub(super) bos: Option<u32>,
     pub(super) eos: Option<u32>,
     pub(super) add_bos: bool,
+    /// SentencePiece's leading-space rule: text after the start or a special token gets a
+    /// space in front (`add_space_prefix`, on by default for SentencePiece vocabularies).
+    pub(super) add_space_prefix: bool,
+    pub(super) unk: Option<u32>,
     pub(super) eog_ids: BTreeSet<u32>,
     pub(super) chat_template: Option<String>,
 }
@@ -101,9 +119,12 @@ impl Vocab {
         let model = gguf
             .get_str("tokenizer.ggml.model")
             .ok_or(TokenizerError::Missing("tokenizer.ggml.model"))?;
-        if model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel(model.to_string()));
-        }
+        let model = match model {
+            "gpt2" => ModelKind::BytePairs,
+            "llama" => ModelKind::SentencePiece,
+            other => return Err(TokenizerError::UnsupportedModel(other.to_string())),
+        };
+        let spm = model == ModelKind::SentencePiece;
         let texts: Vec<String> = gguf
             .get_str_array("tokenizer.ggml.tokens")
             .ok_or(TokenizerError::Missing("tokenizer.ggml.tokens"))?
@@ -122,6 +143,19 @@ impl Vocab {
                 )));
             }
             None => vec![TokenKind::Normal; texts.len()],
+        };
+        let scores = match gguf.get("tokenizer.ggml.scores") {
+            None => Vec::new(),
+            Some(value) => value
+                .as_array()
+                .and_then(|items| items.iter().map(|v| v.as_f32()).collect::<Option<Vec<_>>>())
+                .filter(|scores| scores.len() == texts.len())
+                .ok_or_else(|| {
+                    TokenizerError::Invalid(format!(
+                        "tokenizer.ggml.scores must be {} numbers, one per token",
+                        texts.len()
+                    ))
+                })?,
         };
         let merges = match gguf.get_str_array("tokenizer.ggml.merges") {
             Some(lines) => Some(parse_merges(&lines)?),
@@ -145,9 +179,15 @@ impl Vocab {
                 .get_str("tokenizer.ggml.pre")
                 .unwrap_or("default")
                 .to_string(),
-            add_bos: gguf
-                .get_bool("tokenizer.ggml.add_bos_token")
-                .unwrap_or(false),
+            // llama.cpp's defaults when the keys are absent: SentencePiece vocabularies start
+            // with BOS and a space, byte-level BPE ones with neither.
+            add_bos: gguf.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(spm),
+            add_space_prefix: gguf
+                .get_bool("tokenizer.ggml.add_space_prefix")
+                .unwrap_or(spm),
+            unk: token_id("tokenizer.ggml.unknown_token_id"),
+            model,
+            scores,
             chat_template: gguf.get_str("tokenizer.chat_template").map(str::to_string),
             eog_ids: eos.into_iter().chain(explicit_eog).collect(),
             texts,
