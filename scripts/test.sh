@@ -8,6 +8,9 @@
 #   3. the default model (fetched from PyPI by kvgate itself) into the model cache:
 #      $KVGATE_CACHE_DIR if set, else $XDG_CACHE_HOME/kvgate or ~/.cache/kvgate, the same place
 #      `kvgate serve` looks, so the model is fetched once for tests and use alike;
+#      llama.cpp's tokenizer test vocabularies and chat templates (the PyPI sdist
+#      llama-cpp-python==0.3.36, unpacked once into the same cache by
+#      scripts/fetch-llama-cpp-vocab.py) for tests/tokenizer_conformance.rs;
 #   4. a check that no two modules of a crate import each other (scripts/check-import-cycles.py);
 #      cargo tests of all crates (unit, end-to-end through the real server and model, the
 #      binary as a user runs it, and README.md's examples: tests/readme.rs), then promtool
@@ -56,6 +59,9 @@ cargo build --workspace --all-targets
 
 step "default model"
 ./target/debug/kvgate fetch-model
+
+step "llama.cpp tokenizer vocabularies and chat templates (llama-cpp-python sdist, cached)"
+python3 scripts/fetch-llama-cpp-vocab.py
 
 step "cargo test (all crates, unit and end-to-end)"
 cargo test --workspace --no-fail-fast

@@ -142,3 +142,219 @@ fn qwen2_matches_every_llama_cpp_vector() {
 fn gpt_2_matches_every_llama_cpp_vector() {
     assert_conformance("gpt-2", 30);
 }
+
+/// Decoding gives the text back: byte-level BPE exactly, SentencePiece with the leading space
+/// its `add_space_prefix` rule added (every character is a piece or byte-fallback bytes; empty
+/// text has no fragment to prefix, as in llama.cpp).
+#[test]
+fn every_vector_decodes_back_to_its_text() {
+    let Some(models) = models_dir() else { return };
+    for (name, prefix) in [
+        ("llama-spm", " "),
+        ("phi-3", " "),
+        ("llama-bpe", ""),
+        ("qwen2", ""),
+        ("gpt-2", ""),
+    ] {
+        let t = tokenizer(&models, name);
+        for (text, expected) in vectors(&models, name) {
+            let prefix = if text.is_empty() { "" } else { prefix };
+            assert_eq!(
+                t.decode(&expected),
+                format!("{prefix}{text}"),
+                "ggml-vocab-{name}: decoding llama.cpp's ids of {text:?}"
+            );
+        }
+    }
+}
+
+/// `kvgate tokenize --model` works on the vocabulary-only files (they have no weights).
+#[test]
+fn kvgate_tokenize_reads_vocabulary_only_files() {
+    let Some(models) = models_dir() else { return };
+    let home = scratch_dir("tokenize-vocab");
+    for (name, expected) in [
+        ("llama-spm", "[15043,3186]"),
+        ("llama-bpe", "[9906,1917]"),
+        ("qwen2", "[9707,1879]"),
+    ] {
+        let path = vocab_path(&models, name);
+        let out = run(
+            &[
+                "tokenize",
+                "--model",
+                path.to_str().expect("UTF-8 path"),
+                "Hello world",
+            ],
+            &home,
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(stdout.trim().replace(' ', ""), expected, "{name}");
+    }
+}
+
+/// A vocabulary kvgate does not implement is refused with one line naming it.
+#[test]
+fn unsupported_vocabularies_fail_with_one_line_naming_the_model() {
+    let Some(models) = models_dir() else { return };
+    let home = scratch_dir("tokenize-unsupported");
+    let path = vocab_path(&models, "bert-bge");
+    let out = run(
+        &[
+            "tokenize",
+            "--model",
+            path.to_str().expect("UTF-8 path"),
+            "hi",
+        ],
+        &home,
+    );
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("`bert` is not supported"), "{stderr}");
+}
+
+/// The conversation llama.cpp's tests/test-chat-template.cpp renders with every template.
+fn conversation() -> Vec<ChatMessage> {
+    [
+        ("system", "You are a helpful assistant"),
+        ("user", "Hello"),
+        ("assistant", "Hi there"),
+        ("user", "Who are you"),
+        ("assistant", "   I am an assistant   "),
+        ("user", "Another question"),
+    ]
+    .into_iter()
+    .map(|(role, content)| ChatMessage::new(role, content))
+    .collect()
+}
+
+fn template(models: &std::path::Path, file: &str, bos: &str, eos: &str) -> ChatTemplate {
+    let path = models.join("templates").join(file);
+    let source =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    ChatTemplate::new(&source, bos, eos).unwrap_or_else(|e| panic!("{file}: {e}"))
+}
+
+/// Llama 3.1's template: a system header with the knowledge cut-off and default date, content
+/// trimmed, `<|eot_id|>` after every turn.
+#[test]
+fn llama_3_1_template_renders_as_its_semantics_say() {
+    let Some(models) = models_dir() else { return };
+    let t = template(
+        &models,
+        "meta-llama-Llama-3.1-8B-Instruct.jinja",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    );
+    let turn = |role: &str, text: &str| {
+        format!("<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>")
+    };
+    let expected = [
+        "<|begin_of_text|>".to_string(),
+        turn(
+            "system",
+            "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nYou are a helpful assistant",
+        ),
+        turn("user", "Hello"),
+        turn("assistant", "Hi there"),
+        turn("user", "Who are you"),
+        turn("assistant", "I am an assistant"),
+        turn("user", "Another question"),
+        "<|start_header_id|>assistant<|end_header_id|>\n\n".to_string(),
+    ]
+    .concat();
+    assert_eq!(t.render(&conversation(), true).expect("renders"), expected);
+}
+
+/// Qwen2.5's template: ChatML, with its own default system prompt when none is given.
+#[test]
+fn qwen2_5_template_renders_as_its_semantics_say() {
+    let Some(models) = models_dir() else { return };
+    let t = template(&models, "Qwen-Qwen2.5-7B-Instruct.jinja", "", "<|im_end|>");
+    let chatml = |pairs: &[(&str, &str)]| -> String {
+        pairs
+            .iter()
+            .map(|(role, text)| format!("<|im_start|>{role}\n{text}<|im_end|>\n"))
+            .collect()
+    };
+    let expected = chatml(&[
+        ("system", "You are a helpful assistant"),
+        ("user", "Hello"),
+        ("assistant", "Hi there"),
+        ("user", "Who are you"),
+        ("assistant", "   I am an assistant   "),
+        ("user", "Another question"),
+    ]) + "<|im_start|>assistant\n";
+    assert_eq!(t.render(&conversation(), true).expect("renders"), expected);
+
+    let no_system = t
+        .render(&[ChatMessage::new("user", "Hi")], false)
+        .expect("renders");
+    assert_eq!(
+        no_system,
+        chatml(&[
+            (
+                "system",
+                "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+            ),
+            ("user", "Hi"),
+        ])
+    );
+}
+
+/// Mistral Nemo's (v3-tekken) template: no spaces around `[INST]`, the system prompt joined to
+/// the last user turn, roles checked to alternate. llama.cpp's test-chat-template.cpp expects
+/// the same string for its copy of this template.
+#[test]
+fn mistral_nemo_template_renders_as_its_semantics_say() {
+    let Some(models) = models_dir() else { return };
+    let t = template(
+        &models,
+        "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+        "<s>",
+        "</s>",
+    );
+    assert_eq!(
+        t.render(&conversation(), true).expect("renders"),
+        "<s>[INST]Hello[/INST]Hi there</s>[INST]Who are you[/INST]   I am an assistant   </s>\
+         [INST]You are a helpful assistant\n\nAnother question[/INST]"
+    );
+    let out_of_order = [ChatMessage::new("user", "a"), ChatMessage::new("user", "b")];
+    let err = t
+        .render(&out_of_order, true)
+        .expect_err("roles must alternate");
+    assert!(err.to_string().contains("must alternate"), "{err}");
+}
+
+/// The GGUF's own template (Qwen2's and Phi-3's vocabulary files carry one) renders through the
+/// tokenizer, and its markup becomes the vocabulary's special tokens.
+#[test]
+fn the_gguf_files_own_template_renders_and_tokenizes() {
+    let Some(models) = models_dir() else { return };
+    let qwen = tokenizer(&models, "qwen2");
+    let messages = [ChatMessage::new("user", "Hello")];
+    let rendered = qwen.apply_chat_template(&messages, true).expect("renders");
+    assert_eq!(
+        rendered,
+        "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n\
+         <|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let ids = qwen.encode_chat(&messages, true).expect("encodes");
+    let im_start = qwen.encode("<|im_start|>", true);
+    assert_eq!(im_start.len(), 1, "<|im_start|> is one special token");
+    assert_eq!(ids[0], im_start[0]);
+    assert_eq!(qwen.decode_with_special(&ids), rendered);
+
+    let phi = tokenizer(&models, "phi-3");
+    let rendered = phi.apply_chat_template(&messages, true).expect("renders");
+    assert_eq!(rendered, "<s><|user|>\nHello<|end|>\n<|assistant|>\n");
+    let ids = phi.encode_chat(&messages, true).expect("encodes");
+    assert_eq!(Some(ids[0]), phi.bos_id(), "the template's <s> is BOS");
+}
