@@ -2,6 +2,7 @@
 
 mod llama_cpp_parity;
 mod real_model;
+mod spm;
 
 use super::vocab::Vocab;
 use super::*;
