@@ -75,9 +75,10 @@ pub struct Tokenizer {
 }
 
 /// How plain text becomes tokens: the part of the tokenizer that differs between models.
+/// Both are boxed: each carries kilobyte-sized per-byte tables inline.
 enum Model {
-    BytePairs(BpeModel),
-    SentencePiece(SpmModel),
+    BytePairs(Box<BpeModel>),
+    SentencePiece(Box<SpmModel>),
 }
 
 impl Tokenizer {
@@ -90,10 +91,12 @@ impl Tokenizer {
     fn from_vocab(vocab: Vocab) -> Result<Self, TokenizerError> {
         let (spellings, is_plain_bpe_token) = TokenSpellings::new(&vocab);
         let model = match vocab.model {
-            ModelKind::BytePairs => {
-                Model::BytePairs(BpeModel::new(&vocab, &spellings, &is_plain_bpe_token)?)
-            }
-            ModelKind::SentencePiece => Model::SentencePiece(SpmModel::new(&vocab)),
+            ModelKind::BytePairs => Model::BytePairs(Box::new(BpeModel::new(
+                &vocab,
+                &spellings,
+                &is_plain_bpe_token,
+            )?)),
+            ModelKind::SentencePiece => Model::SentencePiece(Box::new(SpmModel::new(&vocab))),
         };
 
         let specials = special::matching_order(special_tokens(&vocab));
