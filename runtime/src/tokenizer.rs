@@ -326,6 +326,7 @@ fn special_tokens(vocab: &Vocab) -> Vec<SpecialToken> {
             id: id as u32,
             text: vocab.texts[id].clone(),
             needs_parse_special,
+            rstrip: vocab.rstrips(id as u32),
         })
     };
     vocab.kinds.iter().enumerate().filter_map(special).collect()

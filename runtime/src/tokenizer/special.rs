@@ -16,6 +16,8 @@ pub(super) struct SpecialToken {
     pub(super) text: String,
     /// Control/unknown tokens (true) are matched only with `parse_special`.
     pub(super) needs_parse_special: bool,
+    /// Whitespace right after the token is dropped (llama.cpp's `RSTRIP` attribute).
+    pub(super) rstrip: bool,
 }
 
 /// A piece of the input after the partition.
@@ -115,11 +117,24 @@ fn split_at_occurrences(
         if protected.iter().any(|p| p.start < end && start < p.end) {
             continue;
         }
+        if start < last {
+            // Inside whitespace an earlier match stripped.
+            continue;
+        }
         if start > last {
             out.push(Piece::Text(last..start));
         }
         out.push(Piece::Token(special.id));
         last = end;
+        if special.rstrip {
+            let bytes = text.as_bytes();
+            // C `isspace`, as llama.cpp: ASCII blanks only, vertical tab included.
+            while last < range.end
+                && matches!(bytes[last], b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r')
+            {
+                last += 1;
+            }
+        }
     }
     if last < range.end {
         out.push(Piece::Text(last..range.end));
@@ -135,6 +150,7 @@ mod tests {
             id,
             text: text.to_string(),
             needs_parse_special,
+            rstrip: false,
         }
     }
 
@@ -179,6 +195,22 @@ mod tests {
         assert_eq!(
             partition_outside("[U]<s>", &s, true, &literal(0..6)),
             [Token(3), Text("<s>")]
+        );
+    }
+
+    #[test]
+    fn rstrip_tokens_drop_the_whitespace_after_them() {
+        use Fragment::*;
+        let mut s = specials();
+        s.iter_mut().for_each(|t| t.rstrip = t.id == 1);
+        assert_eq!(
+            partition("a <s> \n\x0bb<s>\t", &s, true),
+            [Text("a "), Token(1), Text("b"), Token(1)]
+        );
+        // Only ASCII whitespace, as C's isspace.
+        assert_eq!(
+            partition("<s>\u{a0}b", &s, true),
+            [Token(1), Text("\u{a0}b")]
         );
     }
 

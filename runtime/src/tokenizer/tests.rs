@@ -43,6 +43,7 @@ fn tiny_vocab(merges: &[(&str, &str)], missing_bytes: &[u8]) -> Vocab {
         eos: Some(2),
         add_bos: false,
         add_space_prefix: false,
+        rstrip_specials: false,
         unk: None,
         eog_ids: [2].into(),
         chat_template: None,

@@ -110,6 +110,9 @@ pub(super) struct Vocab {
     /// space in front (`add_space_prefix`, on by default for SentencePiece vocabularies).
     pub(super) add_space_prefix: bool,
     pub(super) unk: Option<u32>,
+    /// Phi-3: llama.cpp strips the whitespace after most special tokens (see
+    /// [`Vocab::rstrips`]).
+    pub(super) rstrip_specials: bool,
     pub(super) eog_ids: BTreeSet<u32>,
     pub(super) chat_template: Option<String>,
 }
@@ -167,9 +170,11 @@ impl Vocab {
                 .filter(|&id| (id as usize) < n_tokens)
                 .map(|id| id as u32)
         };
+        // llama.cpp's defaults for SentencePiece vocabularies whose file names no ids.
+        let spm_default = |id: u32| (spm && (id as usize) < n_tokens).then_some(id);
         let (bos, eos) = (
-            token_id("tokenizer.ggml.bos_token_id"),
-            token_id("tokenizer.ggml.eos_token_id"),
+            token_id("tokenizer.ggml.bos_token_id").or_else(|| spm_default(1)),
+            token_id("tokenizer.ggml.eos_token_id").or_else(|| spm_default(2)),
         );
         let explicit_eog = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
             .into_iter()
@@ -185,7 +190,8 @@ impl Vocab {
             add_space_prefix: gguf
                 .get_bool("tokenizer.ggml.add_space_prefix")
                 .unwrap_or(spm),
-            unk: token_id("tokenizer.ggml.unknown_token_id"),
+            unk: token_id("tokenizer.ggml.unknown_token_id").or_else(|| spm_default(0)),
+            rstrip_specials: gguf.get_str("general.name").is_some_and(is_phi3_name),
             model,
             scores,
             chat_template: gguf.get_str("tokenizer.chat_template").map(str::to_string),
@@ -235,6 +241,23 @@ impl Vocab {
             }
             self.eog_ids.insert(id);
         }
+    }
+}
+
+/// llama.cpp recognises Phi-3 by `general.name` (lower-cased, containing `phi-3` or `phi3`).
+fn is_phi3_name(name: &str) -> bool {
+    let name = name.to_lowercase();
+    name.contains("phi-3") || name.contains("phi3")
+}
+
+impl Vocab {
+    /// Whether whitespace right after special token `id` is dropped when it is cut out of the
+    /// text (llama.cpp's `LLAMA_TOKEN_ATTR_RSTRIP`). llama.cpp sets it for Phi-3's special
+    /// tokens, which its Hugging Face tokenizer declares with `rstrip`, except `<unk>`, `<s>`
+    /// and `<|endoftext|>`: so `<|user|>\nHi` tokenizes as `<|user|>` `▁Hi`.
+    pub(super) fn rstrips(&self, id: u32) -> bool {
+        let text = self.texts.get(id as usize).map_or("", String::as_str);
+        self.rstrip_specials && !matches!(text, "<unk>" | "<s>" | "<|endoftext|>")
     }
 }
 

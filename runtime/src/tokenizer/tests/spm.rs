@@ -32,6 +32,7 @@ fn spm_vocab(pieces: &[(&str, f32)], add_space_prefix: bool) -> Vocab {
         eos: Some(2),
         add_bos: true,
         add_space_prefix,
+        rstrip_specials: false,
         unk: Some(0),
         eog_ids: [2].into(),
         chat_template: None,
