@@ -34,8 +34,24 @@ impl Tokenizer {
     /// Renders `messages` with the chat template and encodes the prompt so that only the
     /// template's markup produces control tokens (see the module docs). Equal to
     /// `encode(&apply_chat_template(messages, …)?, true)` whenever no message content contains
-    /// control-token text.
+    /// control-token text, except that the prompt starts with BOS when the vocabulary adds one
+    /// (`add_bos_token`: Llama, Mistral, Phi-3), as in llama.cpp's server: templates that write
+    /// `{{ bos_token }}` already give it, the others get it added, and it is never doubled.
     pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, TemplateError> {
+        let mut ids = self.encode_rendered_chat(messages, add_generation_prompt)?;
+        if let (true, Some(bos)) = (self.add_bos, self.bos)
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    fn encode_rendered_chat(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,

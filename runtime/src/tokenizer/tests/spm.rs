@@ -112,6 +112,33 @@ fn bos_is_added_by_default_for_sentencepiece() {
 }
 
 #[test]
+fn chat_prompts_start_with_exactly_one_bos() {
+    // The fallback ChatML template writes no BOS: it is added.
+    let t = spm(PIECES);
+    let user = [ChatMessage::new("user", "ab")];
+    let ids = t.encode_chat(&user, true).expect("renders");
+    assert_eq!(ids[0], 1);
+    assert_eq!(
+        ids[1..],
+        t.encode(&t.apply_chat_template(&user, true).expect("renders"), true)
+    );
+    // A template that writes `{{ bos_token }}` keeps its one BOS.
+    let mut vocab = spm_vocab(PIECES, true);
+    vocab.chat_template =
+        Some("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}".into());
+    let t = Tokenizer::from_vocab(vocab).expect("loads");
+    assert_eq!(
+        pieces(&t, &t.encode_chat(&user, true).expect("renders")),
+        ["<s>", "▁ab"]
+    );
+    // Without add_bos nothing is added.
+    let mut vocab = spm_vocab(PIECES, true);
+    vocab.add_bos = false;
+    let t = Tokenizer::from_vocab(vocab).expect("loads");
+    assert_ne!(t.encode_chat(&user, true).expect("renders")[0], 1);
+}
+
+#[test]
 fn decoding_turns_the_space_marker_back_into_spaces_and_drops_control_tokens() {
     let t = spm(PIECES);
     let ids = t.encode("<s>ab a", true);
