@@ -16,7 +16,7 @@ use kvgate_runtime::chat_template::{ChatMessage, ChatTemplate};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::provision::{REQUIRE_MODEL_ENV, cache_dir};
 use kvgate_runtime::tokenizer::Tokenizer;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Where scripts/fetch-llama-cpp-vocab.py puts llama.cpp's `models/` folder.
 const SDIST_DIR: &str = "llama-cpp-python-0.3.36";
@@ -42,11 +42,11 @@ fn models_dir() -> Option<PathBuf> {
     None
 }
 
-fn vocab_path(models: &std::path::Path, name: &str) -> PathBuf {
+fn vocab_path(models: &Path, name: &str) -> PathBuf {
     models.join(format!("ggml-vocab-{name}.gguf"))
 }
 
-fn tokenizer(models: &std::path::Path, name: &str) -> Tokenizer {
+fn tokenizer(models: &Path, name: &str) -> Tokenizer {
     let path = vocab_path(models, name);
     let gguf = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     Tokenizer::from_gguf(&gguf).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -54,7 +54,7 @@ fn tokenizer(models: &std::path::Path, name: &str) -> Tokenizer {
 
 /// The (input, expected ids) pairs of `ggml-vocab-NAME.gguf`, read as test-tokenizer-0.cpp
 /// reads them.
-fn vectors(models: &std::path::Path, name: &str) -> Vec<(String, Vec<u32>)> {
+fn vectors(models: &Path, name: &str) -> Vec<(String, Vec<u32>)> {
     let base = vocab_path(models, name);
     let read = |ext: &str| {
         let path = PathBuf::from(format!("{}.{ext}", base.display()));
@@ -168,6 +168,13 @@ fn every_vector_decodes_back_to_its_text() {
     }
 }
 
+/// `kvgate tokenize --model ggml-vocab-NAME.gguf TEXT`, run in `home`.
+fn kvgate_tokenize(models: &Path, name: &str, text: &str, home: &Path) -> std::process::Output {
+    let path = vocab_path(models, name);
+    let model = path.to_str().expect("UTF-8 path");
+    run(&["tokenize", "--model", model, text], home)
+}
+
 /// `kvgate tokenize --model` works on the vocabulary-only files (they have no weights).
 #[test]
 fn kvgate_tokenize_reads_vocabulary_only_files() {
@@ -178,16 +185,7 @@ fn kvgate_tokenize_reads_vocabulary_only_files() {
         ("llama-bpe", "[9906,1917]"),
         ("qwen2", "[9707,1879]"),
     ] {
-        let path = vocab_path(&models, name);
-        let out = run(
-            &[
-                "tokenize",
-                "--model",
-                path.to_str().expect("UTF-8 path"),
-                "Hello world",
-            ],
-            &home,
-        );
+        let out = kvgate_tokenize(&models, name, "Hello world", &home);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -203,16 +201,7 @@ fn kvgate_tokenize_reads_vocabulary_only_files() {
 fn unsupported_vocabularies_fail_with_one_line_naming_the_model() {
     let Some(models) = models_dir() else { return };
     let home = scratch_dir("tokenize-unsupported");
-    let path = vocab_path(&models, "bert-bge");
-    let out = run(
-        &[
-            "tokenize",
-            "--model",
-            path.to_str().expect("UTF-8 path"),
-            "hi",
-        ],
-        &home,
-    );
+    let out = kvgate_tokenize(&models, "bert-bge", "hi", &home);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -221,38 +210,42 @@ fn unsupported_vocabularies_fail_with_one_line_naming_the_model() {
 }
 
 /// The conversation llama.cpp's tests/test-chat-template.cpp renders with every template.
+const CONVERSATION: &[(&str, &str)] = &[
+    ("system", "You are a helpful assistant"),
+    ("user", "Hello"),
+    ("assistant", "Hi there"),
+    ("user", "Who are you"),
+    ("assistant", "   I am an assistant   "),
+    ("user", "Another question"),
+];
+
 fn conversation() -> Vec<ChatMessage> {
-    [
-        ("system", "You are a helpful assistant"),
-        ("user", "Hello"),
-        ("assistant", "Hi there"),
-        ("user", "Who are you"),
-        ("assistant", "   I am an assistant   "),
-        ("user", "Another question"),
-    ]
-    .into_iter()
-    .map(|(role, content)| ChatMessage::new(role, content))
-    .collect()
+    CONVERSATION
+        .iter()
+        .map(|&(role, content)| ChatMessage::new(role, content))
+        .collect()
 }
 
-fn template(models: &std::path::Path, file: &str, bos: &str, eos: &str) -> ChatTemplate {
-    let path = models.join("templates").join(file);
+/// `models/templates/FILE` compiled with these special-token texts; `None` (after a note) when
+/// the sdist has not been fetched.
+fn sdist_template(file: &str, bos: &str, eos: &str) -> Option<ChatTemplate> {
+    let path = models_dir()?.join("templates").join(file);
     let source =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    ChatTemplate::new(&source, bos, eos).unwrap_or_else(|e| panic!("{file}: {e}"))
+    Some(ChatTemplate::new(&source, bos, eos).unwrap_or_else(|e| panic!("{file}: {e}")))
 }
 
 /// Llama 3.1's template: a system header with the knowledge cut-off and default date, content
 /// trimmed, `<|eot_id|>` after every turn.
 #[test]
 fn llama_3_1_template_renders_as_its_semantics_say() {
-    let Some(models) = models_dir() else { return };
-    let t = template(
-        &models,
+    let Some(t) = sdist_template(
         "meta-llama-Llama-3.1-8B-Instruct.jinja",
         "<|begin_of_text|>",
         "<|eot_id|>",
-    );
+    ) else {
+        return;
+    };
     let turn = |role: &str, text: &str| {
         format!("<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>")
     };
@@ -276,22 +269,17 @@ fn llama_3_1_template_renders_as_its_semantics_say() {
 /// Qwen2.5's template: ChatML, with its own default system prompt when none is given.
 #[test]
 fn qwen2_5_template_renders_as_its_semantics_say() {
-    let Some(models) = models_dir() else { return };
-    let t = template(&models, "Qwen-Qwen2.5-7B-Instruct.jinja", "", "<|im_end|>");
+    let Some(t) = sdist_template("Qwen-Qwen2.5-7B-Instruct.jinja", "", "<|im_end|>") else {
+        return;
+    };
     let chatml = |pairs: &[(&str, &str)]| -> String {
         pairs
             .iter()
             .map(|(role, text)| format!("<|im_start|>{role}\n{text}<|im_end|>\n"))
             .collect()
     };
-    let expected = chatml(&[
-        ("system", "You are a helpful assistant"),
-        ("user", "Hello"),
-        ("assistant", "Hi there"),
-        ("user", "Who are you"),
-        ("assistant", "   I am an assistant   "),
-        ("user", "Another question"),
-    ]) + "<|im_start|>assistant\n";
+    // No tools: plain ChatML over the messages as given.
+    let expected = chatml(CONVERSATION) + "<|im_start|>assistant\n";
     assert_eq!(t.render(&conversation(), true).expect("renders"), expected);
 
     let no_system = t
@@ -314,13 +302,10 @@ fn qwen2_5_template_renders_as_its_semantics_say() {
 /// the same string for its copy of this template.
 #[test]
 fn mistral_nemo_template_renders_as_its_semantics_say() {
-    let Some(models) = models_dir() else { return };
-    let t = template(
-        &models,
-        "mistralai-Mistral-Nemo-Instruct-2407.jinja",
-        "<s>",
-        "</s>",
-    );
+    let Some(t) = sdist_template("mistralai-Mistral-Nemo-Instruct-2407.jinja", "<s>", "</s>")
+    else {
+        return;
+    };
     assert_eq!(
         t.render(&conversation(), true).expect("renders"),
         "<s>[INST]Hello[/INST]Hi there</s>[INST]Who are you[/INST]   I am an assistant   </s>\
