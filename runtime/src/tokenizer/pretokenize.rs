@@ -458,4 +458,40 @@ mod tests {
         let err = PreTokenizer::for_pre_type("tekken").err();
         assert!(err.is_some_and(|e| e.to_string().contains("tekken")));
     }
+
+    /// The regexes the Llama 3 scanner stands for, as llama.cpp's converter writes them.
+    const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+    /// The words a regex finds, as llama.cpp's generic path keeps them (every match a word;
+    /// these regexes leave no gaps).
+    fn regex_words(regex: &fancy_regex::Regex, text: &str) -> Vec<String> {
+        regex
+            .find_iter(text)
+            .map(|m| m.expect("regex runs").as_str().to_string())
+            .collect()
+    }
+
+    use proptest::strategy::Strategy;
+
+    proptest::proptest! {
+        /// The scanner is the regex, on text mixing every class the regex distinguishes:
+        /// ASCII and other letters, digits and other numbers, spaces, newlines and other
+        /// whitespace, apostrophes, punctuation, combining marks, emoji.
+        #[test]
+        fn llama3_and_qwen2_scanners_equal_their_regexes(
+            text in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    "a", "Z", "é", "한", "s", "T", "ll", "RE", "'", "1", "٣", "½", " ", "  ", "\n",
+                    "\r", "\t", "\u{a0}", "\u{3000}", ".", "?!", "(", "ि", "🦀", "_",
+                ]),
+                0..24,
+            ).prop_map(|parts| parts.concat())
+        ) {
+            for (pre, regex) in [("llama-bpe", LLAMA3_REGEX), ("qwen2", QWEN2_REGEX)] {
+                let regex = fancy_regex::Regex::new(regex).expect("regex compiles");
+                proptest::prop_assert_eq!(words(pre, &text), regex_words(&regex, &text), "{}", pre);
+            }
+        }
+    }
 }
