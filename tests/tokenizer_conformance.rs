@@ -359,3 +359,22 @@ fn the_gguf_files_own_template_renders_and_tokenizes() {
         ]
     );
 }
+
+/// A raw `/v1/completions` prompt starts with BOS when the vocabulary adds one (Llama 2 /
+/// Mistral SentencePiece), as llama.cpp's server tokenizes it (`add_special = true`), and gets
+/// none from a vocabulary that does not (GPT-2).
+#[test]
+fn completion_prompts_start_with_bos_when_the_vocabulary_adds_one() {
+    use kvgate_gateway::validate::PromptCodec;
+    let Some(models) = models_dir() else { return };
+    let spm = tokenizer(&models, "llama-spm");
+    let bos = spm.bos_id().expect("llama-spm names a BOS token");
+    let ids = PromptCodec::encode(&spm, "Hello world");
+    assert_eq!(ids.first(), Some(&bos), "{ids:?}");
+    assert_eq!(&ids[1..], spm.encode("Hello world", true).as_slice());
+    assert_eq!(ids.iter().filter(|&&id| id == bos).count(), 1);
+
+    let gpt2 = tokenizer(&models, "gpt-2");
+    let ids = PromptCodec::encode(&gpt2, "Hello world");
+    assert_eq!(ids, gpt2.encode("Hello world", true));
+}

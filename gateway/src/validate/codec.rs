@@ -11,7 +11,8 @@ pub trait PromptCodec: Send + Sync {
     /// content is plain text, so a user cannot close their turn with a literal `<|im_end|>`.
     fn encode_chat(&self, turns: &[TemplateTurn]) -> Result<Vec<u32>, String>;
     /// Token ids of a raw `/v1/completions` prompt; special-token markup (`<|im_start|>`)
-    /// becomes control tokens, since the caller writes the whole prompt.
+    /// becomes control tokens, since the caller writes the whole prompt. Starts with BOS when
+    /// the vocabulary adds one (Llama, Mistral, Phi-3), as llama.cpp's server does.
     fn encode(&self, text: &str) -> Vec<u32>;
 }
 
@@ -34,6 +35,6 @@ impl PromptCodec for Tokenizer {
     }
 
     fn encode(&self, text: &str) -> Vec<u32> {
-        Tokenizer::encode(self, text, true)
+        Tokenizer::encode_with_bos(self, text, true)
     }
 }
