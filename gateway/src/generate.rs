@@ -27,6 +27,7 @@ use crate::ratelimit::RateLimitHeaders;
 use crate::state::AppState;
 use crate::stream::{ResponseMeta, collect, full_response, sse_body};
 use crate::telemetry::GenerationTelemetry;
+use crate::upstream::prefix::block_hashes;
 use crate::upstream::{self, UpstreamRoute};
 use crate::validate::{
     Limits, PromptCodec, ValidRequest, ValidationError, validate_chat, validate_completion,
@@ -136,9 +137,12 @@ async fn generate(
     Ok(response)
 }
 
-/// Validation → admission (the upstream's capacity pool) → forward → relay, for a model served
-/// by an upstream engine. The upstream's context window is unknown here: the tenant's limits
-/// apply to the tiktoken count, and the upstream enforces its own window (its 400 is relayed).
+/// Validation → admission (the model's capacity pool) → choose a replica → forward → relay,
+/// for a model served by upstream engines. The upstream's context window is unknown here: the
+/// tenant's limits apply to the tiktoken count, and the upstream enforces its own window (its
+/// 400 is relayed). A replica that cannot be reached, answers nothing in time or answers 5xx
+/// counts against its breaker, and the request goes to the next best replica (at most
+/// [`upstream::MAX_ATTEMPTS`] in all): nothing has reached the client yet.
 async fn proxy(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
@@ -156,27 +160,75 @@ async fn proxy(
     let codec: Arc<dyn PromptCodec> = Arc::clone(upstream.counter()) as _;
     let model = upstream.name().to_owned();
     let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
-    let body = upstream::forwarded_body(&raw, &valid, &upstream.spec().model)?;
     let mut admitted = admit(state, tenant, &valid, request_id.clone(), route.pool()).await?;
     let rate_headers = admitted.rate_headers();
-    // Owned by this future until the headers arrive: a client that leaves drops the request.
-    // On failure `admitted` drops here unstarted: slot, capacity and debit all come back.
-    let answer = match upstream.send(valid.endpoint, body, &request_id).await {
-        Ok(answer) => answer,
-        Err(error) => {
-            admitted.mark_failed_before_start();
-            return Err(error);
+    // Seeded by model and tenant: affinity never crosses tenants (see `upstream/prefix.rs`).
+    let seed = format!("{}\u{0}{}", upstream.name(), tenant.name);
+    let hashes = block_hashes(&seed, &valid.prompt_ids);
+    let tokens = valid.prompt_ids.len() + valid.max_tokens as usize;
+    let mut tried = Vec::new();
+    let mut failure = None;
+    // The last replica's 5xx, relayed as such if no other replica is left to try.
+    let mut server_error = None;
+    while tried.len() < upstream::MAX_ATTEMPTS {
+        let Some(lease) = upstream.replicas().choose(&hashes, tokens, &tried) else {
+            break;
+        };
+        let replica = Arc::clone(lease.replica());
+        tried.push(replica.id());
+        let body = match upstream::forwarded_body(&raw, &valid, &replica.spec().model) {
+            Ok(body) => body,
+            Err(error) => {
+                admitted.mark_failed_before_start();
+                return Err(error);
+            }
+        };
+        // Owned by this future until the headers arrive: a client that leaves drops the
+        // request (and the lease).
+        match replica.send(valid.endpoint, body, &request_id).await {
+            Ok(answer) if answer.status().is_server_error() => {
+                if replica.failed(&format!("answered {}", answer.status())) {
+                    upstream.replicas().forget(replica.id());
+                }
+                server_error = Some((answer, lease));
+            }
+            Ok(answer) => {
+                replica.succeeded();
+                if answer.status().is_success() {
+                    admitted.mark_started();
+                } else {
+                    admitted.mark_failed_before_start();
+                }
+                // The relayed body now owns the admission guard and the replica lease:
+                // capacity and load are held until it ends.
+                let mut response = upstream::relay(answer, (admitted, lease), &replica);
+                finish_headers(&mut response, &rate_headers, valid.dropped_messages);
+                return Ok(response);
+            }
+            Err(error) => {
+                if replica.failed("unreachable or no response in time") {
+                    upstream.replicas().forget(replica.id());
+                }
+                failure = Some(error);
+            }
         }
-    };
-    if answer.status().is_success() {
-        admitted.mark_started();
-    } else {
-        admitted.mark_failed_before_start();
     }
-    // The relayed body now owns the admission guard: capacity is held until it ends.
-    let mut response = upstream::relay(answer, admitted, upstream);
-    finish_headers(&mut response, &rate_headers, valid.dropped_messages);
-    Ok(response)
+    // Nothing started: slot, capacity and debit all come back when `admitted` drops.
+    admitted.mark_failed_before_start();
+    if let Some((answer, lease)) = server_error {
+        let replica = Arc::clone(lease.replica());
+        return Ok(upstream::relay(answer, (admitted, lease), &replica));
+    }
+    Err(
+        failure.unwrap_or_else(|| GatewayError::UpstreamUnavailable {
+            upstream: upstream.name().to_owned(),
+            reason: "every replica is ejected by its circuit breaker; retry shortly".to_owned(),
+            detail: format!(
+                "{} replicas, none available",
+                upstream.replicas().replicas().len()
+            ),
+        }),
+    )
 }
 
 /// Queues `valid` for `pool`'s capacity under the tenant's limits and records the wait. If the

@@ -231,6 +231,19 @@ pub fn record_policy_reload(success: bool) {
     metrics::counter!(POLICY_RELOADS_TOTAL, "result" => result).increment(1);
 }
 
+pub fn record_upstream_reload(success: bool) {
+    let result = if success { "success" } else { "failure" };
+    metrics::counter!(UPSTREAM_RELOADS_TOTAL, "result" => result).increment(1);
+}
+
+/// A replica of `upstream` at `replica` (its URL) was ejected (`ejected`) or readmitted.
+pub fn record_breaker_transition(upstream: &str, replica: &str, ejected: bool) {
+    let to = if ejected { "ejected" } else { "readmitted" };
+    metrics::counter!(UPSTREAM_BREAKER_TOTAL, "upstream" => upstream.to_owned(),
+                      "replica" => replica.to_owned(), "to" => to)
+    .increment(1);
+}
+
 /// The `/metrics` renderer of one server: the shared recorder plus this server's engine and
 /// admission state. Cheap to clone.
 #[derive(Clone)]

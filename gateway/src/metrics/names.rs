@@ -15,6 +15,8 @@ pub const GENERATION_TOKENS: &str = "kvgate_generation_tokens";
 pub const PROMPT_TOKENS_TOTAL: &str = "kvgate_prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "kvgate_generation_tokens_total";
 pub const POLICY_RELOADS_TOTAL: &str = "kvgate_policy_reloads_total";
+pub const UPSTREAM_RELOADS_TOTAL: &str = "kvgate_upstream_reloads_total";
+pub const UPSTREAM_BREAKER_TOTAL: &str = "kvgate_upstream_breaker_transitions_total";
 
 // ---- read from the engine and admission at scrape time ---------------------------------------
 pub const KV_BLOCKS: &str = "kvgate_kv_blocks";
@@ -157,6 +159,19 @@ pub const RECORDED: &[Family] = &[
         Counter,
         &["result"],
         "Policy file reloads by result (success or failure).",
+    ),
+    family(
+        UPSTREAM_RELOADS_TOTAL,
+        Counter,
+        &["result"],
+        "Upstreams file reloads by result (success or failure).",
+    ),
+    family(
+        UPSTREAM_BREAKER_TOTAL,
+        Counter,
+        &["upstream", "replica", "to"],
+        "Upstream replicas ejected (to=ejected) and readmitted (to=readmitted) by their \
+         circuit breaker.",
     ),
 ];
 
