@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::process::{Served, scratch_dir, serve};
-use common::{LONG_ANSWER, Options, TenantSpec, TestServer, chat, policy, wait_until};
+use common::{LONG_ANSWER, MODEL, Options, TenantSpec, TestServer, chat, policy, wait_until};
 use http_body_util::Full;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -102,8 +102,8 @@ async fn a_killed_replica_fails_its_streams_the_other_serves_and_the_breaker_rea
     let second = engine_node("127.0.0.1:0");
     let (first_addr, second_addr) = (first.addr, second.addr);
     let gateway = gateway(&[
-        format!("http://{first_addr},capacity=8192"),
-        format!("http://{second_addr},capacity=8192"),
+        format!("http://{first_addr},capacity=8192,model={MODEL}"),
+        format!("http://{second_addr},capacity=8192,model={MODEL}"),
     ])
     .await;
     let client = gateway.client();
