@@ -163,7 +163,10 @@ fn the_readme_policy_snippets_load_and_mean_what_the_readme_says() {
             let specs = parse_upstreams_file(Path::new(&name), &block.body)
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(specs.len() >= 2, "{name}: the example has two replicas");
-            assert!(specs.iter().all(|spec| spec.name == specs[0].name), "{name}");
+            assert!(
+                specs.iter().all(|spec| spec.name == specs[0].name),
+                "{name}"
+            );
             continue;
         }
         let policy = parse_policy(&name, &block.body).unwrap_or_else(|e| panic!("{e}"));
