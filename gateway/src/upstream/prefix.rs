@@ -65,7 +65,7 @@ impl PrefixIndex {
     /// Records that `hashes` were sent to `replica`, which keeps at most `capacity` of them.
     pub fn record(&mut self, hashes: &[u64], replica: ReplicaId, capacity: usize) {
         let capacity = capacity.max(1);
-        let lru = self.recency.entry(replica).or_insert_with(Lru::default);
+        let lru = self.recency.entry(replica).or_default();
         let mut evicted = Vec::new();
         for &hash in hashes {
             if lru.touch(hash) {
