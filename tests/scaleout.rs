@@ -60,6 +60,21 @@ async fn gateway(replicas: &[String]) -> TestServer {
     TestServer::start_with(&text, options).await
 }
 
+/// A short chat for the pool; it must succeed.
+async fn ask(gateway: &TestServer, content: &str) {
+    ask_with(gateway, for_pool(chat(content, 4))).await;
+}
+
+/// Posts `body` to the gateway; it must succeed and carry the pool's name.
+async fn ask_with(gateway: &TestServer, body: Value) {
+    let reply = gateway
+        .client()
+        .post("/v1/chat/completions", Some(KEY), &body)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["model"], POOLED, "renamed to the pool's name");
+}
+
 // === Real engine nodes ===
 
 /// `kvgate serve` on `listen` with the built-in policy (an anonymous tenant: the gateway sends
@@ -157,15 +172,7 @@ async fn a_killed_replica_fails_its_streams_the_other_serves_and_the_breaker_rea
     // New requests all succeed: the dead replica fails before any byte reached the client,
     // so the request is retried on the other; then the breaker ejects it.
     for i in 0..6 {
-        let reply = client
-            .post(
-                "/v1/chat/completions",
-                Some(KEY),
-                &for_pool(chat(&format!("Say hi {i}."), 4)),
-            )
-            .await;
-        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
-        assert_eq!(reply.json()["model"], POOLED);
+        ask(&gateway, &format!("Say hi {i}.")).await;
     }
     assert!(
         ejected(&gateway, first_addr.port()),
@@ -182,14 +189,7 @@ async fn a_killed_replica_fails_its_streams_the_other_serves_and_the_breaker_rea
     .await;
     let before = sent_by_port(&gateway);
     for i in 0..4 {
-        let reply = client
-            .post(
-                "/v1/chat/completions",
-                Some(KEY),
-                &for_pool(chat(&format!("Say bye {i}."), 4)),
-            )
-            .await;
-        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        ask(&gateway, &format!("Say bye {i}.")).await;
     }
     let after = sent_by_port(&gateway);
     let gained = |port: u16| {
@@ -284,19 +284,6 @@ async fn let_scrapes_run() {
     tokio::time::sleep(SCRAPE_EVERY * 3).await;
 }
 
-async fn ask(gateway: &TestServer, content: &str) {
-    let reply = gateway
-        .client()
-        .post(
-            "/v1/chat/completions",
-            Some(KEY),
-            &for_pool(chat(content, 4)),
-        )
-        .await;
-    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
-    assert_eq!(reply.json()["model"], POOLED, "renamed to the pool's name");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_work_goes_to_the_replica_reporting_less_kv_usage() {
     let (a, b) = (Stub::start().await, Stub::start().await);
@@ -335,15 +322,7 @@ async fn a_shared_system_prompt_sticks_to_one_replica_until_it_saturates() {
         }))
     };
     for i in 0..8 {
-        let reply = gateway
-            .client()
-            .post(
-                "/v1/chat/completions",
-                Some(KEY),
-                &with_system(format!("Q{i}?")),
-            )
-            .await;
-        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        ask_with(&gateway, with_system(format!("Q{i}?"))).await;
     }
     let (on_a, on_b) = (a.completions(), b.completions());
     assert!(
@@ -355,15 +334,7 @@ async fn a_shared_system_prompt_sticks_to_one_replica_until_it_saturates() {
     home.set_kv(0.95);
     let_scrapes_run().await;
     for i in 0..4 {
-        let reply = gateway
-            .client()
-            .post(
-                "/v1/chat/completions",
-                Some(KEY),
-                &with_system(format!("R{i}?")),
-            )
-            .await;
-        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        ask_with(&gateway, with_system(format!("R{i}?"))).await;
     }
     assert_eq!(
         home.completions(),
