@@ -38,11 +38,16 @@ fn for_pool(mut body: Value) -> Value {
 /// A gateway (with its own embedded model, unused here) proxying `replicas` as model
 /// [`POOLED`]; each value is `URL[,options]`.
 async fn gateway(replicas: &[String]) -> TestServer {
+    gateway_with(replicas, "max_concurrency = 16").await
+}
+
+/// [`gateway`] whose tenant has `tenant_extra` limits.
+async fn gateway_with(replicas: &[String], tenant_extra: &str) -> TestServer {
     let text = policy(
         &[TenantSpec {
             name: "alpha",
             key: KEY,
-            extra: "max_concurrency = 16",
+            extra: tenant_extra,
         }],
         "",
     );
@@ -342,4 +347,33 @@ async fn a_shared_system_prompt_sticks_to_one_replica_until_it_saturates() {
         "nothing more to the saturated replica"
     );
     assert_eq!(other.completions(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstreams_reported_usage_settles_the_token_debit() {
+    let stub = Stub::start().await;
+    // 1000 tokens a minute refill 17 a second: small against the 499 tokens at stake.
+    let gateway = gateway_with(&[stub.spec()], "tokens_per_minute = 1000").await;
+    let remaining = |reply: &common::Reply| -> i64 {
+        reply
+            .header("x-ratelimit-remaining-tokens")
+            .expect("rate headers")
+            .parse()
+            .unwrap()
+    };
+    let body = for_pool(chat("Hi.", 500));
+    let client = gateway.client();
+    let first = client.post("/v1/chat/completions", Some(KEY), &body).await;
+    assert_eq!(first.status, StatusCode::OK, "{:?}", first.body);
+    // The debit at admission is prompt + max_tokens.
+    let prompt = 1000 - remaining(&first) - 500;
+    let second = client.post("/v1/chat/completions", Some(KEY), &body).await;
+    assert_eq!(second.status, StatusCode::OK, "{:?}", second.body);
+    // The stub reported 1 completion token: the first request cost prompt + 1, not + 500.
+    let spent_between = remaining(&first) - remaining(&second);
+    let expected = prompt + 500 - 499;
+    assert!(
+        (spent_between - expected).abs() <= 2,
+        "second debit {spent_between} after a refund of 499; expected about {expected}"
+    );
 }

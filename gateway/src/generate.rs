@@ -28,7 +28,7 @@ use crate::state::AppState;
 use crate::stream::{ResponseMeta, collect, full_response, sse_body};
 use crate::telemetry::GenerationTelemetry;
 use crate::upstream::prefix::block_hashes;
-use crate::upstream::{self, UpstreamRoute};
+use crate::upstream::{self, UpstreamRoute, UsageCell};
 use crate::validate::{
     Limits, PromptCodec, ValidRequest, ValidationError, validate_chat, validate_completion,
 };
@@ -200,8 +200,15 @@ async fn proxy(
                     admitted.mark_failed_before_start();
                 }
                 // The relayed body now owns the admission guard and the replica lease:
-                // capacity and load are held until it ends.
-                let mut response = upstream::relay(answer, (admitted, lease), &replica);
+                // capacity and load are held until it ends, and the debit is settled on the
+                // answer's reported usage then.
+                let usage = UsageCell::default();
+                let settle = SettleOnUsage {
+                    admitted,
+                    _lease: lease,
+                    usage: usage.clone(),
+                };
+                let mut response = upstream::relay(answer, settle, &replica, usage);
                 finish_headers(&mut response, &rate_headers, valid.dropped_messages);
                 return Ok(response);
             }
@@ -217,7 +224,8 @@ async fn proxy(
     admitted.mark_failed_before_start();
     if let Some((answer, lease)) = server_error {
         let replica = Arc::clone(lease.replica());
-        return Ok(upstream::relay(answer, (admitted, lease), &replica));
+        let usage = UsageCell::default();
+        return Ok(upstream::relay(answer, (admitted, lease), &replica, usage));
     }
     Err(
         failure.unwrap_or_else(|| GatewayError::UpstreamUnavailable {
@@ -229,6 +237,24 @@ async fn proxy(
             ),
         }),
     )
+}
+
+/// What a relayed upstream body holds until it ends: the admission guard and the replica lease.
+/// When it drops, a completion count the answer reported (`usage.completion_tokens`) settles
+/// the token debit on it (the unused part of max_tokens is refunded); without one the whole
+/// up-front charge stays, as for any unmetered body.
+struct SettleOnUsage {
+    admitted: Admitted,
+    _lease: upstream::ReplicaLease,
+    usage: UsageCell,
+}
+
+impl Drop for SettleOnUsage {
+    fn drop(&mut self) {
+        if let Some(completion_tokens) = self.usage.completion_tokens() {
+            self.admitted.record_completion(completion_tokens);
+        }
+    }
 }
 
 /// Queues `valid` for `pool`'s capacity under the tenant's limits and records the wait. If the

@@ -54,6 +54,7 @@ pub use count::{FRAMING_TOKEN, REPLY_PRIMING, TOKENS_PER_MESSAGE, TiktokenCounte
 pub use health::{CALL_TIMEOUT, PROBE_EVERY, SCRAPE_EVERY};
 pub use pool::{Replica, ReplicaLease, ReplicaPool};
 pub(crate) use proxy::{forwarded_body, relay};
+pub use rename::UsageCell;
 pub use spec::{
     DEFAULT_CAPACITY_TOKENS, DEFAULT_TIMEOUT, KvMetric, SYNTAX, UPSTREAM_BLOCK_SIZE, UpstreamKey,
     UpstreamSpec, UpstreamSpecError,

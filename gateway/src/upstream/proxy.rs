@@ -38,7 +38,7 @@ use hyper::body::Incoming;
 use serde_json::Value;
 
 use super::Replica;
-use super::rename::{Framing, RenameModel};
+use super::rename::{Framing, RenameModel, UsageCell};
 use crate::error::GatewayError;
 use crate::ratelimit::HEADER_NAMES as RATE_LIMIT_HEADERS;
 use crate::stack::REQUEST_ID_HEADER;
@@ -184,6 +184,7 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
     upstream: http::Response<Incoming>,
     guard: G,
     from: &Arc<Replica>,
+    usage: UsageCell,
 ) -> Response {
     let (mut parts, body) = upstream.into_parts();
     if parts.status.is_server_error() {
@@ -210,7 +211,7 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
         // The renamed body's length is not the upstream's.
         parts.headers.remove(CONTENT_LENGTH);
     }
-    let body = RenameModel::new(body, from.spec().name.clone(), framing);
+    let body = RenameModel::new(body, from.spec().name.clone(), framing).reporting_usage(usage);
     let body = GuardedBody::new(body, guard);
     let body = if sse {
         body.watching(from.spec().name.clone(), from.spec().timeout)
