@@ -22,6 +22,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use kvgate_gateway::metrics::exposition::Scrape;
 use kvgate_gateway::upstream::{SCRAPE_EVERY, UpstreamSpec};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -308,6 +309,28 @@ async fn new_work_goes_to_the_replica_reporting_less_kv_usage() {
         ask(&gateway, &format!("question {i}")).await;
     }
     assert_eq!((a.completions(), b.completions()), (6, 6));
+
+    // Each replica's answers are counted under its own label, and timed per upstream.
+    let metrics = gateway.client().get("/metrics", None).await;
+    let scrape = Scrape::parse(std::str::from_utf8(&metrics.body).unwrap()).unwrap();
+    for stub in [&a, &b] {
+        let replica = format!("http://{}", stub.addr);
+        let labels = [
+            ("upstream", POOLED),
+            ("replica", replica.as_str()),
+            ("result", "ok"),
+        ];
+        assert_eq!(
+            scrape.value("kvgate_upstream_requests_total", &labels),
+            Some(6.0),
+            "{replica}"
+        );
+    }
+    let timed = scrape.value(
+        "kvgate_upstream_response_seconds_count",
+        &[("upstream", POOLED)],
+    );
+    assert!(timed.is_some_and(|count| count >= 12.0), "{timed:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

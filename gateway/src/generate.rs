@@ -20,7 +20,10 @@ use crate::admission::{AdmissionTicket, Admitted, PoolId};
 use crate::error::GatewayError;
 use crate::extract::{OpenAiBody, RequestId, TenantIntake};
 use crate::intake::IntakePermit;
-use crate::metrics::{RejectReason, record_queue_wait, record_rejection, record_request};
+use crate::metrics::{
+    RejectReason, UpstreamResult, record_queue_wait, record_rejection, record_request,
+    record_upstream_attempt,
+};
 use crate::openai::{ChatCompletionRequest, CompletionRequest};
 use crate::policy::TenantPolicy;
 use crate::ratelimit::RateLimitHeaders;
@@ -185,7 +188,16 @@ async fn proxy(
         };
         // Owned by this future until the headers arrive: a client that leaves drops the
         // request (and the lease).
-        match replica.send(valid.endpoint, body, &request_id).await {
+        let sent = Instant::now();
+        let outcome = replica.send(valid.endpoint, body, &request_id).await;
+        let result = match &outcome {
+            Ok(answer) if answer.status().is_server_error() => UpstreamResult::ServerError,
+            Ok(answer) if answer.status().is_success() => UpstreamResult::Ok,
+            Ok(_) => UpstreamResult::ClientError,
+            Err(_) => UpstreamResult::Unreachable,
+        };
+        record_upstream_attempt(upstream.name(), replica.base_url(), result, sent.elapsed());
+        match outcome {
             Ok(answer) if answer.status().is_server_error() => {
                 if replica.failed(&format!("answered {}", answer.status())) {
                     upstream.replicas().forget(replica.id());

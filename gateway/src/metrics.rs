@@ -244,6 +244,38 @@ pub fn record_breaker_transition(upstream: &str, replica: &str, ejected: bool) {
     .increment(1);
 }
 
+/// What became of one request sent to an upstream replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamResult {
+    Ok,
+    ClientError,
+    ServerError,
+    Unreachable,
+}
+
+/// One request sent to replica `replica` (its URL) of model `upstream`, answered (or not)
+/// after `waited`.
+pub fn record_upstream_attempt(
+    upstream: &str,
+    replica: &str,
+    result: UpstreamResult,
+    waited: Duration,
+) {
+    let result = match result {
+        UpstreamResult::Ok => "ok",
+        UpstreamResult::ClientError => "client_error",
+        UpstreamResult::ServerError => "server_error",
+        UpstreamResult::Unreachable => "unreachable",
+    };
+    metrics::counter!(UPSTREAM_REQUESTS_TOTAL, "upstream" => upstream.to_owned(),
+                      "replica" => replica.to_owned(), "result" => result)
+    .increment(1);
+    if result != "unreachable" {
+        metrics::histogram!(UPSTREAM_RESPONSE_SECONDS, "upstream" => upstream.to_owned())
+            .record(waited.as_secs_f64());
+    }
+}
+
 /// The `/metrics` renderer of one server: the shared recorder plus this server's engine and
 /// admission state. Cheap to clone.
 #[derive(Clone)]
