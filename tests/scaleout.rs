@@ -400,3 +400,74 @@ async fn the_upstreams_reported_usage_settles_the_token_debit() {
         "second debit {spent_between} after a refund of 499; expected about {expected}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_served_binary_reloads_its_upstreams_file_and_keeps_it_on_a_bad_edit() {
+    let (a, b) = (Stub::start().await, Stub::start().await);
+    let home = scratch_dir("scaleout-file");
+    let file = home.join("upstreams.toml");
+    let replica = |stub: &Stub| {
+        format!(
+            "[[replica]]\nname = \"{POOLED}\"\nurl = \"http://{}\"\ncapacity = 100000\n",
+            stub.addr
+        )
+    };
+    std::fs::write(&file, replica(&a)).unwrap();
+    let upstreams = file.display().to_string();
+    let server = serve(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-memory",
+            "64MiB",
+            "--upstreams",
+            &upstreams,
+        ],
+        &home,
+    );
+    let client = common::Client::new(server.addr);
+    let ask_pool = |content: &'static str| {
+        let client = client.clone();
+        async move {
+            let reply = client
+                .post("/v1/chat/completions", None, &for_pool(chat(content, 4)))
+                .await;
+            assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        }
+    };
+    ask_pool("first").await;
+    assert_eq!((a.completions(), b.completions()), (1, 0));
+
+    // Replace the replica: new requests go to the new one, without a restart.
+    let staged = home.join("upstreams.toml.new");
+    std::fs::write(&staged, replica(&b)).unwrap();
+    std::fs::rename(&staged, &file).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        ask_pool("again").await;
+        if b.completions() > 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not reloaded");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A bad edit keeps the running replica; its location is logged.
+    std::fs::write(&file, "[[replica]]\nname = \"pooled\"\nurl = \"ftp://x\"\n").unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = b.completions();
+    ask_pool("still").await;
+    assert_eq!(
+        b.completions(),
+        before + 1,
+        "the last good set still serves"
+    );
+    let (_, log) = server.stop();
+    assert!(
+        log.iter()
+            .any(|line| line.contains("upstreams reload failed")
+                && line.contains("upstreams.toml:3:7")),
+        "{log:#?}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}
