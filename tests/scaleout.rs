@@ -16,14 +16,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::process::{Served, scratch_dir, serve};
-use common::{LONG_ANSWER, MODEL, Options, TenantSpec, TestServer, chat, policy, wait_until};
+use common::{LONG_ANSWER, MODEL, TestServer, chat, proxy_gateway, wait_until};
 use http_body_util::Full;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use kvgate_gateway::metrics::exposition::Scrape;
-use kvgate_gateway::upstream::{SCRAPE_EVERY, UpstreamSpec};
+use kvgate_gateway::upstream::SCRAPE_EVERY;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
@@ -44,26 +44,11 @@ async fn gateway(replicas: &[String]) -> TestServer {
 
 /// [`gateway`] whose tenant has `tenant_extra` limits.
 async fn gateway_with(replicas: &[String], tenant_extra: &str) -> TestServer {
-    let text = policy(
-        &[TenantSpec {
-            name: "alpha",
-            key: KEY,
-            extra: tenant_extra,
-        }],
-        "",
-    );
-    let options = Options {
-        upstreams: replicas
-            .iter()
-            .map(|value| {
-                format!("{POOLED}={value}")
-                    .parse::<UpstreamSpec>()
-                    .expect("valid --upstream")
-            })
-            .collect(),
-        ..Options::default()
-    };
-    TestServer::start_with(&text, options).await
+    let upstreams: Vec<String> = replicas
+        .iter()
+        .map(|value| format!("{POOLED}={value}"))
+        .collect();
+    proxy_gateway(KEY, &upstreams, tenant_extra).await
 }
 
 /// A short chat for the pool; it must succeed.
