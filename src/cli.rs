@@ -156,12 +156,18 @@ pub struct ServeArgs {
     /// Also serve model NAME by proxying it to another OpenAI-compatible engine at URL (plain
     /// http; the root URL, without /v1). Options: model=ID (the id sent upstream; default
     /// NAME), capacity=TOKENS (its KV capacity, the admission gate; default 65536),
-    /// timeout=DURATION (longest wait for its response headers; default 120s). Repeatable.
+    /// timeout=DURATION (longest wait for its response headers; default 120s), metrics=URL
+    /// and kv_metric=vllm|kvgate|none (scraped for routing), api_key_env=VAR (the key sent
+    /// upstream). Repeatable; the same NAME again adds a replica of that model.
     #[arg(
         long = "upstream",
-        value_name = "NAME=URL[,model=ID][,capacity=TOKENS][,timeout=DURATION]"
+        value_name = "NAME=URL[,model=ID][,capacity=TOKENS][,timeout=DURATION][,...]"
     )]
     pub upstreams: Vec<UpstreamSpec>,
+    /// Upstream replicas from a TOML file (`[[replica]]` tables; README "Scaling out"),
+    /// reloaded on SIGHUP and when it changes. Adds to any --upstream values.
+    #[arg(long = "upstreams", value_name = "FILE")]
+    pub upstreams_file: Option<PathBuf>,
 }
 
 /// `--listen`: an IP:PORT, or a HOST:PORT resolved now (the first address the resolver returns,
@@ -308,6 +314,12 @@ pub enum PolicyCommand {
     /// Validate a policy file; errors name the line, column and field.
     Check {
         /// The policy file.
+        file: PathBuf,
+    },
+    /// Validate an upstreams file (`kvgate serve --upstreams FILE`); errors name the line,
+    /// column and field.
+    CheckUpstreams {
+        /// The upstreams file.
         file: PathBuf,
     },
     /// Print the SHA-256 digest to store in a policy for a new API key (reads stdin if omitted).

@@ -178,6 +178,22 @@ pub fn policy(cmd: PolicyCommand) -> Result<()> {
             println!("{}: OK", file.display());
             println!("{summary}");
         }
+        PolicyCommand::CheckUpstreams { file } => {
+            let specs = kvgate_gateway::upstream::file::load_upstreams_file(&file)?;
+            // Grouping finds what the file alone cannot (a replica URL twice for one model).
+            let upstreams = kvgate_gateway::upstream::Upstreams::new(specs.clone())?;
+            println!("{}: OK", file.display());
+            for upstream in upstreams.iter() {
+                println!(
+                    "{}: {} replica(s)",
+                    upstream.name(),
+                    upstream.replicas().replicas().len()
+                );
+            }
+            for spec in specs {
+                println!("  {spec}");
+            }
+        }
         PolicyCommand::HashKey { key } => {
             let key = match key {
                 Some(key) => key,

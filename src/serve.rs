@@ -14,6 +14,7 @@ use kvgate_gateway::reload::PolicyStore;
 use kvgate_gateway::server::{self, ServeConfig, ServeError};
 use kvgate_gateway::shutdown;
 use kvgate_gateway::upstream::Upstreams;
+use kvgate_gateway::upstream::file::{load_upstreams_file, watch_upstreams_file};
 use kvgate_gateway::validate::PromptCodec;
 
 use kvgate_runtime::kv_math::parse_size;
@@ -36,7 +37,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
         None => None,
     };
     // Also before the model: builds the upstreams' tiktoken encodings once, up front.
-    let upstreams = Upstreams::new(args.upstreams.clone())?;
+    let mut specs = args.upstreams.clone();
+    if let Some(path) = &args.upstreams_file {
+        specs.extend(load_upstreams_file(path)?);
+    }
+    let upstreams = Upstreams::new(specs)?;
     let tokio = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -78,6 +83,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 ignore_hangups()?;
                 None
             }
+        };
+        let _upstreams_reload = match &args.upstreams_file {
+            Some(path) => Some(
+                watch_upstreams_file(upstreams.clone(), path.clone(), args.upstreams.clone())
+                    .context("watching the upstreams file for changes")?,
+            ),
+            None => None,
         };
         let admission =
             Admission::with_pools(store.clone(), engine.pool().clone(), upstreams.pools());

@@ -215,6 +215,35 @@ fn an_invalid_policy_is_one_line_with_its_location() {
 }
 
 #[test]
+fn an_upstreams_file_is_checked_with_locations_and_summarised() {
+    let home = scratch_dir("upstreams-check");
+    let file = home.join("upstreams.toml");
+    let good = "[[replica]]\nname = \"m\"\nurl = \"http://10.0.0.5:8000\"\n\n\
+                [[replica]]\nname = \"m\"\nurl = \"http://10.0.0.6:8000\"\ncapacity = 4096\n";
+    std::fs::write(&file, good).unwrap();
+    let path = file.display().to_string();
+    let output = run(&["policy", "check-upstreams", &path], &home);
+    assert!(output.status.success(), "{output:?}");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        stdout.starts_with(&format!("{path}: OK\nm: 2 replica(s)\n")),
+        "{stdout}"
+    );
+
+    std::fs::write(
+        &file,
+        "[[replica]]\nname = \"m\"\nurl = \"10.0.0.5:8000\"\n",
+    )
+    .unwrap();
+    let line = one_error_line(&run(&["policy", "check-upstreams", &path], &home));
+    assert!(
+        line.starts_with(&format!("kvgate: error: {path}:3:7: `replica.url`: ")),
+        "{line}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
 fn logs_are_coloured_on_a_terminal_unless_no_color_is_set() {
     // `script` (util-linux, essential on Debian) gives the child a pseudo-terminal. A taken port
     // makes serve log one line and exit before any model work.

@@ -14,6 +14,7 @@ use common::{Client, MODEL};
 use kvgate_gateway::metrics::KV_BLOCKS;
 use kvgate_gateway::metrics::exposition::Scrape;
 use kvgate_gateway::policy::{UnknownKeys, parse_policy};
+use kvgate_gateway::upstream::file::parse_upstreams_file;
 use serde_json::Value;
 
 /// Where the README's examples expect the server.
@@ -157,6 +158,17 @@ fn the_readme_policy_snippets_load_and_mean_what_the_readme_says() {
     assert!(snippets.len() >= 2, "the README shows policy snippets");
     for block in &snippets {
         let name = format!("README.md:{}", block.line);
+        // An upstreams file ("Scaling out"), not a policy: it must load as one.
+        if block.body.starts_with("# upstreams.toml") {
+            let specs = parse_upstreams_file(Path::new(&name), &block.body)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(specs.len() >= 2, "{name}: the example has two replicas");
+            assert!(
+                specs.iter().all(|spec| spec.name == specs[0].name),
+                "{name}"
+            );
+            continue;
+        }
         let policy = parse_policy(&name, &block.body).unwrap_or_else(|e| panic!("{e}"));
         // Each snippet states, in a comment, what an unknown key gets.
         let expected = if block.body.contains("# unknown keys: anonymous") {

@@ -9,11 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{
-    LONG_ANSWER, MODEL, Options, SseReply, TenantSpec, TestServer, chat, policy, wait_until,
-};
+use common::{LONG_ANSWER, MODEL, SseReply, TestServer, chat, proxy_gateway, wait_until};
 use hyper::StatusCode;
-use kvgate_gateway::upstream::{TiktokenCounter, UpstreamSpec};
+use kvgate_gateway::upstream::TiktokenCounter;
 use kvgate_gateway::validate::TemplateTurn;
 use kvgate_runtime::chat_template::ChatMessage;
 use serde_json::{Value, json};
@@ -41,22 +39,7 @@ async fn upstream_node_with(extra: &str) -> TestServer {
 /// A gateway (with its own embedded model) whose tenant `alpha` has `tenant_extra` limits and
 /// which proxies these `--upstream` values.
 async fn gateway(upstreams: &[String], tenant_extra: &str) -> TestServer {
-    let text = policy(
-        &[TenantSpec {
-            name: "alpha",
-            key: KEY,
-            extra: tenant_extra,
-        }],
-        "",
-    );
-    let options = Options {
-        upstreams: upstreams
-            .iter()
-            .map(|value| value.parse::<UpstreamSpec>().expect("valid --upstream"))
-            .collect(),
-        ..Options::default()
-    };
-    TestServer::start_with(&text, options).await
+    proxy_gateway(KEY, upstreams, tenant_extra).await
 }
 
 /// `remote` served by `addr` under the embedded model's id.

@@ -20,14 +20,18 @@ use crate::admission::{AdmissionTicket, Admitted, PoolId};
 use crate::error::GatewayError;
 use crate::extract::{OpenAiBody, RequestId, TenantIntake};
 use crate::intake::IntakePermit;
-use crate::metrics::{RejectReason, record_queue_wait, record_rejection, record_request};
+use crate::metrics::{
+    RejectReason, UpstreamResult, record_queue_wait, record_rejection, record_request,
+    record_upstream_attempt,
+};
 use crate::openai::{ChatCompletionRequest, CompletionRequest};
 use crate::policy::TenantPolicy;
 use crate::ratelimit::RateLimitHeaders;
 use crate::state::AppState;
 use crate::stream::{ResponseMeta, collect, full_response, sse_body};
 use crate::telemetry::GenerationTelemetry;
-use crate::upstream::{self, UpstreamRoute};
+use crate::upstream::prefix::block_hashes;
+use crate::upstream::{self, UpstreamRoute, UsageCell};
 use crate::validate::{
     Limits, PromptCodec, ValidRequest, ValidationError, validate_chat, validate_completion,
 };
@@ -136,9 +140,12 @@ async fn generate(
     Ok(response)
 }
 
-/// Validation → admission (the upstream's capacity pool) → forward → relay, for a model served
-/// by an upstream engine. The upstream's context window is unknown here: the tenant's limits
-/// apply to the tiktoken count, and the upstream enforces its own window (its 400 is relayed).
+/// Validation → admission (the model's capacity pool) → choose a replica → forward → relay,
+/// for a model served by upstream engines. The upstream's context window is unknown here: the
+/// tenant's limits apply to the tiktoken count, and the upstream enforces its own window (its
+/// 400 is relayed). A replica that cannot be reached, answers nothing in time or answers 5xx
+/// counts against its breaker, and the request goes to the next best replica (at most
+/// [`upstream::MAX_ATTEMPTS`] in all): nothing has reached the client yet.
 async fn proxy(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
@@ -156,27 +163,110 @@ async fn proxy(
     let codec: Arc<dyn PromptCodec> = Arc::clone(upstream.counter()) as _;
     let model = upstream.name().to_owned();
     let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
-    let body = upstream::forwarded_body(&raw, &valid, &upstream.spec().model)?;
     let mut admitted = admit(state, tenant, &valid, request_id.clone(), route.pool()).await?;
     let rate_headers = admitted.rate_headers();
-    // Owned by this future until the headers arrive: a client that leaves drops the request.
-    // On failure `admitted` drops here unstarted: slot, capacity and debit all come back.
-    let answer = match upstream.send(valid.endpoint, body, &request_id).await {
-        Ok(answer) => answer,
-        Err(error) => {
-            admitted.mark_failed_before_start();
-            return Err(error);
+    // Seeded by model and tenant: affinity never crosses tenants (see `upstream/prefix.rs`).
+    let seed = format!("{}\u{0}{}", upstream.name(), tenant.name);
+    let hashes = block_hashes(&seed, &valid.prompt_ids);
+    let tokens = valid.prompt_ids.len() + valid.max_tokens as usize;
+    let mut tried = Vec::new();
+    let mut failure = None;
+    // The last replica's 5xx, relayed as such if no other replica is left to try.
+    let mut server_error = None;
+    while tried.len() < upstream::MAX_ATTEMPTS {
+        let Some(lease) = upstream.replicas().choose(&hashes, tokens, &tried) else {
+            break;
+        };
+        let replica = Arc::clone(lease.replica());
+        tried.push(replica.id());
+        let body = match upstream::forwarded_body(&raw, &valid, &replica.spec().model) {
+            Ok(body) => body,
+            Err(error) => {
+                admitted.mark_failed_before_start();
+                return Err(error);
+            }
+        };
+        // Owned by this future until the headers arrive: a client that leaves drops the
+        // request (and the lease).
+        let sent = Instant::now();
+        let outcome = replica.send(valid.endpoint, body, &request_id).await;
+        let result = match &outcome {
+            Ok(answer) if answer.status().is_server_error() => UpstreamResult::ServerError,
+            Ok(answer) if answer.status().is_success() => UpstreamResult::Ok,
+            Ok(_) => UpstreamResult::ClientError,
+            Err(_) => UpstreamResult::Unreachable,
+        };
+        record_upstream_attempt(upstream.name(), replica.base_url(), result, sent.elapsed());
+        match outcome {
+            Ok(answer) if answer.status().is_server_error() => {
+                if replica.failed(&format!("answered {}", answer.status())) {
+                    upstream.replicas().forget(replica.id());
+                }
+                server_error = Some((answer, lease));
+            }
+            Ok(answer) => {
+                replica.succeeded();
+                if answer.status().is_success() {
+                    admitted.mark_started();
+                } else {
+                    admitted.mark_failed_before_start();
+                }
+                // The relayed body now owns the admission guard and the replica lease:
+                // capacity and load are held until it ends, and the debit is settled on the
+                // answer's reported usage then.
+                let usage = UsageCell::default();
+                let settle = SettleOnUsage {
+                    admitted,
+                    _lease: lease,
+                    usage: usage.clone(),
+                };
+                let mut response = upstream::relay(answer, settle, &replica, usage);
+                finish_headers(&mut response, &rate_headers, valid.dropped_messages);
+                return Ok(response);
+            }
+            Err(error) => {
+                if replica.failed("unreachable or no response in time") {
+                    upstream.replicas().forget(replica.id());
+                }
+                failure = Some(error);
+            }
         }
-    };
-    if answer.status().is_success() {
-        admitted.mark_started();
-    } else {
-        admitted.mark_failed_before_start();
     }
-    // The relayed body now owns the admission guard: capacity is held until it ends.
-    let mut response = upstream::relay(answer, admitted, upstream);
-    finish_headers(&mut response, &rate_headers, valid.dropped_messages);
-    Ok(response)
+    // Nothing started: slot, capacity and debit all come back when `admitted` drops.
+    admitted.mark_failed_before_start();
+    if let Some((answer, lease)) = server_error {
+        let replica = Arc::clone(lease.replica());
+        let usage = UsageCell::default();
+        return Ok(upstream::relay(answer, (admitted, lease), &replica, usage));
+    }
+    Err(
+        failure.unwrap_or_else(|| GatewayError::UpstreamUnavailable {
+            upstream: upstream.name().to_owned(),
+            reason: "every replica is ejected by its circuit breaker; retry shortly".to_owned(),
+            detail: format!(
+                "{} replicas, none available",
+                upstream.replicas().replicas().len()
+            ),
+        }),
+    )
+}
+
+/// What a relayed upstream body holds until it ends: the admission guard and the replica lease.
+/// When it drops, a completion count the answer reported (`usage.completion_tokens`) settles
+/// the token debit on it (the unused part of max_tokens is refunded); without one the whole
+/// up-front charge stays, as for any unmetered body.
+struct SettleOnUsage {
+    admitted: Admitted,
+    _lease: upstream::ReplicaLease,
+    usage: UsageCell,
+}
+
+impl Drop for SettleOnUsage {
+    fn drop(&mut self) {
+        if let Some(completion_tokens) = self.usage.completion_tokens() {
+            self.admitted.record_completion(completion_tokens);
+        }
+    }
 }
 
 /// Queues `valid` for `pool`'s capacity under the tenant's limits and records the wait. If the

@@ -231,6 +231,51 @@ pub fn record_policy_reload(success: bool) {
     metrics::counter!(POLICY_RELOADS_TOTAL, "result" => result).increment(1);
 }
 
+pub fn record_upstream_reload(success: bool) {
+    let result = if success { "success" } else { "failure" };
+    metrics::counter!(UPSTREAM_RELOADS_TOTAL, "result" => result).increment(1);
+}
+
+/// A replica of `upstream` at `replica` (its URL) was ejected (`ejected`) or readmitted.
+pub fn record_breaker_transition(upstream: &str, replica: &str, ejected: bool) {
+    let to = if ejected { "ejected" } else { "readmitted" };
+    metrics::counter!(UPSTREAM_BREAKER_TOTAL, "upstream" => upstream.to_owned(),
+                      "replica" => replica.to_owned(), "to" => to)
+    .increment(1);
+}
+
+/// What became of one request sent to an upstream replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamResult {
+    Ok,
+    ClientError,
+    ServerError,
+    Unreachable,
+}
+
+/// One request sent to replica `replica` (its URL) of model `upstream`, answered (or not)
+/// after `waited`.
+pub fn record_upstream_attempt(
+    upstream: &str,
+    replica: &str,
+    result: UpstreamResult,
+    waited: Duration,
+) {
+    let result = match result {
+        UpstreamResult::Ok => "ok",
+        UpstreamResult::ClientError => "client_error",
+        UpstreamResult::ServerError => "server_error",
+        UpstreamResult::Unreachable => "unreachable",
+    };
+    metrics::counter!(UPSTREAM_REQUESTS_TOTAL, "upstream" => upstream.to_owned(),
+                      "replica" => replica.to_owned(), "result" => result)
+    .increment(1);
+    if result != "unreachable" {
+        metrics::histogram!(UPSTREAM_RESPONSE_SECONDS, "upstream" => upstream.to_owned())
+            .record(waited.as_secs_f64());
+    }
+}
+
 /// The `/metrics` renderer of one server: the shared recorder plus this server's engine and
 /// admission state. Cheap to clone.
 #[derive(Clone)]

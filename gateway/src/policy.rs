@@ -10,7 +10,7 @@
 mod build;
 mod limits;
 mod raw;
-mod source;
+pub(crate) mod source;
 #[cfg(test)]
 mod tests;
 

@@ -168,6 +168,8 @@ pub async fn bind_on(
     upstreams: Upstreams,
 ) -> Result<Server, ServeError> {
     let upstream_routes = upstreams.routes(&config.model_name, |pool| admission.pool_id(pool))?;
+    // Replica scrapes and health probes run while the upstreams live (they end with them).
+    upstreams.start_upkeep();
     let operator_listener = match config.metrics_listen {
         Some(addr) => Some(listen(addr).await?),
         None => None,

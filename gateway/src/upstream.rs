@@ -17,13 +17,29 @@
 //! its `model` renamed to `NAME` (`rename.rs`), and the admission guard lives in the relayed
 //! body until it ends.
 
+//!
+//! **Replica pools** (`pool.rs`): `--upstream` repeated with the same `NAME`, or an upstreams
+//! file (`--upstreams FILE`, `file.rs`, hot-reloaded), gives one model several engine
+//! replicas. Admission gates the model on one capacity pool, the sum of its replicas'
+//! declared capacities; each admitted request then goes to the replica with the best score of
+//! KV usage, queue length and prefix affinity (`route.rs`, `prefix.rs`), kept fresh by a
+//! scrape-and-probe task (`health.rs`). A circuit breaker per replica (`breaker.rs`) ejects a
+//! failing one; a request whose replica fails before its first byte reached the client is
+//! retried on another.
+
+mod breaker;
 mod count;
+pub mod file;
+mod health;
+mod pool;
+pub mod prefix;
 mod proxy;
 mod rename;
+pub mod route;
 mod spec;
 
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -33,11 +49,15 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kvgate_runtime::block_pool::BlockPool;
 
+pub use breaker::{BASE_BACKOFF, FAILURE_THRESHOLD, MAX_BACKOFF};
 pub use count::{FRAMING_TOKEN, REPLY_PRIMING, TOKENS_PER_MESSAGE, TiktokenCounter};
+pub use health::{CALL_TIMEOUT, PROBE_EVERY, SCRAPE_EVERY};
+pub use pool::{Replica, ReplicaLease, ReplicaPool};
 pub(crate) use proxy::{forwarded_body, relay};
+pub use rename::UsageCell;
 pub use spec::{
-    DEFAULT_CAPACITY_TOKENS, DEFAULT_TIMEOUT, SYNTAX, UPSTREAM_BLOCK_SIZE, UpstreamSpec,
-    UpstreamSpecError,
+    DEFAULT_CAPACITY_TOKENS, DEFAULT_TIMEOUT, KvMetric, SYNTAX, UPSTREAM_BLOCK_SIZE, UpstreamKey,
+    UpstreamSpec, UpstreamSpecError,
 };
 
 use crate::admission::PoolId;
@@ -46,6 +66,8 @@ use crate::admission::PoolId;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an idle pooled connection to an upstream is kept.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Most replicas one request is sent to (the first try and the retries before its first byte).
+pub const MAX_ATTEMPTS: usize = 3;
 
 /// The client every upstream shares (one connection pool, keyed by host).
 pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -53,7 +75,7 @@ pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 /// A set of upstreams that cannot be served together.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UpstreamError {
-    #[error("--upstream {0} is given twice")]
+    #[error("--upstream {0} is given twice for the same replica URL")]
     Duplicate(String),
     #[error(
         "--upstream {0} has the embedded model's name; give the upstream another NAME (and \
@@ -62,55 +84,131 @@ pub enum UpstreamError {
     ShadowsLocalModel(String),
     #[error("--upstream {0}: its capacity pool is not registered with admission")]
     NotAdmitted(String),
+    #[error(
+        "the upstreams would change the set of models ({0}); adding or removing a model \
+         needs a restart (replicas of existing models can be added and removed)"
+    )]
+    ModelsChanged(String),
 }
 
-/// Every configured upstream. Cheap to clone; empty by default.
+/// Every configured upstream model. Cheap to clone; empty by default.
 #[derive(Clone, Default)]
 pub struct Upstreams {
     list: Arc<[Arc<Upstream>]>,
+    client: Option<HttpClient>,
 }
 
-/// One upstream: its spec, its capacity pool, its token counter and the shared client.
+/// One upstream model: its name, its capacity pool, its token counter and its replicas.
 pub struct Upstream {
-    spec: UpstreamSpec,
+    name: String,
     pool: Arc<BlockPool>,
     counter: Arc<TiktokenCounter>,
-    client: HttpClient,
+    replicas: ReplicaPool,
+    upkeep: OnceLock<()>,
+}
+
+/// Groups specs by model name, in first-seen order; a replica URL twice under one name is an
+/// error (it would double-count its capacity).
+fn group(specs: Vec<UpstreamSpec>) -> Result<Vec<(String, Vec<UpstreamSpec>)>, UpstreamError> {
+    let mut groups: Vec<(String, Vec<UpstreamSpec>)> = Vec::new();
+    let mut seen = HashSet::new();
+    for spec in specs {
+        if !seen.insert((spec.name.clone(), spec.base_url.clone())) {
+            return Err(UpstreamError::Duplicate(format!(
+                "{}={}",
+                spec.name, spec.base_url
+            )));
+        }
+        match groups.iter_mut().find(|(name, _)| *name == spec.name) {
+            Some((_, group)) => group.push(spec),
+            None => groups.push((spec.name.clone(), vec![spec])),
+        }
+    }
+    Ok(groups)
 }
 
 impl Upstreams {
-    /// Builds each upstream's capacity pool and token counter (tiktoken's encodings are built
-    /// here, once, not per request) and the pooled HTTP client. Names must be distinct.
+    /// Builds each model's capacity pool (the sum of its replicas' capacities), token counter
+    /// (tiktoken's encodings are built here, once, not per request, for the first replica's
+    /// model id) and replica pool, sharing one pooled HTTP client. Specs with the same name
+    /// are replicas of one model.
     pub fn new(specs: Vec<UpstreamSpec>) -> Result<Upstreams, UpstreamError> {
-        let mut names = HashSet::new();
-        for spec in &specs {
-            if !names.insert(spec.name.as_str()) {
-                return Err(UpstreamError::Duplicate(spec.name.clone()));
-            }
-        }
         let client = http_client();
-        let list = specs
+        let list = group(specs)?
             .into_iter()
-            .map(|spec| {
-                let counter = Arc::new(TiktokenCounter::for_model(&spec.model));
-                let pool = BlockPool::new(spec.capacity_blocks(), UPSTREAM_BLOCK_SIZE, 0);
-                tracing::info!(
-                    upstream = %spec.name,
-                    url = %spec.base_url,
-                    model = %spec.model,
-                    capacity_tokens = spec.capacity_blocks() * UPSTREAM_BLOCK_SIZE,
-                    encoding = counter.encoding(),
-                    "upstream configured"
-                );
+            .map(|(name, specs)| {
+                let counter = Arc::new(TiktokenCounter::for_model(&specs[0].model));
+                let blocks = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
+                let pool = BlockPool::new(blocks, UPSTREAM_BLOCK_SIZE, 0);
+                for spec in &specs {
+                    tracing::info!(
+                        upstream = %name,
+                        url = %spec.base_url,
+                        model = %spec.model,
+                        capacity_tokens = spec.capacity_blocks() * UPSTREAM_BLOCK_SIZE,
+                        metrics = spec.metrics_url.as_deref().unwrap_or("none"),
+                        encoding = counter.encoding(),
+                        "upstream replica configured"
+                    );
+                }
+                let replicas = specs
+                    .into_iter()
+                    .map(|spec| Arc::new(Replica::new(spec, client.clone())))
+                    .collect();
                 Arc::new(Upstream {
-                    spec,
+                    name,
                     pool,
                     counter,
-                    client: client.clone(),
+                    replicas: ReplicaPool::new(replicas),
+                    upkeep: OnceLock::new(),
                 })
             })
             .collect();
-        Ok(Upstreams { list })
+        Ok(Upstreams {
+            list,
+            client: Some(client),
+        })
+    }
+
+    /// Replaces each model's replicas with `specs` (an upstreams-file reload). The models
+    /// must stay the same (their admission pools exist since startup); each model's
+    /// admission capacity stays what it was at startup. Nothing changes on error.
+    pub fn reload(&self, specs: Vec<UpstreamSpec>) -> Result<(), UpstreamError> {
+        let groups = group(specs)?;
+        let old: HashSet<&str> = self.list.iter().map(|u| u.name.as_str()).collect();
+        let new: HashSet<&str> = groups.iter().map(|(name, _)| name.as_str()).collect();
+        if old != new {
+            let mut changes: Vec<String> = new
+                .difference(&old)
+                .map(|name| format!("+{name}"))
+                .chain(old.difference(&new).map(|name| format!("-{name}")))
+                .collect();
+            changes.sort();
+            return Err(UpstreamError::ModelsChanged(changes.join(", ")));
+        }
+        let client = self.client.clone().unwrap_or_else(http_client);
+        for (name, specs) in groups {
+            if let Some(upstream) = self.get(&name) {
+                let declared: usize = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
+                if declared != upstream.pool.total_blocks() {
+                    tracing::warn!(upstream = %name, declared_blocks = declared,
+                                   admission_blocks = upstream.pool.total_blocks(),
+                                   "the replicas' capacity changed; admission keeps its \
+                                    startup capacity until a restart");
+                }
+                upstream.replicas.replace(specs, &client);
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts each model's scrape-and-probe task, once (inside a tokio runtime).
+    pub fn start_upkeep(&self) {
+        for upstream in self.list.iter() {
+            if upstream.upkeep.set(()).is_ok() {
+                health::spawn_upkeep(upstream);
+            }
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -123,7 +221,7 @@ impl Upstreams {
 
     /// The upstream serving model `name`.
     pub fn get(&self, name: &str) -> Option<&Arc<Upstream>> {
-        self.list.iter().find(|upstream| upstream.spec.name == name)
+        self.list.iter().find(|upstream| upstream.name == name)
     }
 
     /// The capacity pools in order, for [`crate::admission::Admission::with_pools`].
@@ -145,11 +243,11 @@ impl Upstreams {
         self.list
             .iter()
             .map(|upstream| {
-                if upstream.spec.name == local_model {
-                    return Err(UpstreamError::ShadowsLocalModel(upstream.spec.name.clone()));
+                if upstream.name == local_model {
+                    return Err(UpstreamError::ShadowsLocalModel(upstream.name.clone()));
                 }
                 let pool = pool_id(&upstream.pool)
-                    .ok_or_else(|| UpstreamError::NotAdmitted(upstream.spec.name.clone()))?;
+                    .ok_or_else(|| UpstreamError::NotAdmitted(upstream.name.clone()))?;
                 Ok(UpstreamRoute {
                     upstream: Arc::clone(upstream),
                     pool,
@@ -162,7 +260,11 @@ impl Upstreams {
 impl std::fmt::Debug for Upstreams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list()
-            .entries(self.list.iter().map(|upstream| &upstream.spec))
+            .entries(
+                self.list
+                    .iter()
+                    .flat_map(|upstream| upstream.replicas.replicas().to_vec()),
+            )
             .finish()
     }
 }
@@ -170,14 +272,10 @@ impl std::fmt::Debug for Upstreams {
 impl Upstream {
     /// The model id clients send.
     pub fn name(&self) -> &str {
-        &self.spec.name
+        &self.name
     }
 
-    pub fn spec(&self) -> &UpstreamSpec {
-        &self.spec
-    }
-
-    /// The pool admission reserves this upstream's capacity from.
+    /// The pool admission reserves this model's capacity from.
     pub fn pool(&self) -> &Arc<BlockPool> {
         &self.pool
     }
@@ -187,8 +285,9 @@ impl Upstream {
         &self.counter
     }
 
-    pub(crate) fn client(&self) -> &HttpClient {
-        &self.client
+    /// The replicas serving this model.
+    pub fn replicas(&self) -> &ReplicaPool {
+        &self.replicas
     }
 }
 
@@ -209,7 +308,7 @@ impl UpstreamRoute {
     }
 }
 
-fn http_client() -> HttpClient {
+pub(crate) fn http_client() -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
     connector.set_nodelay(true);
@@ -228,7 +327,7 @@ mod tests {
     }
 
     #[test]
-    fn upstreams_get_pools_sized_from_their_capacity_and_distinct_names() {
+    fn upstreams_get_pools_sized_from_their_capacity_and_replicas_by_name() {
         let upstreams = Upstreams::new(vec![
             spec("a=http://127.0.0.1:1,capacity=100"),
             spec("b=http://127.0.0.1:2,model=gpt-4o"),
@@ -242,6 +341,7 @@ mod tests {
         );
         assert_eq!(a.pool().block_size(), UPSTREAM_BLOCK_SIZE);
         assert_eq!(a.counter().encoding(), "cl100k_base");
+        assert_eq!(a.replicas().replicas().len(), 1);
         let b = upstreams.get("b").unwrap();
         assert_eq!(b.pool().total_blocks(), DEFAULT_CAPACITY_TOKENS / 16);
         assert_eq!(
@@ -252,11 +352,50 @@ mod tests {
         assert!(upstreams.get("gpt-4o").is_none(), "clients send the NAME");
         assert_eq!(upstreams.pools().len(), 2);
 
+        // The same name twice: two replicas of one model, capacities summed.
+        let pooled = Upstreams::new(vec![
+            spec("a=http://127.0.0.1:1,capacity=160"),
+            spec("b=http://127.0.0.1:3"),
+            spec("a=http://127.0.0.1:2,capacity=320"),
+        ])
+        .unwrap();
+        let a = pooled.get("a").unwrap();
+        assert_eq!(a.replicas().replicas().len(), 2);
+        assert_eq!(a.pool().total_blocks(), 30);
+        assert_eq!(pooled.pools().len(), 2, "one admission pool per model");
+
         let twice = Upstreams::new(vec![
             spec("a=http://127.0.0.1:1"),
-            spec("a=http://127.0.0.1:2"),
+            spec("a=http://127.0.0.1:1/"),
         ]);
-        assert_eq!(twice.err(), Some(UpstreamError::Duplicate("a".into())));
+        assert_eq!(
+            twice.err(),
+            Some(UpstreamError::Duplicate("a=http://127.0.0.1:1".into()))
+        );
+    }
+
+    #[test]
+    fn reload_changes_replicas_but_not_the_set_of_models() {
+        let upstreams = Upstreams::new(vec![spec("a=http://127.0.0.1:1")]).unwrap();
+        upstreams
+            .reload(vec![
+                spec("a=http://127.0.0.1:1"),
+                spec("a=http://127.0.0.1:2"),
+            ])
+            .unwrap();
+        assert_eq!(upstreams.get("a").unwrap().replicas().replicas().len(), 2);
+        let error = upstreams
+            .reload(vec![
+                spec("a=http://127.0.0.1:1"),
+                spec("b=http://127.0.0.1:2"),
+            ])
+            .unwrap_err();
+        assert_eq!(error, UpstreamError::ModelsChanged("+b".into()));
+        assert_eq!(
+            upstreams.get("a").unwrap().replicas().replicas().len(),
+            2,
+            "a refused reload changes nothing"
+        );
     }
 
     #[test]

@@ -272,6 +272,28 @@ pub fn policy(tenants: &[TenantSpec<'_>], tail: &str) -> String {
     text
 }
 
+/// A server (with its own embedded model) whose one tenant `alpha` (key `key`) has
+/// `tenant_extra` limits, proxying these `--upstream` values (tests/upstream.rs,
+/// tests/scaleout.rs).
+pub async fn proxy_gateway(key: &str, upstreams: &[String], tenant_extra: &str) -> TestServer {
+    let text = policy(
+        &[TenantSpec {
+            name: "alpha",
+            key,
+            extra: tenant_extra,
+        }],
+        "",
+    );
+    let options = Options {
+        upstreams: upstreams
+            .iter()
+            .map(|value| value.parse::<UpstreamSpec>().expect("valid --upstream"))
+            .collect(),
+        ..Options::default()
+    };
+    TestServer::start_with(&text, options).await
+}
+
 /// A chat body with one user message.
 pub fn chat(content: &str, max_tokens: u32) -> serde_json::Value {
     serde_json::json!({

@@ -15,6 +15,10 @@ pub const GENERATION_TOKENS: &str = "kvgate_generation_tokens";
 pub const PROMPT_TOKENS_TOTAL: &str = "kvgate_prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "kvgate_generation_tokens_total";
 pub const POLICY_RELOADS_TOTAL: &str = "kvgate_policy_reloads_total";
+pub const UPSTREAM_RELOADS_TOTAL: &str = "kvgate_upstream_reloads_total";
+pub const UPSTREAM_BREAKER_TOTAL: &str = "kvgate_upstream_breaker_transitions_total";
+pub const UPSTREAM_REQUESTS_TOTAL: &str = "kvgate_upstream_requests_total";
+pub const UPSTREAM_RESPONSE_SECONDS: &str = "kvgate_upstream_response_seconds";
 
 // ---- read from the engine and admission at scrape time ---------------------------------------
 pub const KV_BLOCKS: &str = "kvgate_kv_blocks";
@@ -158,6 +162,33 @@ pub const RECORDED: &[Family] = &[
         &["result"],
         "Policy file reloads by result (success or failure).",
     ),
+    family(
+        UPSTREAM_RELOADS_TOTAL,
+        Counter,
+        &["result"],
+        "Upstreams file reloads by result (success or failure).",
+    ),
+    family(
+        UPSTREAM_BREAKER_TOTAL,
+        Counter,
+        &["upstream", "replica", "to"],
+        "Upstream replicas ejected (to=ejected) and readmitted (to=readmitted) by their \
+         circuit breaker.",
+    ),
+    family(
+        UPSTREAM_REQUESTS_TOTAL,
+        Counter,
+        &["upstream", "replica", "result"],
+        "Requests sent to upstream replicas (retries included) by result: ok, client_error \
+         (4xx), server_error (5xx), unreachable (no connection or no response in time).",
+    ),
+    family(
+        UPSTREAM_RESPONSE_SECONDS,
+        Histogram,
+        &["upstream"],
+        "Time from sending a request to an upstream replica to its response headers (a \
+         stream's first byte; a non-streamed answer's whole generation).",
+    ),
 ];
 
 /// Families written from engine and admission state at scrape time.
@@ -298,6 +329,12 @@ pub const STATE: &[Family] = &[
 /// [`BATCH_SIZE`] and [`BATCH_TOKENS`], `STEP_MICROS_BUCKET_BOUNDS` for
 /// [`ENGINE_STEP_DURATION_SECONDS`].
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
+    (
+        UPSTREAM_RESPONSE_SECONDS,
+        &[
+            0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+        ],
+    ),
     (
         QUEUE_WAIT_SECONDS,
         &[

@@ -7,7 +7,7 @@ use std::path::Path;
 use super::PolicyError;
 
 /// The file being checked, for turning byte spans into `file:line:column` errors.
-pub(super) struct Source<'a> {
+pub(crate) struct Source<'a> {
     pub path: &'a Path,
     pub text: &'a str,
 }

@@ -4,9 +4,11 @@
 //!   ignores still reach an engine that honours them), with `model` set to the upstream's id,
 //!   the completion budget validation settled on made explicit, and the messages
 //!   `truncate_oldest` dropped removed.
-//! * [`Upstream::send`]: POST to the same OpenAI path under the upstream's URL, on the shared
-//!   pooled client. No connection, or no response headers within the upstream's `timeout`, is
-//!   a 502 `upstream_unavailable`.
+//! * [`Replica::send`]: POST to the same OpenAI path under the replica's URL, on the shared
+//!   pooled client, with the replica's own key (`api_key_env`) if it has one: the client's
+//!   `Authorization` is never forwarded. No connection, or no response headers within the
+//!   replica's `timeout`, is a 502 `upstream_unavailable` (and a breaker failure; the caller
+//!   may retry on another replica, since nothing reached the client yet).
 //! * [`relay`]: the upstream's status, headers (less hop-by-hop ones and the ones kvgate sets
 //!   itself) and body, with `model` renamed to the name the client asked for (`rename.rs`),
 //!   frame by frame: an SSE stream is forwarded chunk by chunk as it arrives,
@@ -16,11 +18,12 @@
 //!   closes that connection, so the upstream sees the disconnect and stops generating.
 //!   Once an SSE stream has started, a failing upstream (a body error, or no frame within the
 //!   upstream's `timeout`) is sent as one OpenAI error event (`upstream_unavailable`) that ends
-//!   the stream cleanly, as embedded-engine failures are ([`crate::stream`]). A JSON body that
+//!   the stream cleanly and counts as a failure of that replica's breaker, as embedded-engine failures are ([`crate::stream`]). A JSON body that
 //!   fails midway cannot be amended (its status and length are out), so that connection is
 //!   aborted.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -34,8 +37,8 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use serde_json::Value;
 
-use super::Upstream;
-use super::rename::{Framing, RenameModel};
+use super::Replica;
+use super::rename::{Framing, RenameModel, UsageCell};
 use crate::error::GatewayError;
 use crate::ratelimit::HEADER_NAMES as RATE_LIMIT_HEADERS;
 use crate::stack::REQUEST_ID_HEADER;
@@ -98,14 +101,14 @@ fn drop_oldest_turns(messages: &mut Vec<Value>, dropped: usize) {
     });
 }
 
-impl Upstream {
-    /// The upstream URL of an endpoint: the same OpenAI path under the upstream's base URL.
+impl Replica {
+    /// The upstream URL of an endpoint: the same OpenAI path under the replica's base URL.
     pub(crate) fn url(&self, endpoint: Endpoint) -> String {
         let path = match endpoint {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completion => "/v1/completions",
         };
-        format!("{}{path}", self.spec.base_url)
+        format!("{}{path}", self.spec().base_url)
     }
 
     /// POSTs `body` and waits for the response headers, at most the upstream's `timeout`.
@@ -116,7 +119,7 @@ impl Upstream {
         request_id: &str,
     ) -> Result<http::Response<Incoming>, GatewayError> {
         let unavailable = |reason: &str, detail: String| GatewayError::UpstreamUnavailable {
-            upstream: self.spec.name.clone(),
+            upstream: self.spec().name.clone(),
             reason: reason.to_owned(),
             detail,
         };
@@ -134,7 +137,19 @@ impl Upstream {
         {
             request.headers_mut().insert(REQUEST_ID_HEADER, id);
         }
-        let timeout = self.spec.timeout;
+        if let Some(key) = &self.spec().api_key {
+            let value =
+                http::HeaderValue::from_str(&format!("Bearer {}", key.0)).map_err(|_| {
+                    unavailable(
+                        "its API key is not a valid header value",
+                        "the replica's api_key has characters a header cannot carry".to_owned(),
+                    )
+                })?;
+            request
+                .headers_mut()
+                .insert(http::header::AUTHORIZATION, value);
+        }
+        let timeout = self.spec().timeout;
         match tokio::time::timeout(timeout, self.client().request(request)).await {
             Ok(Ok(response)) => Ok(response),
             // The transport error names the upstream's address: logged, not sent.
@@ -168,7 +183,8 @@ fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 pub(crate) fn relay<G: Send + Unpin + 'static>(
     upstream: http::Response<Incoming>,
     guard: G,
-    from: &Upstream,
+    from: &Arc<Replica>,
+    usage: UsageCell,
 ) -> Response {
     let (mut parts, body) = upstream.into_parts();
     if parts.status.is_server_error() {
@@ -195,10 +211,11 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
         // The renamed body's length is not the upstream's.
         parts.headers.remove(CONTENT_LENGTH);
     }
-    let body = RenameModel::new(body, from.spec.name.clone(), framing);
+    let body = RenameModel::new(body, from.spec().name.clone(), framing).reporting_usage(usage);
     let body = GuardedBody::new(body, guard);
     let body = if sse {
-        body.watching(from.spec.name.clone(), from.spec.timeout)
+        body.watching(from.spec().name.clone(), from.spec().timeout)
+            .blaming(Arc::clone(from))
     } else {
         // A JSON body that fails midway aborts the client connection: its status is sent.
         body
@@ -213,8 +230,8 @@ const LOGGED_ERROR_BYTES: usize = 8 * 1024;
 /// headers. Its body (a stack trace, file paths, internal addresses: the upstream's internals)
 /// is read into the log, at most [`LOGGED_ERROR_BYTES`] and the upstream's timeout, by a task
 /// of its own, not sent. A 4xx is about the client's request and is relayed as written.
-fn server_error(parts: http::response::Parts, body: Incoming, from: &Upstream) -> Response {
-    let (upstream, status, timeout) = (from.spec.name.clone(), parts.status, from.spec.timeout);
+fn server_error(parts: http::response::Parts, body: Incoming, from: &Replica) -> Response {
+    let (upstream, status, timeout) = (from.spec().name.clone(), parts.status, from.spec().timeout);
     let logged = upstream.clone();
     tokio::spawn(async move {
         let read = tokio::time::timeout(timeout, Limited::new(body, LOGGED_ERROR_BYTES).collect());
@@ -276,6 +293,8 @@ pub(crate) struct GuardedBody<B, G> {
 struct Watch {
     upstream: String,
     timeout: Duration,
+    /// The replica whose breaker hears about a stream that broke or stalled.
+    blame: Option<Arc<Replica>>,
     /// Armed on the first poll (a timer needs the runtime), re-armed after each frame.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
 }
@@ -295,8 +314,17 @@ impl<B, G> GuardedBody<B, G> {
         self.watch = Some(Watch {
             upstream,
             timeout,
+            blame: None,
             stall: None,
         });
+        self
+    }
+
+    /// A broken or stalled stream also counts as a failure of `replica` (its breaker).
+    pub(crate) fn blaming(mut self, replica: Arc<Replica>) -> GuardedBody<B, G> {
+        if let Some(watch) = self.watch.as_mut() {
+            watch.blame = Some(replica);
+        }
         self
     }
 
@@ -356,6 +384,9 @@ where
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(error))) => {
+                if let Some(replica) = &watch.blame {
+                    replica.failed("its stream broke");
+                }
                 let event = failed_event(&watch.upstream, "its stream broke", describe(&error));
                 this.finish();
                 Poll::Ready(Some(Ok(event)))
@@ -369,6 +400,9 @@ where
                     return Poll::Pending;
                 }
                 let stalled = format!("no data within {}s", timeout.as_secs_f64());
+                if let Some(replica) = &watch.blame {
+                    replica.failed(&stalled);
+                }
                 let event = failed_event(&watch.upstream, &stalled, stalled.clone());
                 this.finish();
                 Poll::Ready(Some(Ok(event)))

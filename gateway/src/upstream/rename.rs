@@ -12,8 +12,14 @@
 //! object with a string `model` (an error body, `data: [DONE]`, a comment) passes unchanged,
 //! as does a body or line larger than [`MAX_HELD_BYTES`], so memory per response stays bounded.
 //! Rewritten JSON is re-serialized, so its keys may come back in another order.
+//!
+//! On the way it reads the answer's `usage.completion_tokens` (a JSON answer's, or the SSE
+//! usage chunk's when the client asked for one) into a [`UsageCell`], so the request's token
+//! debit can be settled on what the upstream really generated.
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 
 use bytes::{Bytes, BytesMut};
@@ -35,10 +41,35 @@ pub(crate) enum Framing {
     Verbatim,
 }
 
+/// The `usage.completion_tokens` a relayed answer reported, if it did. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct UsageCell(Arc<AtomicU64>);
+
+impl Default for UsageCell {
+    fn default() -> UsageCell {
+        UsageCell(Arc::new(AtomicU64::new(u64::MAX)))
+    }
+}
+
+impl UsageCell {
+    /// The reported completion tokens; `None` until an answer reported them.
+    pub fn completion_tokens(&self) -> Option<usize> {
+        match self.0.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            tokens => usize::try_from(tokens).ok(),
+        }
+    }
+
+    fn set(&self, tokens: u64) {
+        self.0.store(tokens.min(u64::MAX - 1), Ordering::Relaxed);
+    }
+}
+
 /// A body whose `model` values are rewritten to the name the client asked for.
 pub(crate) struct RenameModel<B> {
     inner: B,
     name: String,
+    usage: UsageCell,
     framing: Framing,
     held: BytesMut,
     /// The inner body has ended (its trailers, if any, wait in `trailers`).
@@ -51,11 +82,18 @@ impl<B> RenameModel<B> {
         RenameModel {
             inner,
             name,
+            usage: UsageCell::default(),
             framing,
             held: BytesMut::new(),
             ended: false,
             trailers: None,
         }
+    }
+
+    /// Reports the answer's `usage.completion_tokens` into `usage`.
+    pub(crate) fn reporting_usage(mut self, usage: UsageCell) -> RenameModel<B> {
+        self.usage = usage;
+        self
     }
 
     /// The held bytes that can go out now, rewritten; `None` while more must be read first.
@@ -64,7 +102,7 @@ impl<B> RenameModel<B> {
             Framing::Sse => {
                 if let Some(end) = self.held.iter().rposition(|&b| b == b'\n') {
                     let lines = self.held.split_to(end + 1);
-                    return Some(rename_in_lines(&lines, &self.name));
+                    return Some(rename_in_lines(&lines, &self.name, &self.usage));
                 }
                 if self.held.len() > MAX_HELD_BYTES {
                     self.framing = Framing::Verbatim;
@@ -85,8 +123,10 @@ impl<B> RenameModel<B> {
     fn rest(&mut self) -> Bytes {
         let rest = self.held.split();
         match self.framing {
-            Framing::Sse => rename_in_lines(&rest, &self.name),
-            Framing::Json => rename_in_json(&rest, &self.name).map_or(rest.freeze(), Bytes::from),
+            Framing::Sse => rename_in_lines(&rest, &self.name, &self.usage),
+            Framing::Json => {
+                rename_in_json(&rest, &self.name, &self.usage).map_or(rest.freeze(), Bytes::from)
+            }
             Framing::Verbatim => rest.freeze(),
         }
     }
@@ -142,10 +182,10 @@ where
 }
 
 /// Rewrites the `data:` lines among `lines` (each ending in `\n`, except perhaps the last).
-fn rename_in_lines(lines: &[u8], name: &str) -> Bytes {
+fn rename_in_lines(lines: &[u8], name: &str, usage: &UsageCell) -> Bytes {
     let mut out = Vec::with_capacity(lines.len());
     for line in lines.split_inclusive(|&b| b == b'\n') {
-        match rename_in_event_line(line, name) {
+        match rename_in_event_line(line, name, usage) {
             Some(renamed) => out.extend_from_slice(&renamed),
             None => out.extend_from_slice(line),
         }
@@ -155,7 +195,7 @@ fn rename_in_lines(lines: &[u8], name: &str) -> Bytes {
 
 /// `data: {...,"model":"x",...}` with `model` set to `name`, keeping the line ending; `None`
 /// for any other line.
-fn rename_in_event_line(line: &[u8], name: &str) -> Option<Vec<u8>> {
+fn rename_in_event_line(line: &[u8], name: &str, usage: &UsageCell) -> Option<Vec<u8>> {
     let content_end = line
         .iter()
         .rposition(|&b| b != b'\n' && b != b'\r')
@@ -163,7 +203,7 @@ fn rename_in_event_line(line: &[u8], name: &str) -> Option<Vec<u8>> {
     let (content, ending) = line.split_at(content_end);
     let payload = content.strip_prefix(b"data:")?;
     let payload = payload.strip_prefix(b" ").unwrap_or(payload);
-    let renamed = rename_in_json(payload, name)?;
+    let renamed = rename_in_json(payload, name, usage)?;
     let mut out = Vec::with_capacity(renamed.len() + 8);
     out.extend_from_slice(b"data: ");
     out.extend_from_slice(&renamed);
@@ -172,10 +212,18 @@ fn rename_in_event_line(line: &[u8], name: &str) -> Option<Vec<u8>> {
 }
 
 /// The JSON object `json` with its string `model` set to `name`; `None` when there is nothing
-/// to change (not an object, no string `model`, or already `name`).
-fn rename_in_json(json: &[u8], name: &str) -> Option<Vec<u8>> {
+/// to change (not an object, no string `model`, or already `name`). Its
+/// `usage.completion_tokens`, if any, goes into `usage`.
+fn rename_in_json(json: &[u8], name: &str, usage: &UsageCell) -> Option<Vec<u8>> {
     let mut value: Value = serde_json::from_slice(json).ok()?;
     let object = value.as_object_mut()?;
+    if let Some(tokens) = object
+        .get("usage")
+        .and_then(|usage| usage.get("completion_tokens"))
+        .and_then(Value::as_u64)
+    {
+        usage.set(tokens);
+    }
     match object.get("model") {
         Some(Value::String(model)) if model != name => {}
         _ => return None,
@@ -207,6 +255,37 @@ mod tests {
             out.push(frame.unwrap().into_data().unwrap());
         }
         out
+    }
+
+    /// The usage `chunks` report when relayed with `framing`.
+    async fn reported_usage(chunks: &[&str], framing: Framing) -> Option<usize> {
+        let frames: Vec<Result<Frame<Bytes>, std::convert::Infallible>> = chunks
+            .iter()
+            .map(|chunk| Ok(Frame::data(Bytes::copy_from_slice(chunk.as_bytes()))))
+            .collect();
+        let usage = UsageCell::default();
+        let body = RenameModel::new(
+            StreamBody::new(futures::stream::iter(frames)),
+            "remote".to_owned(),
+            framing,
+        )
+        .reporting_usage(usage.clone());
+        body.collect().await.unwrap();
+        usage.completion_tokens()
+    }
+
+    #[tokio::test]
+    async fn the_answers_completion_tokens_are_reported() {
+        let json = r#"{"model":"remote","usage":{"prompt_tokens":9,"completion_tokens":7}}"#;
+        assert_eq!(reported_usage(&[json], Framing::Json).await, Some(7));
+        let sse = [
+            "data: {\"model\":\"x\",\"choices\":[]}\n\n",
+            "data: {\"model\":\"x\",\"choices\":[],\"usage\":{\"completion_",
+            "tokens\":12}}\n\ndata: [DONE]\n\n",
+        ];
+        assert_eq!(reported_usage(&sse, Framing::Sse).await, Some(12));
+        let no_usage = ["data: {\"model\":\"x\"}\n\n", "data: [DONE]\n\n"];
+        assert_eq!(reported_usage(&no_usage, Framing::Sse).await, None);
     }
 
     #[tokio::test]

@@ -1,5 +1,8 @@
-//! `--upstream NAME=URL[,model=ID][,capacity=TOKENS][,timeout=DURATION]`: one upstream engine,
-//! parsed and checked here so a typo fails at startup with a message naming the option.
+//! `--upstream NAME=URL[,model=ID][,capacity=TOKENS][,timeout=DURATION][,metrics=URL]
+//! [,kv_metric=vllm|kvgate|none][,api_key_env=VAR]`: one upstream engine replica, parsed and
+//! checked here so a typo fails at startup with a message naming the option. Several values
+//! with the same `NAME` make a replica pool (`upstream/pool.rs`); the upstreams file
+//! (`upstream/file.rs`) fills the same struct.
 
 use std::fmt;
 use std::str::FromStr;
@@ -17,7 +20,63 @@ pub const UPSTREAM_BLOCK_SIZE: usize = 16;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The syntax, for error messages and `--help`.
-pub const SYNTAX: &str = "NAME=URL[,model=ID][,capacity=TOKENS][,timeout=DURATION]";
+pub const SYNTAX: &str = "NAME=URL[,model=ID][,capacity=TOKENS][,timeout=DURATION][,metrics=URL]\
+                          [,kv_metric=vllm|kvgate|none][,api_key_env=VAR]";
+
+/// Which series of a replica's `/metrics` say how full its KV cache is and how many requests
+/// wait. `None`: no scrape; its load is estimated from what this gateway has in flight there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvMetric {
+    /// vLLM (and kvgate with `--metrics-compat vllm`): `vllm:kv_cache_usage_perc` (0-1) and
+    /// `vllm:num_requests_waiting`.
+    #[default]
+    Vllm,
+    /// A kvgate node: `kvgate_kv_usage_ratio` and `kvgate_requests_queued`.
+    Kvgate,
+    /// Nothing to scrape.
+    None,
+}
+
+impl KvMetric {
+    /// `(KV usage series, waiting-requests series)`, or `None` when nothing is scraped.
+    pub fn series(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            KvMetric::Vllm => Some(("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting")),
+            KvMetric::Kvgate => Some(("kvgate_kv_usage_ratio", "kvgate_requests_queued")),
+            KvMetric::None => None,
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<KvMetric, String> {
+        match text {
+            "vllm" => Ok(KvMetric::Vllm),
+            "kvgate" => Ok(KvMetric::Kvgate),
+            "none" => Ok(KvMetric::None),
+            other => Err(format!(
+                "kv_metric: `{other}` is not one of vllm, kvgate, none"
+            )),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            KvMetric::Vllm => "vllm",
+            KvMetric::Kvgate => "kvgate",
+            KvMetric::None => "none",
+        }
+    }
+}
+
+/// The key sent upstream as `Authorization: Bearer` (never the client's own key). Its `Debug`
+/// is redacted so specs can be logged.
+#[derive(Clone, PartialEq, Eq)]
+pub struct UpstreamKey(pub String);
+
+impl fmt::Debug for UpstreamKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("UpstreamKey(<redacted>)")
+    }
+}
 
 /// One upstream engine that requests for model `name` are proxied to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +95,12 @@ pub struct UpstreamSpec {
     /// completion sends its headers only when it is done, so this bounds it too. The server's
     /// own request timeout (until response headers, 504) still applies on top of it.
     pub timeout: Duration,
+    /// Where the replica's Prometheus metrics are scraped (`metrics=`), if anywhere.
+    pub metrics_url: Option<String>,
+    /// Which series of `metrics_url` to read (`kv_metric=`; `None` when there is no URL).
+    pub kv_metric: KvMetric,
+    /// The key sent upstream (`api_key_env=VAR` reads it from the environment at startup).
+    pub api_key: Option<UpstreamKey>,
 }
 
 /// Why an `--upstream` value was refused. Each message names the value and the option.
@@ -63,7 +128,15 @@ impl fmt::Display for UpstreamSpec {
             self.model,
             self.capacity_tokens,
             self.timeout.as_millis()
-        )
+        )?;
+        // The key itself is never written (Display is logged); its presence is.
+        if let Some(url) = &self.metrics_url {
+            write!(f, ",metrics={url},kv_metric={}", self.kv_metric.name())?;
+        }
+        if self.api_key.is_some() {
+            f.write_str(",api_key=<redacted>")?;
+        }
+        Ok(())
     }
 }
 
@@ -88,7 +161,11 @@ impl FromStr for UpstreamSpec {
             model: name.to_owned(),
             capacity_tokens: DEFAULT_CAPACITY_TOKENS,
             timeout: DEFAULT_TIMEOUT,
+            metrics_url: None,
+            kv_metric: KvMetric::None,
+            api_key: None,
         };
+        let mut kv_metric = None;
         let mut seen: Vec<&str> = Vec::new();
         for option in parts {
             let Some((key, text)) = option.split_once('=') else {
@@ -107,18 +184,23 @@ impl FromStr for UpstreamSpec {
                 }
                 "capacity" => spec.capacity_tokens = parse_capacity(text).map_err(&fail)?,
                 "timeout" => spec.timeout = parse_timeout(text).map_err(&fail)?,
+                "metrics" => spec.metrics_url = Some(parse_metrics_url(text).map_err(&fail)?),
+                "kv_metric" => kv_metric = Some(KvMetric::parse(text).map_err(&fail)?),
+                "api_key_env" => spec.api_key = Some(key_from_env(text).map_err(&fail)?),
                 other => {
                     return Err(fail(format!(
-                        "unknown option `{other}` (known: model, capacity, timeout)"
+                        "unknown option `{other}` (known: model, capacity, timeout, metrics, \
+                         kv_metric, api_key_env)"
                     )));
                 }
             }
         }
+        spec.kv_metric = settle_kv_metric(spec.metrics_url.is_some(), kv_metric).map_err(&fail)?;
         Ok(spec)
     }
 }
 
-fn check_name(name: &str) -> Result<(), String> {
+pub(crate) fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err(format!("the model name is empty (expected {SYNTAX})"));
     }
@@ -129,7 +211,7 @@ fn check_name(name: &str) -> Result<(), String> {
 }
 
 /// `http://host[:port][/prefix]` → the same without a trailing `/`.
-fn parse_base_url(url: &str) -> Result<String, String> {
+pub(crate) fn parse_base_url(url: &str) -> Result<String, String> {
     let uri: Uri = url
         .parse()
         .map_err(|error| format!("`{url}` is not a URL: {error}"))?;
@@ -163,7 +245,44 @@ fn parse_base_url(url: &str) -> Result<String, String> {
     Ok(format!("http://{authority}{prefix}"))
 }
 
-fn parse_capacity(text: &str) -> Result<usize, String> {
+/// `kv_metric` with `metrics`: as given (default vllm); without: only `none` makes sense.
+pub(crate) fn settle_kv_metric(
+    has_url: bool,
+    kv_metric: Option<KvMetric>,
+) -> Result<KvMetric, String> {
+    match (has_url, kv_metric) {
+        (true, Some(metric)) => Ok(metric),
+        (true, None) => Ok(KvMetric::Vllm),
+        (false, None | Some(KvMetric::None)) => Ok(KvMetric::None),
+        (false, Some(_)) => Err("kv_metric needs metrics=URL (where to scrape it)".to_owned()),
+    }
+}
+
+/// A full `http://host:port/path` URL to scrape.
+pub(crate) fn parse_metrics_url(url: &str) -> Result<String, String> {
+    let uri: Uri = url
+        .parse()
+        .map_err(|error| format!("metrics: `{url}` is not a URL: {error}"))?;
+    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+        return Err(format!(
+            "metrics: `{url}` must be an http:// URL with a host, e.g. http://10.0.0.5:8000/metrics"
+        ));
+    }
+    Ok(url.to_owned())
+}
+
+/// The upstream key from environment variable `var` (so it is not on the command line).
+pub(crate) fn key_from_env(var: &str) -> Result<UpstreamKey, String> {
+    match std::env::var(var) {
+        Ok(key) if !key.trim().is_empty() => Ok(UpstreamKey(key.trim().to_owned())),
+        Ok(_) => Err(format!("api_key_env: environment variable {var} is empty")),
+        Err(_) => Err(format!(
+            "api_key_env: environment variable {var} is not set"
+        )),
+    }
+}
+
+pub(crate) fn parse_capacity(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
         Ok(tokens) if tokens >= UPSTREAM_BLOCK_SIZE => Ok(tokens),
         _ => Err(format!(
@@ -172,7 +291,7 @@ fn parse_capacity(text: &str) -> Result<usize, String> {
     }
 }
 
-fn parse_timeout(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_timeout(text: &str) -> Result<Duration, String> {
     match parse_duration(text) {
         Ok(timeout) if !timeout.is_zero() => Ok(timeout),
         Ok(_) => Err("timeout: must be longer than 0".to_owned()),
@@ -210,6 +329,9 @@ mod tests {
                 model: "llama".into(),
                 capacity_tokens: DEFAULT_CAPACITY_TOKENS,
                 timeout: DEFAULT_TIMEOUT,
+                metrics_url: None,
+                kv_metric: KvMetric::None,
+                api_key: None,
             }
         );
         assert_eq!(spec.capacity_blocks(), DEFAULT_CAPACITY_TOKENS / 16);
@@ -230,6 +352,24 @@ mod tests {
         // Display writes a value that parses back to the same spec.
         assert_eq!(parse(&spec.to_string()), spec);
         assert_eq!(parse("a=http://h:1/,timeout=500ms").base_url, "http://h:1");
+    }
+
+    #[test]
+    fn metrics_and_keys_configure_scraping_and_the_upstream_key() {
+        let spec = parse("a=http://h:1,metrics=http://h:1/metrics,kv_metric=kvgate");
+        assert_eq!(spec.metrics_url.as_deref(), Some("http://h:1/metrics"));
+        assert_eq!(spec.kv_metric, KvMetric::Kvgate);
+        assert_eq!(parse(&spec.to_string()), spec, "round trip");
+        let vllm = parse("a=http://h:1,metrics=http://h:1/metrics");
+        assert_eq!(vllm.kv_metric, KvMetric::Vllm, "the default series");
+        assert_eq!(parse("a=http://h:1").kv_metric, KvMetric::None);
+
+        // PATH is set in every test environment (setting a variable would race other tests).
+        let path = std::env::var("PATH").unwrap();
+        let keyed = parse("a=http://h:1,api_key_env=PATH");
+        assert_eq!(keyed.api_key, Some(UpstreamKey(path.trim().to_owned())));
+        let logged = format!("{keyed:?} {keyed}");
+        assert!(!logged.contains(path.trim()), "never logged: {logged}");
     }
 
     #[test]
@@ -257,6 +397,19 @@ mod tests {
                 "`capacity` is given twice",
             ),
             ("a=http://h:1,weight=2", "unknown option `weight`"),
+            ("a=http://h:1,kv_metric=kvgate", "needs metrics=URL"),
+            (
+                "a=http://h:1,metrics=ftp://h:1/metrics",
+                "must be an http:// URL",
+            ),
+            (
+                "a=http://h:1,metrics=http://h:1/m,kv_metric=sglang",
+                "`sglang` is not one of",
+            ),
+            (
+                "a=http://h:1,api_key_env=KVGATE_NO_SUCH_VAR_X",
+                "is not set",
+            ),
         ];
         for (text, expected) in cases {
             let problem = problem(text);
