@@ -10,6 +10,7 @@
 //! the weights from DRAM; prefill tiles 1 weight row × 8 activation rows so that each unpacked
 //! weight block is reused 8 times, over a block of rows that stays in L1.
 
+mod kquants;
 pub(crate) mod math;
 mod pack;
 mod q4_1;
@@ -17,14 +18,17 @@ mod q4_1;
 use crate::matrix::{OutPtr, QMatrix};
 use crate::quant::{ActivationType, Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType};
 use crate::simd::Avx2Fma;
+pub(crate) use kquants::compute_rows as compute_k_rows;
 pub(crate) use pack::PackedActs;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-/// Whether these kernels handle `ty` (float weights take the scalar path: they do not occur in
-/// the supported llama GGUFs' matmuls, and the reference compiled with FMA is fast enough).
+/// Whether the packed-activation kernels of this module handle `ty` (float weights take the
+/// scalar path: they do not occur in the supported llama GGUFs' matmuls, and the reference
+/// compiled with FMA is fast enough; K-quants have their own kernels on Q8_K rows,
+/// [`compute_k_rows`]).
 pub(crate) fn supports(ty: WeightType) -> bool {
-    !matches!(ty, WeightType::F32 | WeightType::F16)
+    matches!(ty, WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q4_1)
 }
 
 /// Quantizes the `m × cols` activations into the packed layout for `ty`'s kernels.
@@ -56,8 +60,12 @@ pub(crate) fn compute_rows(
         WeightType::Q4_0 => unsafe { rows_kernel::<Q4_0>(w, acts, m, rows, out) },
         // SAFETY: as for Q4_0.
         WeightType::Q8_0 => unsafe { rows_kernel::<Q8_0>(w, acts, m, rows, out) },
-        WeightType::F32 | WeightType::F16 => {
-            unreachable!("float weights never take the AVX2 path (see `supports`)")
+        WeightType::F32
+        | WeightType::F16
+        | WeightType::Q4_K
+        | WeightType::Q5_K
+        | WeightType::Q6_K => {
+            unreachable!("{:?} never takes this AVX2 path (see `supports`)", w.ty)
         }
     }
 }

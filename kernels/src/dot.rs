@@ -12,7 +12,7 @@
 
 pub mod kquants;
 
-pub use kquants::{dot_k_q8_k, dot_q4_k_q8_k, dot_q5_k_q8_k, dot_q6_k_q8_k};
+pub use kquants::{dot_k_q8_k, dot_k_q8_k_generic, dot_q4_k_q8_k, dot_q5_k_q8_k, dot_q6_k_q8_k};
 
 use crate::quant::{
     Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, Q8_1_BLOCK_BYTES, QK, read_f16,

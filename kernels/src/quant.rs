@@ -31,7 +31,9 @@ pub const Q4_1_BLOCK_BYTES: usize = 20;
 pub const Q8_0_BLOCK_BYTES: usize = 34;
 pub const Q8_1_BLOCK_BYTES: usize = 36;
 
-/// Storage type of a weight tensor (the subset of GGML types kvgate supports).
+/// Storage type of a weight tensor (the subset of GGML types kvgate supports). The K-quant
+/// variants keep ggml's names (`Q4_K`, as GGUF tools print them) rather than camel case.
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightType {
     F32,
@@ -39,16 +41,23 @@ pub enum WeightType {
     Q8_0,
     Q4_0,
     Q4_1,
+    /// 256-element super-blocks (see [`kquants`]); activations go to Q8_K.
+    Q4_K,
+    Q5_K,
+    Q6_K,
 }
 
 /// The type activations are converted to before a dot product with a weight row
 /// (ggml's `vec_dot_type`).
+#[allow(non_camel_case_types)] // ggml's names
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ActivationType {
     F32,
     F16,
     Q8_0,
     Q8_1,
+    /// 256-element blocks with an f32 scale and 16-element sums (the K-quants' partner).
+    Q8_K,
 }
 
 impl WeightType {
@@ -60,6 +69,19 @@ impl WeightType {
             WeightType::Q8_0 => Q8_0_BLOCK_BYTES,
             WeightType::Q4_0 => Q4_0_BLOCK_BYTES,
             WeightType::Q4_1 => Q4_1_BLOCK_BYTES,
+            WeightType::Q4_K => Q4_K_BLOCK_BYTES,
+            WeightType::Q5_K => Q5_K_BLOCK_BYTES,
+            WeightType::Q6_K => Q6_K_BLOCK_BYTES,
+        }
+    }
+
+    /// The K-quant layout of this type, if it is one.
+    pub fn kquant(self) -> Option<KQuantType> {
+        match self {
+            WeightType::Q4_K => Some(KQuantType::Q4K),
+            WeightType::Q5_K => Some(KQuantType::Q5K),
+            WeightType::Q6_K => Some(KQuantType::Q6K),
+            _ => None,
         }
     }
 
@@ -68,6 +90,7 @@ impl WeightType {
         match self {
             WeightType::F32 | WeightType::F16 => 1,
             WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q4_1 => QK,
+            WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => QK_K,
         }
     }
 
@@ -83,6 +106,7 @@ impl WeightType {
             WeightType::F16 => ActivationType::F16,
             WeightType::Q8_0 | WeightType::Q4_0 => ActivationType::Q8_0,
             WeightType::Q4_1 => ActivationType::Q8_1,
+            WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => ActivationType::Q8_K,
         }
     }
 
@@ -233,6 +257,10 @@ pub fn dequantize_row(ty: WeightType, data: &[u8], out: &mut [f32]) -> Result<()
                 }
             }
         }
+        // Sizes were checked above with the same block layout.
+        WeightType::Q4_K => kquants::dequantize_blocks(KQuantType::Q4K, data, out),
+        WeightType::Q5_K => kquants::dequantize_blocks(KQuantType::Q5K, data, out),
+        WeightType::Q6_K => kquants::dequantize_blocks(KQuantType::Q6K, data, out),
     }
     Ok(())
 }

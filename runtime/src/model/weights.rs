@@ -9,6 +9,9 @@ use crate::gguf::{GgmlType, GgufFile, TensorInfo};
 
 /// Types a weight matrix may have (the kernels have dot products for each).
 const MATRIX_TYPES: &[GgmlType] = &[
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q8_0,

@@ -57,6 +57,10 @@ fn tiny_model_of_every_dtype_opens_binds_and_has_the_planned_size() {
             SynthDtype::Q4_1 => GgmlType::Q4_1,
             SynthDtype::Q8_0 => GgmlType::Q8_0,
             SynthDtype::F16 => GgmlType::F16,
+            // 320-wide ffn_down is not a whole number of 256-wide super-blocks.
+            SynthDtype::Q4_K | SynthDtype::Q5_K | SynthDtype::Q6_K | SynthDtype::Q4_K_M => {
+                GgmlType::Q8_0
+            }
         };
         assert_eq!(weights.layers[1].ffn_down.ty(), expected);
         assert_eq!(weights.output_norm.ty(), GgmlType::F32);
@@ -87,14 +91,22 @@ fn same_seed_same_bytes_other_seed_other_weights() {
 fn weights_have_the_intended_scale_after_quantization() {
     // Dequantized rows of attn_q must look like uniform(±sqrt(3/hidden)): mean near 0, variance
     // near 1/hidden, for every dtype (a broken quantizer would be off by a large factor).
-    let hidden = SynthShape::Tiny.spec().hidden;
-    for (dtype, ty) in [
-        (SynthDtype::Q4_0, WeightType::Q4_0),
-        (SynthDtype::Q4_1, WeightType::Q4_1),
-        (SynthDtype::Q8_0, WeightType::Q8_0),
-        (SynthDtype::F16, WeightType::F16),
+    for (shape, dtype, ty) in [
+        (SynthShape::Tiny, SynthDtype::Q4_0, WeightType::Q4_0),
+        (SynthShape::Tiny, SynthDtype::Q4_1, WeightType::Q4_1),
+        (SynthShape::Tiny, SynthDtype::Q8_0, WeightType::Q8_0),
+        (SynthShape::Tiny, SynthDtype::F16, WeightType::F16),
+        (SynthShape::TinyK, SynthDtype::Q4_K, WeightType::Q4_K),
+        (SynthShape::TinyK, SynthDtype::Q5_K, WeightType::Q5_K),
+        (SynthShape::TinyK, SynthDtype::Q6_K, WeightType::Q6_K),
     ] {
-        let path = write(tiny(dtype, 11), &format!("scale-{dtype}.gguf"));
+        let hidden = shape.spec().hidden;
+        let spec = SynthSpec {
+            shape,
+            dtype,
+            seed: 11,
+        };
+        let path = write(spec, &format!("scale-{shape}-{dtype}.gguf"));
         let gguf = GgufFile::open(&path).expect("opens");
         let info = gguf.tensor("blk.0.attn_q.weight").expect("tensor");
         let data = gguf.tensor_data(info);
@@ -175,12 +187,11 @@ fn vocabulary_round_trips_text_and_has_chatml_tokens() {
     assert_eq!(chat[0], IM_START);
 }
 
-#[test]
-fn tiny_model_generates_through_the_cpu_backend_deterministically() {
-    let path = write(tiny(SynthDtype::Q4_1, 5), "generate.gguf");
-    let run = || {
+/// Greedy-generates 12 tokens (EOS ignored) from `path` on one thread.
+fn generate_12(path: &Path) -> Vec<u32> {
+    {
         let runtime = Runtime::start(
-            &path,
+            path,
             RuntimeOptions {
                 kv_memory_bytes: 4 << 20,
                 threads: Some(1),
@@ -201,7 +212,13 @@ fn tiny_model_generates_through_the_cpu_backend_deterministically() {
             }
         }
         ids
-    };
+    }
+}
+
+#[test]
+fn tiny_model_generates_through_the_cpu_backend_deterministically() {
+    let path = write(tiny(SynthDtype::Q4_1, 5), "generate.gguf");
+    let run = || generate_12(&path);
     let first = run();
     assert_eq!(first.len(), 12, "{first:?}");
     assert!(first.iter().all(|&id| (id as usize) < 512));
@@ -211,6 +228,60 @@ fn tiny_model_generates_through_the_cpu_backend_deterministically() {
         "random weights should not repeat one token: {first:?}"
     );
     assert_eq!(run(), first, "greedy generation is deterministic");
+}
+
+#[test]
+fn q4_k_m_mix_binds_the_llama_cpp_types_and_generates() {
+    // tiny-k has 2 layers: llama.cpp's use_more_bits picks layer 1 (the last eighth), so its
+    // attn_v and ffn_down are Q6_K, like the output head; everything else is Q4_K.
+    let spec = SynthSpec {
+        shape: SynthShape::TinyK,
+        dtype: SynthDtype::Q4_K_M,
+        seed: 9,
+    };
+    let path = write(spec, "q4_k_m.gguf");
+    let gguf = GgufFile::open(&path).expect("opens");
+    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    let w = ModelWeights::bind(&gguf, &config).expect("binds");
+    assert_eq!(w.output.ty(), GgmlType::Q6_K);
+    assert_eq!(w.token_embd.ty(), GgmlType::Q4_K);
+    assert_eq!(
+        (w.layers[0].wv.ty(), w.layers[0].ffn_down.ty()),
+        (GgmlType::Q4_K, GgmlType::Q4_K)
+    );
+    assert_eq!(
+        (w.layers[1].wv.ty(), w.layers[1].ffn_down.ty()),
+        (GgmlType::Q6_K, GgmlType::Q6_K)
+    );
+    assert_eq!(w.layers[1].wq.ty(), GgmlType::Q4_K);
+    assert_eq!(gguf.get_u64("general.file_type"), Some(15));
+
+    let ids = generate_12(&path);
+    assert_eq!(ids.len(), 12, "{ids:?}");
+    let distinct: std::collections::BTreeSet<_> = ids.iter().collect();
+    assert!(distinct.len() > 1, "{ids:?}");
+    assert_eq!(
+        generate_12(&path),
+        ids,
+        "greedy generation is deterministic"
+    );
+}
+
+#[test]
+fn every_k_quant_dtype_generates() {
+    // Each type runs through its own dot product and Q8_K activations end to end (tiny-k
+    // stores every matrix in the type: all widths are multiples of 256).
+    for dtype in [SynthDtype::Q4_K, SynthDtype::Q5_K, SynthDtype::Q6_K] {
+        let spec = SynthSpec {
+            shape: SynthShape::TinyK,
+            dtype,
+            seed: 9,
+        };
+        let path = write(spec, &format!("gen-{dtype}.gguf"));
+        let ids = generate_12(&path);
+        assert_eq!(ids.len(), 12, "{dtype}: {ids:?}");
+        assert!(ids.iter().all(|&id| (id as usize) < 512), "{dtype}");
+    }
 }
 
 /// The model's header followed by a sparse data section (reads as zeros, takes no disk space):
@@ -298,5 +369,8 @@ fn names_parse_and_unknown_names_are_listed() {
         err.contains("smollm2-135m") && err.contains("tiny"),
         "{err}"
     );
-    assert!("q4_k".parse::<SynthDtype>().is_err());
+    assert_eq!("Q4_K_M".parse::<SynthDtype>(), Ok(SynthDtype::Q4_K_M));
+    assert_eq!("tiny-k".parse::<SynthShape>(), Ok(SynthShape::TinyK));
+    let err = "iq2_xxs".parse::<SynthDtype>().unwrap_err();
+    assert!(err.contains("q6_k") && err.contains("q4_k_m"), "{err}");
 }
