@@ -74,6 +74,10 @@ pub struct LayerMats {
     pub gate: Mat,
     pub up: Mat,
     pub down: Mat,
+    /// Q/K/V biases (qwen2), added to the projections before RoPE.
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
 }
 
 /// The whole model as the CPU forward pass uses it.
@@ -84,6 +88,8 @@ pub struct CpuModel {
     pub layers: Vec<LayerMats>,
     pub output_norm: Vec<f32>,
     pub output: Mat,
+    /// Llama 3.1+ RoPE frequency factors (one per rotated pair), checked finite and positive.
+    pub rope_freqs: Option<Vec<f32>>,
 }
 
 impl CpuModel {
@@ -110,9 +116,24 @@ impl CpuModel {
                 gate: Mat::new(g, &l.ffn_gate)?,
                 up: Mat::new(g, &l.ffn_up)?,
                 down: Mat::new(g, &l.ffn_down)?,
+                bq: l.bq.as_ref().map(|t| t.f32_values(g)),
+                bk: l.bk.as_ref().map(|t| t.f32_values(g)),
+                bv: l.bv.as_ref().map(|t| t.f32_values(g)),
             });
         }
+        let rope_freqs = weights.rope_freqs.as_ref().map(|t| t.f32_values(g));
+        // A zero or non-finite factor would turn every angle of its pair into NaN.
+        if let Some(bad) = rope_freqs
+            .iter()
+            .flatten()
+            .find(|f| !(f.is_finite() && **f > 0.0))
+        {
+            return Err(BackendError::Other(format!(
+                "tensor `rope_freqs.weight` holds {bad}; frequency factors must be finite and positive"
+            )));
+        }
         Ok(CpuModel {
+            rope_freqs,
             embd: Mat::new(g, &weights.token_embd)?,
             output_norm: weights.output_norm.f32_values(g),
             output: Mat::new(g, &weights.output)?,
