@@ -363,9 +363,9 @@ mod tests {
                 rope_with_freq_factors(&mut got, 2, 64, pos, 500_000.0, mode, Some(&ff));
                 let tol = 1e-5 * (1.0 + f64::from(pos)) * 4.0;
                 for head in 0..2 {
-                    for i in 0..32 {
-                        let theta = f64::from(pos) * 500_000f64.powf(-2.0 * i as f64 / 64.0)
-                            / f64::from(ff[i]);
+                    for (i, &f) in ff.iter().enumerate() {
+                        let theta =
+                            f64::from(pos) * 500_000f64.powf(-2.0 * i as f64 / 64.0) / f64::from(f);
                         let (a, b) = match mode {
                             RopeMode::Norm => (2 * i, 2 * i + 1),
                             RopeMode::Neox => (i, i + 32),
