@@ -15,7 +15,8 @@ pub mod kquants;
 pub use kquants::{dot_k_q8_k, dot_k_q8_k_generic, dot_q4_k_q8_k, dot_q5_k_q8_k, dot_q6_k_q8_k};
 
 use crate::quant::{
-    Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, Q8_1_BLOCK_BYTES, QK, read_f16,
+    Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES,
+    Q8_1_BLOCK_BYTES, QK, read_f16, unpack_q5,
 };
 use half::f16;
 
@@ -71,6 +72,36 @@ pub fn dot_q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
         fma_lanes(&mut acc, d, &sums);
     }
     hsum8(&acc)
+}
+
+/// Q5_0 weight row · Q8_0 activation row (ggml's eight lanes, as for Q4_0).
+pub fn dot_q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (wb, xb) in w
+        .chunks_exact(Q5_0_BLOCK_BYTES)
+        .zip(x.chunks_exact(Q8_0_BLOCK_BYTES))
+    {
+        let d = read_f16(wb, 0) * read_f16(xb, 0);
+        let values = unpack_q5(&wb[2..]).map(|q| q - 16);
+        fma_lanes(&mut acc, d, &lane_sums(&values, &xb[2..]));
+    }
+    hsum8(&acc)
+}
+
+/// Q5_1 weight row · Q8_1 activation row in ggml's AVX2 order (unlike kvgate's Q4_1): eight
+/// lanes `fma(dw·da, lane, acc)`, and `Σ m·s` in one FMA chain added after `hsum8`.
+pub fn dot_q5_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut summs = 0.0f32;
+    for (wb, xb) in w
+        .chunks_exact(Q5_1_BLOCK_BYTES)
+        .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
+    {
+        summs = read_f16(wb, 2).mul_add(read_f16(xb, 2), summs);
+        let d = read_f16(wb, 0) * read_f16(xb, 0);
+        fma_lanes(&mut acc, d, &lane_sums(&unpack_q5(&wb[4..]), &xb[4..]));
+    }
+    hsum8(&acc) + summs
 }
 
 /// Q4_1 weight row · Q8_1 activation row, in block-sum form: each block's exact integer dot

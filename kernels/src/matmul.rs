@@ -9,8 +9,8 @@
 //! on CPUs without AVX2. Both give bit-identical results.
 
 use crate::dot::{
-    dot_f16_f16, dot_f32_f32, dot_q4_0_q8_0, dot_q4_1_q8_1, dot_q4_k_q8_k, dot_q5_k_q8_k,
-    dot_q6_k_q8_k, dot_q8_0_q8_0,
+    dot_f16_f16, dot_f32_f32, dot_q4_0_q8_0, dot_q4_1_q8_1, dot_q4_k_q8_k, dot_q5_0_q8_0,
+    dot_q5_1_q8_1, dot_q5_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0,
 };
 use crate::matrix::OutPtr;
 pub use crate::matrix::QMatrix;
@@ -246,6 +246,8 @@ fn scalar_rows(
         WeightType::Q8_0 => dot_q8_0_q8_0,
         WeightType::Q4_0 => dot_q4_0_q8_0,
         WeightType::Q4_1 => dot_q4_1_q8_1,
+        WeightType::Q5_0 => dot_q5_0_q8_0,
+        WeightType::Q5_1 => dot_q5_1_q8_1,
         WeightType::Q4_K => dot_q4_k_q8_k,
         WeightType::Q5_K => dot_q5_k_q8_k,
         WeightType::Q6_K => dot_q6_k_q8_k,

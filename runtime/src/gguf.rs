@@ -40,7 +40,7 @@ pub enum GgufError {
         what: String,
     },
     #[error(
-        "{path}: tensor `{name}` has unsupported type {ty} (supported: F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"
+        "{path}: tensor `{name}` has unsupported type {ty} (supported: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
     )]
     UnsupportedTensorType {
         path: PathBuf,
@@ -58,6 +58,8 @@ pub enum GgmlType {
     Q4_0,
     Q4_1,
     Q8_0,
+    Q5_0,
+    Q5_1,
     Q4_K,
     Q5_K,
     Q6_K,
@@ -72,6 +74,8 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
             12 => Self::Q4_K,
             13 => Self::Q5_K,
@@ -88,6 +92,8 @@ impl GgmlType {
             Self::Q4_0 => Some((32, 18)),
             Self::Q4_1 => Some((32, 20)),
             Self::Q8_0 => Some((32, 34)),
+            Self::Q5_0 => Some((32, 22)),
+            Self::Q5_1 => Some((32, 24)),
             Self::Q4_K => Some((256, 144)),
             Self::Q5_K => Some((256, 176)),
             Self::Q6_K => Some((256, 210)),
@@ -102,6 +108,8 @@ impl GgmlType {
             Self::Q4_0 => "Q4_0".into(),
             Self::Q4_1 => "Q4_1".into(),
             Self::Q8_0 => "Q8_0".into(),
+            Self::Q5_0 => "Q5_0".into(),
+            Self::Q5_1 => "Q5_1".into(),
             Self::Q4_K => "Q4_K".into(),
             Self::Q5_K => "Q5_K".into(),
             Self::Q6_K => "Q6_K".into(),

@@ -168,8 +168,8 @@ impl fmt::Display for SynthShape {
 
 /// Storage type of the weight matrices (norm weights are always F32, as llama.cpp writes them).
 /// The K-quant types store each matrix whose width is a multiple of 256 in that type and the
-/// rest in Q8_0 (llama.cpp's quantizer also falls back to a 32-wide type there); `q4_k_m`
-/// mixes Q4_K and Q6_K the way llama.cpp's Q4_K_M does.
+/// rest in llama.cpp's fallback (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, as its quantizer
+/// does); `q4_k_m` mixes Q4_K and Q6_K the way llama.cpp's Q4_K_M does.
 #[allow(non_camel_case_types)] // llama.cpp's names
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SynthDtype {
@@ -236,7 +236,11 @@ impl SynthDtype {
             if cols.is_multiple_of(QK_K) {
                 ty
             } else {
-                WeightType::Q8_0
+                match ty {
+                    WeightType::Q4_K => WeightType::Q5_0,
+                    WeightType::Q5_K => WeightType::Q5_1,
+                    _ => WeightType::Q8_0,
+                }
             }
         };
         match self {
@@ -271,6 +275,8 @@ fn ggml_type(ty: WeightType) -> u32 {
         WeightType::F16 => 1,
         WeightType::Q4_0 => 2,
         WeightType::Q4_1 => 3,
+        WeightType::Q5_0 => 6,
+        WeightType::Q5_1 => 7,
         WeightType::Q8_0 => 8,
         WeightType::Q4_K => 12,
         WeightType::Q5_K => 13,
@@ -285,6 +291,8 @@ fn encode_row(ty: WeightType, x: &[f32], out: &mut Vec<u8>) {
         WeightType::F16 => out.extend(x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes())),
         WeightType::Q4_0 => x.chunks_exact(32).for_each(|b| quantize_block_q4_0(b, out)),
         WeightType::Q4_1 => x.chunks_exact(32).for_each(|b| quantize_block_q4_1(b, out)),
+        WeightType::Q5_0 => x.chunks_exact(32).for_each(|b| quantize_block_q5_0(b, out)),
+        WeightType::Q5_1 => x.chunks_exact(32).for_each(|b| quantize_block_q5_1(b, out)),
         WeightType::Q8_0 => {
             let start = out.len();
             out.resize(start + ty.row_bytes(x.len()), 0);
@@ -747,6 +755,43 @@ fn quantize_block_q4_1(x: &[f32], out: &mut Vec<u8>) {
     out.extend(f16::from_f32(min).to_le_bytes());
     let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
     out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+}
+
+/// The `qh` word and 16 `qs` bytes of 32 five-bit values.
+fn pack_q5(q: &[u8; 32], out: &mut Vec<u8>) {
+    let qh = q
+        .iter()
+        .enumerate()
+        .fold(0u32, |h, (j, &v)| h | (u32::from(v >> 4) << j));
+    out.extend(qh.to_le_bytes());
+    out.extend((0..16).map(|j| (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4)));
+}
+
+/// ggml's `quantize_row_q5_0_ref` for one block: d = the signed value of largest magnitude
+/// divided by −16, q = min(31, trunc(x/d + 16.5)).
+fn quantize_block_q5_0(x: &[f32], out: &mut Vec<u8>) {
+    let max = x
+        .iter()
+        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let d = max / -16.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_le_bytes());
+    let q: [u8; 32] = std::array::from_fn(|j| ((x[j] * id + 16.5) as i32).clamp(0, 31) as u8);
+    pack_q5(&q, out);
+}
+
+/// ggml's `quantize_row_q5_1_ref` for one block: d = (max − min)/31, m = min,
+/// q = min(31, trunc((x − min)/d + 0.5)).
+fn quantize_block_q5_1(x: &[f32], out: &mut Vec<u8>) {
+    let min = x.iter().fold(f32::INFINITY, |m, &v| m.min(v));
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let d = (max - min) / 31.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_le_bytes());
+    out.extend(f16::from_f32(min).to_le_bytes());
+    let q: [u8; 32] =
+        std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i32).clamp(0, 31) as u8);
+    pack_q5(&q, out);
 }
 
 /// splitmix64's finaliser: spreads a counter over all 64 bits.

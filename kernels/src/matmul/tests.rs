@@ -43,7 +43,7 @@ pub(crate) fn random_matrix(rng: &mut StdRng, ty: WeightType, rows: usize, cols:
             for b in data.chunks_exact_mut(ty.block_bytes()) {
                 b[0..2]
                     .copy_from_slice(&f16::from_f32(rng.random_range(0.0005..0.05)).to_le_bytes());
-                if ty == WeightType::Q4_1 {
+                if ty == WeightType::Q4_1 || ty == WeightType::Q5_1 {
                     b[2..4]
                         .copy_from_slice(&f16::from_f32(rng.random_range(-0.3..0.3)).to_le_bytes());
                 }
@@ -64,12 +64,14 @@ fn random_acts(rng: &mut StdRng, n: usize) -> Vec<f32> {
     x
 }
 
-const TYPES: [WeightType; 5] = [
+const TYPES: [WeightType; 7] = [
     WeightType::Q4_1,
     WeightType::Q4_0,
     WeightType::Q8_0,
     WeightType::F16,
     WeightType::F32,
+    WeightType::Q5_0,
+    WeightType::Q5_1,
 ];
 
 const K_TYPES: [WeightType; 3] = [WeightType::Q4_K, WeightType::Q5_K, WeightType::Q6_K];
@@ -301,7 +303,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
     fn random_shapes_match_reference(
-        ty_index in 0usize..3, rows in 1usize..40, blocks in 1usize..6, m in 1usize..10, seed in any::<u64>()
+        ty_index in 0usize..7, rows in 1usize..40, blocks in 1usize..6, m in 1usize..10, seed in any::<u64>()
     ) {
         check_against_reference(TYPES[ty_index], rows, blocks * QK, m, 2, seed);
     }

@@ -12,6 +12,8 @@ const MATRIX_TYPES: &[GgmlType] = &[
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q8_0,

@@ -57,12 +57,17 @@ fn tiny_model_of_every_dtype_opens_binds_and_has_the_planned_size() {
             SynthDtype::Q4_1 => GgmlType::Q4_1,
             SynthDtype::Q8_0 => GgmlType::Q8_0,
             SynthDtype::F16 => GgmlType::F16,
-            // 320-wide ffn_down is not a whole number of 256-wide super-blocks.
-            SynthDtype::Q4_K | SynthDtype::Q5_K | SynthDtype::Q6_K | SynthDtype::Q4_K_M => {
-                GgmlType::Q8_0
-            }
+            // 320-wide ffn_down is not a whole number of 256-wide super-blocks: llama.cpp's
+            // fallback types.
+            // (Q4_K_M gives the last layer's ffn_down Q6_K bits, whose fallback is Q8_0.)
+            SynthDtype::Q4_K => GgmlType::Q5_0,
+            SynthDtype::Q5_K => GgmlType::Q5_1,
+            SynthDtype::Q6_K | SynthDtype::Q4_K_M => GgmlType::Q8_0,
         };
         assert_eq!(weights.layers[1].ffn_down.ty(), expected);
+        if dtype == SynthDtype::Q4_K_M {
+            assert_eq!(weights.layers[0].ffn_down.ty(), GgmlType::Q5_0);
+        }
         assert_eq!(weights.output_norm.ty(), GgmlType::F32);
         assert!(!config.tied_embeddings);
     }
@@ -159,6 +164,25 @@ fn quantizers_reconstruct_within_their_step() {
     for (a, b) in x.iter().zip(&y) {
         let bound = if *a > 7.0 * step { step } else { step * 0.5 };
         assert!((a - b).abs() <= bound + 1e-3, "Q4_0: {a} vs {b}");
+    }
+    // Q5_0 and Q5_1: as Q4_0 and Q4_1 with twice the levels; the blocks decode through the
+    // kernels' (gguf-checked) dequantization.
+    let mut block = Vec::new();
+    quantize_block_q5_0(&x, &mut block);
+    assert_eq!(block.len(), WeightType::Q5_0.block_bytes());
+    let y = decode(WeightType::Q5_0, &block);
+    let step = amax / 16.0;
+    for (a, b) in x.iter().zip(&y) {
+        let bound = if *a > 15.0 * step { step } else { step * 0.5 };
+        assert!((a - b).abs() <= bound + 1e-3, "Q5_0: {a} vs {b}");
+    }
+    let mut block = Vec::new();
+    quantize_block_q5_1(&x, &mut block);
+    assert_eq!(block.len(), WeightType::Q5_1.block_bytes());
+    let y = decode(WeightType::Q5_1, &block);
+    let step = 2.0 * amax / 31.0;
+    for (a, b) in x.iter().zip(&y) {
+        assert!((a - b).abs() <= step * 0.5 + 1e-3, "Q5_1: {a} vs {b}");
     }
     // Q4_1: min + 15 steps covers the range; half a step everywhere.
     let mut block = Vec::new();
@@ -269,15 +293,23 @@ fn q4_k_m_mix_binds_the_llama_cpp_types_and_generates() {
 
 #[test]
 fn every_k_quant_dtype_generates() {
-    // Each type runs through its own dot product and Q8_K activations end to end (tiny-k
-    // stores every matrix in the type: all widths are multiples of 256).
-    for dtype in [SynthDtype::Q4_K, SynthDtype::Q5_K, SynthDtype::Q6_K] {
+    // Each type runs through its own dot product end to end: tiny-k stores every matrix in the
+    // K type (all widths are multiples of 256), tiny every matrix in its fallback (Q4_K →
+    // Q5_0, Q5_K → Q5_1: no width of tiny is a multiple of 256).
+    let cases = [
+        (SynthShape::TinyK, SynthDtype::Q4_K),
+        (SynthShape::TinyK, SynthDtype::Q5_K),
+        (SynthShape::TinyK, SynthDtype::Q6_K),
+        (SynthShape::Tiny, SynthDtype::Q4_K),
+        (SynthShape::Tiny, SynthDtype::Q5_K),
+    ];
+    for (shape, dtype) in cases {
         let spec = SynthSpec {
-            shape: SynthShape::TinyK,
+            shape,
             dtype,
             seed: 9,
         };
-        let path = write(spec, &format!("gen-{dtype}.gguf"));
+        let path = write(spec, &format!("gen-{shape}-{dtype}.gguf"));
         let ids = generate_12(&path);
         assert_eq!(ids.len(), 12, "{dtype}: {ids:?}");
         assert!(ids.iter().all(|&id| (id as usize) < 512), "{dtype}");

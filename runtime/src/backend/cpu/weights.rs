@@ -51,6 +51,8 @@ fn weight_type(tensor: &BoundTensor) -> Result<WeightType, BackendError> {
         GgmlType::Q4_0 => WeightType::Q4_0,
         GgmlType::Q4_1 => WeightType::Q4_1,
         GgmlType::Q8_0 => WeightType::Q8_0,
+        GgmlType::Q5_0 => WeightType::Q5_0,
+        GgmlType::Q5_1 => WeightType::Q5_1,
         GgmlType::Q4_K => WeightType::Q4_K,
         GgmlType::Q5_K => WeightType::Q5_K,
         GgmlType::Q6_K => WeightType::Q6_K,
