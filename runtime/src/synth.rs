@@ -289,10 +289,20 @@ fn encode_row(ty: WeightType, x: &[f32], out: &mut Vec<u8>) {
     match ty {
         WeightType::F32 => out.extend(x.iter().flat_map(|v| v.to_le_bytes())),
         WeightType::F16 => out.extend(x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes())),
-        WeightType::Q4_0 => x.chunks_exact(32).for_each(|b| quantize_block_q4_0(b, out)),
-        WeightType::Q4_1 => x.chunks_exact(32).for_each(|b| quantize_block_q4_1(b, out)),
-        WeightType::Q5_0 => x.chunks_exact(32).for_each(|b| quantize_block_q5_0(b, out)),
-        WeightType::Q5_1 => x.chunks_exact(32).for_each(|b| quantize_block_q5_1(b, out)),
+        WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q5_0 | WeightType::Q5_1 => {
+            let bits = if matches!(ty, WeightType::Q4_0 | WeightType::Q4_1) {
+                4
+            } else {
+                5
+            };
+            for block in x.chunks_exact(32) {
+                if matches!(ty, WeightType::Q4_0 | WeightType::Q5_0) {
+                    quantize_block_symmetric(block, bits, out);
+                } else {
+                    quantize_block_min(block, bits, out);
+                }
+            }
+        }
         WeightType::Q8_0 => {
             let start = out.len();
             out.resize(start + ty.row_bytes(x.len()), 0);
@@ -731,67 +741,50 @@ fn put_payload(buf: &mut Vec<u8>, v: &MetaValue) {
     }
 }
 
-/// ggml's `quantize_row_q4_0_ref` for one block: d = the signed value of largest magnitude
-/// divided by −8, q = min(15, trunc(x/d + 8.5)).
-fn quantize_block_q4_0(x: &[f32], out: &mut Vec<u8>) {
+/// ggml's `quantize_row_q{4,5}_0_ref` for one block of `bits`-bit values: d = the signed value
+/// of largest magnitude divided by −2^(bits−1), q = min(2^bits − 1, trunc(x/d + 2^(bits−1) + ½)).
+/// Writes d, then the packed values.
+fn quantize_block_symmetric(x: &[f32], bits: u32, out: &mut Vec<u8>) {
+    let half = (1u32 << (bits - 1)) as f32;
     let max = x
         .iter()
         .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-    let d = max / -8.0;
+    let d = max / -half;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
-    let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
-    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+    let top = (1i32 << bits) - 1;
+    // ggml adds the constant 8.5 / 16.5 in one step (the sum is exact in f32).
+    let q: [u8; 32] =
+        std::array::from_fn(|j| ((x[j] * id + (half + 0.5)) as i32).clamp(0, top) as u8);
+    pack_values(&q, bits, out);
 }
 
-/// ggml's `quantize_row_q4_1_ref` for one block: d = (max − min)/15, m = min,
-/// q = min(15, trunc((x − min)/d + 0.5)).
-fn quantize_block_q4_1(x: &[f32], out: &mut Vec<u8>) {
+/// ggml's `quantize_row_q{4,5}_1_ref` for one block: d = (max − min)/(2^bits − 1), m = min,
+/// q = min(2^bits − 1, trunc((x − min)/d + ½)). Writes d, m, then the packed values.
+fn quantize_block_min(x: &[f32], bits: u32, out: &mut Vec<u8>) {
+    let top = (1i32 << bits) - 1;
     let min = x.iter().fold(f32::INFINITY, |m, &v| m.min(v));
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let d = (max - min) / 15.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    out.extend(f16::from_f32(d).to_le_bytes());
-    out.extend(f16::from_f32(min).to_le_bytes());
-    let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
-    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
-}
-
-/// The `qh` word and 16 `qs` bytes of 32 five-bit values.
-fn pack_q5(q: &[u8; 32], out: &mut Vec<u8>) {
-    let qh = q
-        .iter()
-        .enumerate()
-        .fold(0u32, |h, (j, &v)| h | (u32::from(v >> 4) << j));
-    out.extend(qh.to_le_bytes());
-    out.extend((0..16).map(|j| (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4)));
-}
-
-/// ggml's `quantize_row_q5_0_ref` for one block: d = the signed value of largest magnitude
-/// divided by −16, q = min(31, trunc(x/d + 16.5)).
-fn quantize_block_q5_0(x: &[f32], out: &mut Vec<u8>) {
-    let max = x
-        .iter()
-        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-    let d = max / -16.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    out.extend(f16::from_f32(d).to_le_bytes());
-    let q: [u8; 32] = std::array::from_fn(|j| ((x[j] * id + 16.5) as i32).clamp(0, 31) as u8);
-    pack_q5(&q, out);
-}
-
-/// ggml's `quantize_row_q5_1_ref` for one block: d = (max − min)/31, m = min,
-/// q = min(31, trunc((x − min)/d + 0.5)).
-fn quantize_block_q5_1(x: &[f32], out: &mut Vec<u8>) {
-    let min = x.iter().fold(f32::INFINITY, |m, &v| m.min(v));
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let d = (max - min) / 31.0;
+    let d = (max - min) / top as f32;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
     out.extend(f16::from_f32(min).to_le_bytes());
     let q: [u8; 32] =
-        std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i32).clamp(0, 31) as u8);
-    pack_q5(&q, out);
+        std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i32).clamp(0, top) as u8);
+    pack_values(&q, bits, out);
+}
+
+/// 32 values of 4 bits as 16 nibble bytes (low nibbles = elements 0..16); of 5 bits, first the
+/// little-endian `qh` word of fifth bits (bit `j` = element `j`), then the same nibble bytes.
+fn pack_values(q: &[u8; 32], bits: u32, out: &mut Vec<u8>) {
+    if bits == 5 {
+        let qh = q
+            .iter()
+            .enumerate()
+            .fold(0u32, |h, (j, &v)| h | (u32::from(v >> 4) << j));
+        out.extend(qh.to_le_bytes());
+    }
+    out.extend((0..16).map(|j| (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4)));
 }
 
 /// splitmix64's finaliser: spreads a counter over all 64 bits.

@@ -146,52 +146,43 @@ fn quantizers_reconstruct_within_their_step() {
         dequantize_row(ty, block, &mut y).expect("dequantizes");
         y
     };
-    // Q4_0 (ggml): d = -max/8 spans [-8d, 7d]; the largest magnitude is exact, values are
-    // within half a step except at the clipped opposite end (at most one step).
-    let mut block = Vec::new();
-    quantize_block_q4_0(&x, &mut block);
-    assert_eq!(block.len(), WeightType::Q4_0.block_bytes());
-    let y = decode(WeightType::Q4_0, &block);
-    let step = amax / 8.0;
     let first_max = x
         .iter()
         .position(|v| v.abs() >= amax - 1e-6)
         .expect("extreme");
-    assert!(
-        (y[first_max] - x[first_max]).abs() < 1e-3,
-        "extreme value kept"
-    );
-    for (a, b) in x.iter().zip(&y) {
-        let bound = if *a > 7.0 * step { step } else { step * 0.5 };
-        assert!((a - b).abs() <= bound + 1e-3, "Q4_0: {a} vs {b}");
+    for (bits, ty) in [(4, WeightType::Q4_0), (5, WeightType::Q5_0)] {
+        // Q4_0/Q5_0 (ggml): d = -max/half spans [-half·d, (half−1)·d]; the largest magnitude
+        // is exact, values are within half a step except at the clipped opposite end (at most
+        // one step).
+        let half = (1 << (bits - 1)) as f32;
+        let mut block = Vec::new();
+        quantize_block_symmetric(&x, bits, &mut block);
+        assert_eq!(block.len(), ty.block_bytes());
+        let y = decode(ty, &block);
+        let step = amax / half;
+        assert!(
+            (y[first_max] - x[first_max]).abs() < 1e-3,
+            "{ty:?}: extreme value kept"
+        );
+        for (a, b) in x.iter().zip(&y) {
+            let bound = if *a > (half - 1.0) * step {
+                step
+            } else {
+                step * 0.5
+            };
+            assert!((a - b).abs() <= bound + 1e-3, "{ty:?}: {a} vs {b}");
+        }
     }
-    // Q5_0 and Q5_1: as Q4_0 and Q4_1 with twice the levels; the blocks decode through the
-    // kernels' (gguf-checked) dequantization.
-    let mut block = Vec::new();
-    quantize_block_q5_0(&x, &mut block);
-    assert_eq!(block.len(), WeightType::Q5_0.block_bytes());
-    let y = decode(WeightType::Q5_0, &block);
-    let step = amax / 16.0;
-    for (a, b) in x.iter().zip(&y) {
-        let bound = if *a > 15.0 * step { step } else { step * 0.5 };
-        assert!((a - b).abs() <= bound + 1e-3, "Q5_0: {a} vs {b}");
-    }
-    let mut block = Vec::new();
-    quantize_block_q5_1(&x, &mut block);
-    assert_eq!(block.len(), WeightType::Q5_1.block_bytes());
-    let y = decode(WeightType::Q5_1, &block);
-    let step = 2.0 * amax / 31.0;
-    for (a, b) in x.iter().zip(&y) {
-        assert!((a - b).abs() <= step * 0.5 + 1e-3, "Q5_1: {a} vs {b}");
-    }
-    // Q4_1: min + 15 steps covers the range; half a step everywhere.
-    let mut block = Vec::new();
-    quantize_block_q4_1(&x, &mut block);
-    assert_eq!(block.len(), WeightType::Q4_1.block_bytes());
-    let y = decode(WeightType::Q4_1, &block);
-    let step = 2.0 * amax / 15.0;
-    for (a, b) in x.iter().zip(&y) {
-        assert!((a - b).abs() <= step * 0.5 + 1e-3, "Q4_1: {a} vs {b}");
+    for (bits, ty) in [(4, WeightType::Q4_1), (5, WeightType::Q5_1)] {
+        // Q4_1/Q5_1: min + (2^bits − 1) steps covers the range; half a step everywhere.
+        let mut block = Vec::new();
+        quantize_block_min(&x, bits, &mut block);
+        assert_eq!(block.len(), ty.block_bytes());
+        let y = decode(ty, &block);
+        let step = 2.0 * amax / ((1 << bits) - 1) as f32;
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() <= step * 0.5 + 1e-3, "{ty:?}: {a} vs {b}");
+        }
     }
 }
 
