@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes tests/fixtures/kquants/: random K-quant blocks dequantized by an independent reference.
+"""Writes tests/fixtures/kquants/: random K-quant (and Q5_0/Q5_1) blocks dequantized by an
+independent reference.
 
 The reference is the PyPI `gguf` package's NumPy implementation (`gguf.quants.dequantize`),
 pinned below; kvgate's `kernels/tests/kquant_conformance.rs` compares its own dequantization
@@ -15,8 +16,9 @@ Run:
     /work/cache/gguf-venv/bin/pip install gguf==0.19.0 numpy==2.4.6
     /work/cache/gguf-venv/bin/python scripts/kquant-fixtures.py
 
-Files per type T in {q4_k, q5_k, q6_k}: T.blocks (raw blocks, ggml layout) and T.f32 (the
-dequantized values, little-endian f32). For Q8_K: q8_k.in.f32 (input values) and q8_k.blocks
+Files per type T in {q4_k, q5_k, q6_k, q5_0, q5_1}: T.blocks (raw blocks, ggml layout) and
+T.f32 (the dequantized values, little-endian f32). Q5_0/Q5_1 draw from their own generator so
+that adding them left the K-quant files byte-identical. For Q8_K: q8_k.in.f32 (input values) and q8_k.blocks
 (292-byte blocks: f32 d, 256 int8, 16 int16 bsums).
 """
 
@@ -103,6 +105,18 @@ def main() -> None:
     x = x.reshape(-1).astype("<f4")
     (OUT / "q8_k.in.f32").write_bytes(x.tobytes())
     (OUT / "q8_k.blocks").write_bytes(quantize_q8_k(x).tobytes())
+
+    # Q5_0 (d, qh, qs) and Q5_1 (d, m, qh, qs): 32-value blocks, BLOCKS of each.
+    rng = np.random.default_rng(2026120105)
+    for name, qtype, size, scale_offsets in [
+        ("q5_0", GGMLQuantizationType.Q5_0, 22, [0]),
+        ("q5_1", GGMLQuantizationType.Q5_1, 24, [0, 2]),
+    ]:
+        blocks = kquant_blocks(rng, size, scale_offsets)
+        values = dequantize(blocks.reshape(-1), qtype).astype("<f4")
+        assert values.shape == (BLOCKS * 32,), values.shape
+        (OUT / f"{name}.blocks").write_bytes(blocks.tobytes())
+        (OUT / f"{name}.f32").write_bytes(values.tobytes())
 
 
 if __name__ == "__main__":

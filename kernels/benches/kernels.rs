@@ -22,8 +22,10 @@ fn weights(ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
         })
         .collect();
     for b in data.chunks_exact_mut(ty.block_bytes()) {
-        b[0..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
-        if ty == WeightType::Q4_1 {
+        // Q6_K keeps its scale at the end of the block; the others at the start.
+        let d_at = if ty == WeightType::Q6_K { 208 } else { 0 };
+        b[d_at..d_at + 2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+        if matches!(ty, WeightType::Q4_1 | WeightType::Q4_K | WeightType::Q5_K) {
             b[2..4].copy_from_slice(&f16::from_f32(-0.05).to_le_bytes());
         }
     }
@@ -40,6 +42,13 @@ fn bench_matmul(c: &mut Criterion) {
         ("q4_1_1536x576", WeightType::Q4_1, 1536, 576),
         ("q4_1_576x1536", WeightType::Q4_1, 576, 1536),
         ("q8_0_49152x576", WeightType::Q8_0, 49152, 576),
+        // K-quants need widths that are multiples of 256: a 1536-wide square (about Qwen2.5-1.5B's
+        // hidden size) per type, with Q4_1 at the same shape as the baseline.
+        ("q4_1_1536x1536", WeightType::Q4_1, 1536, 1536),
+        ("q4_k_1536x1536", WeightType::Q4_K, 1536, 1536),
+        ("q5_k_1536x1536", WeightType::Q5_K, 1536, 1536),
+        ("q6_k_1536x1536", WeightType::Q6_K, 1536, 1536),
+        ("q5_0_1536x1536", WeightType::Q5_0, 1536, 1536),
     ];
     let mut group = c.benchmark_group("matmul");
     for (name, ty, rows, cols) in shapes {

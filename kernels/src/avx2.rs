@@ -10,6 +10,7 @@
 //! the weights from DRAM; prefill tiles 1 weight row × 8 activation rows so that each unpacked
 //! weight block is reused 8 times, over a block of rows that stays in L1.
 
+mod kquants;
 pub(crate) mod math;
 mod pack;
 mod q4_1;
@@ -17,14 +18,20 @@ mod q4_1;
 use crate::matrix::{OutPtr, QMatrix};
 use crate::quant::{ActivationType, Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType};
 use crate::simd::Avx2Fma;
+pub(crate) use kquants::compute_rows as compute_k_rows;
 pub(crate) use pack::PackedActs;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-/// Whether these kernels handle `ty` (float weights take the scalar path: they do not occur in
-/// the supported llama GGUFs' matmuls, and the reference compiled with FMA is fast enough).
+/// Whether the packed-activation kernels of this module handle `ty` (float weights take the
+/// scalar path: they do not occur in the supported llama GGUFs' matmuls, and the reference
+/// compiled with FMA is fast enough; K-quants have their own kernels on Q8_K rows,
+/// [`compute_k_rows`]).
 pub(crate) fn supports(ty: WeightType) -> bool {
-    !matches!(ty, WeightType::F32 | WeightType::F16)
+    matches!(
+        ty,
+        WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q5_0
+    )
 }
 
 /// Quantizes the `m × cols` activations into the packed layout for `ty`'s kernels.
@@ -56,8 +63,15 @@ pub(crate) fn compute_rows(
         WeightType::Q4_0 => unsafe { rows_kernel::<Q4_0>(w, acts, m, rows, out) },
         // SAFETY: as for Q4_0.
         WeightType::Q8_0 => unsafe { rows_kernel::<Q8_0>(w, acts, m, rows, out) },
-        WeightType::F32 | WeightType::F16 => {
-            unreachable!("float weights never take the AVX2 path (see `supports`)")
+        // SAFETY: as for Q4_0.
+        WeightType::Q5_0 => unsafe { rows_kernel::<Q5_0>(w, acts, m, rows, out) },
+        WeightType::F32
+        | WeightType::F16
+        | WeightType::Q5_1
+        | WeightType::Q4_K
+        | WeightType::Q5_K
+        | WeightType::Q6_K => {
+            unreachable!("{:?} never takes this AVX2 path (see `supports`)", w.ty)
         }
     }
 }
@@ -112,7 +126,46 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 }
 
 struct Q4_0;
+struct Q5_0;
 struct Q8_0;
+
+/// 32 bytes, byte `j` = 0xFF where bit `j` of the little-endian u32 at `p` is set (ggml's
+/// `bytes_from_bits_32`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bytes_from_bits(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 4 readable bytes at `p`.
+    let bits = unsafe { p.cast::<u32>().read_unaligned() };
+    let shuffle = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuffle);
+    // Every bit but the byte's own one set: the byte becomes all ones iff its bit was set.
+    let others = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1))
+}
+
+impl WeightBlock for Q5_0 {
+    const BYTES: usize = crate::quant::Q5_0_BLOCK_BYTES;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values(p: *const u8) -> __m256i {
+        // nibble | 0xF0 where the fifth bit is clear: the i8 value nibble + 16·bit − 16.
+        // SAFETY: a whole block at `p` (qh at 2, qs at 6).
+        unsafe {
+            let high = _mm256_andnot_si256(bytes_from_bits(p.add(2)), _mm256_set1_epi8(-16));
+            _mm256_or_si256(nibbles(p.add(6)), high)
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale(p: *const u8) -> f32 {
+        unsafe { f16_at(p) }
+    }
+}
 
 impl WeightBlock for Q4_0 {
     const BYTES: usize = Q4_0_BLOCK_BYTES;

@@ -12,10 +12,11 @@
 
 pub mod kquants;
 
-pub use kquants::{dot_k_q8_k, dot_q4_k_q8_k, dot_q5_k_q8_k, dot_q6_k_q8_k};
+pub use kquants::{dot_k_q8_k, dot_k_q8_k_generic, dot_q4_k_q8_k, dot_q5_k_q8_k, dot_q6_k_q8_k};
 
 use crate::quant::{
-    Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, Q8_1_BLOCK_BYTES, QK, read_f16,
+    Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES,
+    Q8_1_BLOCK_BYTES, QK, read_f16, unpack_q5,
 };
 use half::f16;
 
@@ -61,16 +62,48 @@ pub(crate) fn unpack_nibbles(qs: &[u8], offset: i32) -> [i32; QK] {
 
 /// Q4_0 weight row · Q8_0 activation row.
 pub fn dot_q4_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    dot_scaled_q8_0(w, x, Q4_0_BLOCK_BYTES, |b| unpack_nibbles(b, 8))
+}
+
+/// A weight type with one f16 scale `d` at the start of each block and signed values
+/// (`values` unpacks the rest of the block) · Q8_0: ggml's eight lanes, `fma(dw·da, lane)`.
+#[inline(always)]
+fn dot_scaled_q8_0(
+    w: &[u8],
+    x: &[u8],
+    block_bytes: usize,
+    values: impl Fn(&[u8]) -> [i32; QK],
+) -> f32 {
     let mut acc = [0.0f32; 8];
     for (wb, xb) in w
-        .chunks_exact(Q4_0_BLOCK_BYTES)
+        .chunks_exact(block_bytes)
         .zip(x.chunks_exact(Q8_0_BLOCK_BYTES))
     {
         let d = read_f16(wb, 0) * read_f16(xb, 0);
-        let sums = lane_sums(&unpack_nibbles(&wb[2..], 8), &xb[2..]);
-        fma_lanes(&mut acc, d, &sums);
+        fma_lanes(&mut acc, d, &lane_sums(&values(&wb[2..]), &xb[2..]));
     }
     hsum8(&acc)
+}
+
+/// Q5_0 weight row · Q8_0 activation row (ggml's eight lanes, as for Q4_0).
+pub fn dot_q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    dot_scaled_q8_0(w, x, Q5_0_BLOCK_BYTES, |b| unpack_q5(b).map(|q| q - 16))
+}
+
+/// Q5_1 weight row · Q8_1 activation row in ggml's AVX2 order (unlike kvgate's Q4_1): eight
+/// lanes `fma(dw·da, lane, acc)`, and `Σ m·s` in one FMA chain added after `hsum8`.
+pub fn dot_q5_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut summs = 0.0f32;
+    for (wb, xb) in w
+        .chunks_exact(Q5_1_BLOCK_BYTES)
+        .zip(x.chunks_exact(Q8_1_BLOCK_BYTES))
+    {
+        summs = read_f16(wb, 2).mul_add(read_f16(xb, 2), summs);
+        let d = read_f16(wb, 0) * read_f16(xb, 0);
+        fma_lanes(&mut acc, d, &lane_sums(&unpack_q5(&wb[4..]), &xb[4..]));
+    }
+    hsum8(&acc) + summs
 }
 
 /// Q4_1 weight row · Q8_1 activation row, in block-sum form: each block's exact integer dot
@@ -115,19 +148,9 @@ fn q4_1_blocks<'a>(w: &'a [u8], x: &'a [u8]) -> impl Iterator<Item = Q4_1Block> 
 
 /// Q8_0 weight row · Q8_0 activation row.
 pub fn dot_q8_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    for (wb, xb) in w
-        .chunks_exact(Q8_0_BLOCK_BYTES)
-        .zip(x.chunks_exact(Q8_0_BLOCK_BYTES))
-    {
-        let d = read_f16(wb, 0) * read_f16(xb, 0);
-        let mut wq = [0i32; QK];
-        for (o, &q) in wq.iter_mut().zip(&wb[2..]) {
-            *o = i32::from(q as i8);
-        }
-        fma_lanes(&mut acc, d, &lane_sums(&wq, &xb[2..]));
-    }
-    hsum8(&acc)
+    dot_scaled_q8_0(w, x, Q8_0_BLOCK_BYTES, |b| {
+        std::array::from_fn(|j| i32::from(b[j] as i8))
+    })
 }
 
 /// Eight-lane float dot product (tinyBLAS order): lane `l` accumulates elements `l, l+8, ...`

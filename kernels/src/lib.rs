@@ -26,7 +26,7 @@ pub use attention::{
     paged_attention_batch, write_kv,
 };
 pub use matmul::{MatmulScratch, QMatrix, matmul, matmul_fused};
-pub use ops::{RopeMode, rms_norm, rope, swiglu};
+pub use ops::{RopeMode, rms_norm, rope, rope_with_freq_factors, swiglu};
 pub use quant::{QK, WeightType};
 
 /// Errors for inputs that come from outside the crate (e.g. tensor shapes read from a GGUF file).

@@ -4,13 +4,20 @@
 //! Activations are first converted per row to the weight's `vec_dot_type` (as ggml does), then
 //! each thread of the pool computes one contiguous range of weight rows for all `m` activation
 //! rows, so every weight byte is read from memory once per call whatever `m` is. The AVX2 path
-//! tiles several weight rows × activation rows per block load; the scalar path is the reference
-//! (`matmul_reference`) and the fallback on CPUs without AVX2. Both give bit-identical results.
+//! tiles several weight rows × activation rows per block load (K-quants: one row pair at a time
+//! on Q8_K activations); the scalar path is the reference (`matmul_reference`) and the fallback
+//! on CPUs without AVX2. Both give bit-identical results.
 
-use crate::dot::{dot_f16_f16, dot_f32_f32, dot_q4_0_q8_0, dot_q4_1_q8_1, dot_q8_0_q8_0};
+use crate::dot::{
+    dot_f16_f16, dot_f32_f32, dot_q4_0_q8_0, dot_q4_1_q8_1, dot_q4_k_q8_k, dot_q5_0_q8_0,
+    dot_q5_1_q8_1, dot_q5_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0,
+};
 use crate::matrix::OutPtr;
 pub use crate::matrix::QMatrix;
-use crate::quant::{ActivationType, WeightType, quantize_row_q8_0, quantize_row_q8_1};
+use crate::quant::{
+    ActivationType, Q8_K_BLOCK_BYTES, QK_K, WeightType, quantize_row_q8_0, quantize_row_q8_1,
+    quantize_row_q8_k,
+};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::Avx2Fma;
 use half::f16;
@@ -106,6 +113,9 @@ enum Path {
     /// AVX2 kernels on the packed activation layout; the token proves the CPU has them.
     #[cfg(target_arch = "x86_64")]
     Avx2(Avx2Fma),
+    /// AVX2 K-quant kernels on ggml-layout Q8_K activations.
+    #[cfg(target_arch = "x86_64")]
+    Avx2KQuant(Avx2Fma),
 }
 
 impl Path {
@@ -115,6 +125,8 @@ impl Path {
             Path::Scalar => 1,
             #[cfg(target_arch = "x86_64")]
             Path::Avx2(_) => crate::avx2::ROW_TILE,
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2KQuant(_) => 1,
         }
     }
 }
@@ -128,11 +140,16 @@ fn prepare_acts(
     scratch: &mut MatmulScratch,
 ) -> Path {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = Avx2Fma::detect()
-        && crate::avx2::supports(ty)
-    {
-        crate::avx2::prepare_acts(cpu, ty, x, m, cols, &mut scratch.packed);
-        return Path::Avx2(cpu);
+    if let Some(cpu) = Avx2Fma::detect() {
+        if ty.kquant().is_some() {
+            // Q8_K quantization is ggml's reference on every build, so the scalar one serves.
+            prepare_scalar_acts(ty, x, m, cols, scratch);
+            return Path::Avx2KQuant(cpu);
+        }
+        if crate::avx2::supports(ty) {
+            crate::avx2::prepare_acts(cpu, ty, x, m, cols, &mut scratch.packed);
+            return Path::Avx2(cpu);
+        }
     }
     prepare_scalar_acts(ty, x, m, cols, scratch);
     Path::Scalar
@@ -151,6 +168,10 @@ fn compute_rows(
         Path::Scalar => scalar_rows(w, x, m, scratch, rows, out),
         #[cfg(target_arch = "x86_64")]
         Path::Avx2(cpu) => crate::avx2::compute_rows(cpu, w, m, &scratch.packed, rows, out),
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2KQuant(cpu) => {
+            crate::avx2::compute_k_rows(cpu, w, m, &scratch.ggml_bytes, rows, out)
+        }
     }
 }
 
@@ -197,6 +218,16 @@ fn prepare_scalar_acts(
                 }
             }
         }
+        ActivationType::Q8_K => {
+            let row_bytes = cols / QK_K * Q8_K_BLOCK_BYTES;
+            scratch.ggml_bytes.resize(m * row_bytes, 0);
+            for (xr, qr) in x
+                .chunks_exact(cols)
+                .zip(scratch.ggml_bytes.chunks_exact_mut(row_bytes))
+            {
+                quantize_row_q8_k(xr, qr);
+            }
+        }
     }
 }
 
@@ -210,21 +241,24 @@ fn scalar_rows(
 ) {
     let cols = w.cols;
     let act_bytes = scratch.ggml_bytes.len().checked_div(m).unwrap_or(0);
+    let quantized_dot: fn(&[u8], &[u8]) -> f32 = match w.ty {
+        WeightType::F32 | WeightType::F16 => |_, _| unreachable!("float weights"),
+        WeightType::Q8_0 => dot_q8_0_q8_0,
+        WeightType::Q4_0 => dot_q4_0_q8_0,
+        WeightType::Q4_1 => dot_q4_1_q8_1,
+        WeightType::Q5_0 => dot_q5_0_q8_0,
+        WeightType::Q5_1 => dot_q5_1_q8_1,
+        WeightType::Q4_K => dot_q4_k_q8_k,
+        WeightType::Q5_K => dot_q5_k_q8_k,
+        WeightType::Q6_K => dot_q6_k_q8_k,
+    };
     for r in rows {
         let wr = w.row(r);
         for a in 0..m {
             let value = match w.ty {
                 WeightType::F32 => dot_f32_f32(wr, &x[a * cols..(a + 1) * cols]),
                 WeightType::F16 => dot_f16_f16(wr, &scratch.halves[a * cols..(a + 1) * cols]),
-                WeightType::Q8_0 => {
-                    dot_q8_0_q8_0(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes])
-                }
-                WeightType::Q4_0 => {
-                    dot_q4_0_q8_0(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes])
-                }
-                WeightType::Q4_1 => {
-                    dot_q4_1_q8_1(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes])
-                }
+                _ => quantized_dot(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes]),
             };
             // SAFETY: each thread owns a distinct range of rows `r`.
             unsafe { out.write(a * w.rows + r, value) };

@@ -43,6 +43,28 @@ pub fn rope(
     freq_base: f32,
     mode: RopeMode,
 ) {
+    rope_with_freq_factors(x, n_heads, head_dim, pos, freq_base, mode, None);
+}
+
+/// [`rope`] with Llama 3.1's per-pair frequency factors (the GGUF's `rope_freqs.weight`, one
+/// per rotated pair): pair `i`'s angle is divided by `freq_factors[i]`, as ggml's
+/// `rope_cache_init` does (`theta / ff` into `rope_yarn` with no extrapolation and scale 1).
+pub fn rope_with_freq_factors(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    pos: u32,
+    freq_base: f32,
+    mode: RopeMode,
+    freq_factors: Option<&[f32]>,
+) {
+    if let Some(ff) = freq_factors {
+        assert_eq!(
+            ff.len(),
+            head_dim / 2,
+            "rope: one frequency factor per pair"
+        );
+    }
     assert_eq!(
         x.len(),
         n_heads * head_dim,
@@ -58,7 +80,7 @@ pub fn rope(
         heap_cache.resize(pairs, (0.0, 0.0));
         &mut heap_cache
     };
-    rope_cache(cache, head_dim, pos, freq_base);
+    rope_cache(cache, head_dim, pos, freq_base, freq_factors);
     #[cfg(target_arch = "x86_64")]
     if crate::simd::Avx2Fma::detect().is_some() {
         // SAFETY: the token proves the CPU supports FMA.
@@ -92,12 +114,23 @@ fn rotate(x: &mut [f32], head_dim: usize, cache: &[(f32, f32)], mode: RopeMode) 
 }
 
 /// ggml's `rope_cache_init` without YaRN/scaling: theta starts at `pos` and is multiplied by
-/// `freq_base^(-2/n_dims)` once per pair, all in f32.
-fn rope_cache(cache: &mut [(f32, f32)], n_dims: usize, pos: u32, freq_base: f32) {
+/// `freq_base^(-2/n_dims)` once per pair, all in f32; a frequency factor divides the angle of
+/// its pair only (the running theta is not affected).
+fn rope_cache(
+    cache: &mut [(f32, f32)],
+    n_dims: usize,
+    pos: u32,
+    freq_base: f32,
+    freq_factors: Option<&[f32]>,
+) {
     let theta_scale = freq_base.powf(-2.0 / n_dims as f32);
     let mut theta = pos as f32;
-    for c in cache.iter_mut() {
-        *c = (theta.cos(), theta.sin());
+    for (i, c) in cache.iter_mut().enumerate() {
+        let angle = match freq_factors {
+            Some(ff) => theta / ff[i],
+            None => theta,
+        };
+        *c = (angle.cos(), angle.sin());
         theta *= theta_scale;
     }
 }
@@ -309,6 +342,47 @@ mod tests {
                         "{mode:?} pos {pos}: {g} vs {w}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn rope_freq_factors_divide_each_pairs_angle() {
+        // Llama 3.1-style factors (1 for high frequencies, up to 8 for low ones): pair i of a
+        // head rotates by θ_i / ff[i]. Check against the f64 formula, and that all-ones factors
+        // are bit-identical to plain RoPE.
+        let x: Vec<f32> = (0..2 * 64)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 20.0)
+            .collect();
+        let ff: Vec<f32> = (0..32)
+            .map(|i| 1.0 + (i as f32 / 31.0).powi(2) * 7.0)
+            .collect();
+        for mode in [RopeMode::Norm, RopeMode::Neox] {
+            for pos in [1u32, 9, 500] {
+                let mut got = x.clone();
+                rope_with_freq_factors(&mut got, 2, 64, pos, 500_000.0, mode, Some(&ff));
+                let tol = 1e-5 * (1.0 + f64::from(pos)) * 4.0;
+                for head in 0..2 {
+                    for (i, &f) in ff.iter().enumerate() {
+                        let theta =
+                            f64::from(pos) * 500_000f64.powf(-2.0 * i as f64 / 64.0) / f64::from(f);
+                        let (a, b) = match mode {
+                            RopeMode::Norm => (2 * i, 2 * i + 1),
+                            RopeMode::Neox => (i, i + 32),
+                        };
+                        let (x0, x1) = (f64::from(x[head * 64 + a]), f64::from(x[head * 64 + b]));
+                        let want_a = x0 * theta.cos() - x1 * theta.sin();
+                        let want_b = x0 * theta.sin() + x1 * theta.cos();
+                        assert!((f64::from(got[head * 64 + a]) - want_a).abs() <= tol);
+                        assert!((f64::from(got[head * 64 + b]) - want_b).abs() <= tol);
+                    }
+                }
+                let mut ones = x.clone();
+                rope_with_freq_factors(&mut ones, 2, 64, pos, 500_000.0, mode, Some(&[1.0; 32]));
+                let mut plain = x.clone();
+                rope(&mut plain, 2, 64, pos, 500_000.0, mode);
+                assert_eq!(ones, plain, "{mode:?} pos {pos}");
+                assert_ne!(got, plain, "factors must change the low frequencies");
             }
         }
     }

@@ -7,10 +7,13 @@
 //! |------|-------|--------------------------------|-------------------------------|
 //! | Q4_0 | 18    | d: f16, qs: [u8; 16]            | d·(q − 8)                     |
 //! | Q4_1 | 20    | d: f16, m: f16, qs: [u8; 16]    | d·q + m                       |
+//! | Q5_0 | 22    | d: f16, qh: u32, qs: [u8; 16]   | d·(q − 16)                    |
+//! | Q5_1 | 24    | d, m: f16, qh: u32, qs: [u8; 16] | d·q + m                      |
 //! | Q8_0 | 34    | d: f16, qs: [i8; 32]            | d·q                           |
 //! | Q8_1 | 36    | d: f16, s: f16, qs: [i8; 32]    | d·q, with s = d·Σq            |
 //!
-//! In the 4-bit types the low nibbles of `qs` are elements 0..16 and the high nibbles 16..32.
+//! In the 4- and 5-bit types the low nibbles of `qs` are elements 0..16 and the high nibbles
+//! 16..32; the 5-bit types take element `j`'s fifth bit from bit `j` of the little-endian `qh`.
 //! Activation quantization mirrors ggml's x86 path (`127/amax` multiplier, round half to even),
 //! which is what llama.cpp runs on this hardware, not ggml's scalar `_ref` variant.
 
@@ -28,10 +31,14 @@ use half::f16;
 pub const QK: usize = 32;
 pub const Q4_0_BLOCK_BYTES: usize = 18;
 pub const Q4_1_BLOCK_BYTES: usize = 20;
+pub const Q5_0_BLOCK_BYTES: usize = 22;
+pub const Q5_1_BLOCK_BYTES: usize = 24;
 pub const Q8_0_BLOCK_BYTES: usize = 34;
 pub const Q8_1_BLOCK_BYTES: usize = 36;
 
-/// Storage type of a weight tensor (the subset of GGML types kvgate supports).
+/// Storage type of a weight tensor (the subset of GGML types kvgate supports). The K-quant
+/// variants keep ggml's names (`Q4_K`, as GGUF tools print them) rather than camel case.
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightType {
     F32,
@@ -39,16 +46,27 @@ pub enum WeightType {
     Q8_0,
     Q4_0,
     Q4_1,
+    /// 5-bit values in 32-element blocks (llama.cpp's fallback for Q4_K/Q5_K tensors whose width
+    /// is not a multiple of 256).
+    Q5_0,
+    Q5_1,
+    /// 256-element super-blocks (see [`kquants`]); activations go to Q8_K.
+    Q4_K,
+    Q5_K,
+    Q6_K,
 }
 
 /// The type activations are converted to before a dot product with a weight row
 /// (ggml's `vec_dot_type`).
+#[allow(non_camel_case_types)] // ggml's names
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ActivationType {
     F32,
     F16,
     Q8_0,
     Q8_1,
+    /// 256-element blocks with an f32 scale and 16-element sums (the K-quants' partner).
+    Q8_K,
 }
 
 impl WeightType {
@@ -60,6 +78,21 @@ impl WeightType {
             WeightType::Q8_0 => Q8_0_BLOCK_BYTES,
             WeightType::Q4_0 => Q4_0_BLOCK_BYTES,
             WeightType::Q4_1 => Q4_1_BLOCK_BYTES,
+            WeightType::Q5_0 => Q5_0_BLOCK_BYTES,
+            WeightType::Q5_1 => Q5_1_BLOCK_BYTES,
+            WeightType::Q4_K => Q4_K_BLOCK_BYTES,
+            WeightType::Q5_K => Q5_K_BLOCK_BYTES,
+            WeightType::Q6_K => Q6_K_BLOCK_BYTES,
+        }
+    }
+
+    /// The K-quant layout of this type, if it is one.
+    pub fn kquant(self) -> Option<KQuantType> {
+        match self {
+            WeightType::Q4_K => Some(KQuantType::Q4K),
+            WeightType::Q5_K => Some(KQuantType::Q5K),
+            WeightType::Q6_K => Some(KQuantType::Q6K),
+            _ => None,
         }
     }
 
@@ -67,7 +100,12 @@ impl WeightType {
     pub fn block_elems(self) -> usize {
         match self {
             WeightType::F32 | WeightType::F16 => 1,
-            WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q4_1 => QK,
+            WeightType::Q8_0
+            | WeightType::Q4_0
+            | WeightType::Q4_1
+            | WeightType::Q5_0
+            | WeightType::Q5_1 => QK,
+            WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => QK_K,
         }
     }
 
@@ -81,8 +119,9 @@ impl WeightType {
         match self {
             WeightType::F32 => ActivationType::F32,
             WeightType::F16 => ActivationType::F16,
-            WeightType::Q8_0 | WeightType::Q4_0 => ActivationType::Q8_0,
-            WeightType::Q4_1 => ActivationType::Q8_1,
+            WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q5_0 => ActivationType::Q8_0,
+            WeightType::Q4_1 | WeightType::Q5_1 => ActivationType::Q8_1,
+            WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => ActivationType::Q8_K,
         }
     }
 
@@ -233,8 +272,52 @@ pub fn dequantize_row(ty: WeightType, data: &[u8], out: &mut [f32]) -> Result<()
                 }
             }
         }
+        WeightType::Q5_0 => {
+            for (ob, b) in out
+                .chunks_exact_mut(QK)
+                .zip(data.chunks_exact(Q5_0_BLOCK_BYTES))
+            {
+                let d = read_f16(b, 0);
+                for (o, q) in ob.iter_mut().zip(unpack_q5(&b[2..])) {
+                    // d·(q − 16) is exact in f32 (11 × 5 significant bits).
+                    *o = (q - 16) as f32 * d;
+                }
+            }
+        }
+        WeightType::Q5_1 => {
+            for (ob, b) in out
+                .chunks_exact_mut(QK)
+                .zip(data.chunks_exact(Q5_1_BLOCK_BYTES))
+            {
+                let (d, m) = (read_f16(b, 0), read_f16(b, 2));
+                for (o, q) in ob.iter_mut().zip(unpack_q5(&b[4..])) {
+                    // d·q is exact, so only the addition rounds (FMA or not).
+                    *o = (q as f32).mul_add(d, m);
+                }
+            }
+        }
+        // Sizes were checked above with the same block layout.
+        WeightType::Q4_K => kquants::dequantize_blocks(KQuantType::Q4K, data, out),
+        WeightType::Q5_K => kquants::dequantize_blocks(KQuantType::Q5K, data, out),
+        WeightType::Q6_K => kquants::dequantize_blocks(KQuantType::Q6K, data, out),
     }
     Ok(())
+}
+
+/// The 32 values (0..32) of a Q5_0/Q5_1 block from its `qh` (4 bytes) and `qs` (16 bytes):
+/// element `j` is nibble `j` (low nibbles first) plus bit `j` of `qh` as the fifth bit.
+#[inline(always)]
+pub(crate) fn unpack_q5(qh_qs: &[u8]) -> [i32; QK] {
+    let qh = u32::from_le_bytes([qh_qs[0], qh_qs[1], qh_qs[2], qh_qs[3]]);
+    let qs = &qh_qs[4..4 + QK / 2];
+    std::array::from_fn(|j| {
+        let nibble = if j < QK / 2 {
+            qs[j] & 0x0F
+        } else {
+            qs[j - QK / 2] >> 4
+        };
+        i32::from(nibble) | (((qh >> j) & 1) << 4) as i32
+    })
 }
 
 #[cfg(test)]
@@ -299,6 +382,26 @@ mod tests {
         b1[4] = 0x30; // element 0 = 0, element 16 = 3
         dequantize_row(WeightType::Q4_1, &b1, &mut out).unwrap();
         assert_eq!((out[0], out[16]), (-1.0, 5.0));
+    }
+
+    #[test]
+    fn q5_layouts_take_the_fifth_bit_from_qh() {
+        let mut b0 = vec![0u8; Q5_0_BLOCK_BYTES];
+        b0[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        // qh bit 0 (element 0) and bit 17 (element 17); qs[1] = 0x30: element 1 = 0, 17 = 3.
+        b0[2..6].copy_from_slice(&(1u32 | 1 << 17).to_le_bytes());
+        b0[6 + 1] = 0x30;
+        let mut out = [0.0; QK];
+        dequantize_row(WeightType::Q5_0, &b0, &mut out).unwrap();
+        assert_eq!((out[0], out[1], out[17], out[16]), (0.0, -8.0, 1.5, -8.0));
+
+        let mut b1 = vec![0u8; Q5_1_BLOCK_BYTES];
+        b1[0..2].copy_from_slice(&f16::from_f32(2.0).to_le_bytes());
+        b1[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        b1[4..8].copy_from_slice(&(1u32 << 31).to_le_bytes());
+        b1[8 + 15] = 0xF0; // element 31 = 15 + 16
+        dequantize_row(WeightType::Q5_1, &b1, &mut out).unwrap();
+        assert_eq!((out[0], out[31], out[15]), (-1.0, 61.0, -1.0));
     }
 
     #[test]

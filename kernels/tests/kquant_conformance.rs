@@ -115,3 +115,33 @@ fn dots_over_fixture_blocks_match_f64_sum_of_reference_values() {
         }
     }
 }
+
+#[test]
+fn q5_0_and_q5_1_dequantization_match_gguf_numpy_bit_for_bit() {
+    use kvgate_kernels::quant::{WeightType, dequantize_row};
+    let cases: [(WeightType, &[u8], &[u8]); 2] = [
+        (
+            WeightType::Q5_0,
+            include_bytes!("../../tests/fixtures/kquants/q5_0.blocks"),
+            include_bytes!("../../tests/fixtures/kquants/q5_0.f32"),
+        ),
+        (
+            WeightType::Q5_1,
+            include_bytes!("../../tests/fixtures/kquants/q5_1.blocks"),
+            include_bytes!("../../tests/fixtures/kquants/q5_1.f32"),
+        ),
+    ];
+    for (ty, blocks, values) in cases {
+        let expected = f32s(values);
+        assert_eq!(
+            blocks.len() / ty.block_bytes() * 32,
+            expected.len(),
+            "{ty:?}"
+        );
+        let mut got = vec![0.0f32; expected.len()];
+        dequantize_row(ty, blocks, &mut got).unwrap();
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g.to_bits(), e.to_bits(), "{ty:?} value {i}: {g} vs {e}");
+        }
+    }
+}

@@ -40,7 +40,7 @@ pub enum GgufError {
         what: String,
     },
     #[error(
-        "{path}: tensor `{name}` has unsupported type {ty} (supported: F32, F16, Q8_0, Q4_0, Q4_1)"
+        "{path}: tensor `{name}` has unsupported type {ty} (supported: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
     )]
     UnsupportedTensorType {
         path: PathBuf,
@@ -50,6 +50,7 @@ pub enum GgufError {
 }
 
 /// GGML tensor types. Only the ones kvgate can compute with have their own variant.
+#[allow(non_camel_case_types)] // ggml's names, as GGUF tools print them
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GgmlType {
     F32,
@@ -57,6 +58,11 @@ pub enum GgmlType {
     Q4_0,
     Q4_1,
     Q8_0,
+    Q5_0,
+    Q5_1,
+    Q4_K,
+    Q5_K,
+    Q6_K,
     /// Any other GGML type id; loading a tensor of this type is an error.
     Other(u32),
 }
@@ -68,7 +74,12 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
+            12 => Self::Q4_K,
+            13 => Self::Q5_K,
+            14 => Self::Q6_K,
             other => Self::Other(other),
         }
     }
@@ -81,6 +92,11 @@ impl GgmlType {
             Self::Q4_0 => Some((32, 18)),
             Self::Q4_1 => Some((32, 20)),
             Self::Q8_0 => Some((32, 34)),
+            Self::Q5_0 => Some((32, 22)),
+            Self::Q5_1 => Some((32, 24)),
+            Self::Q4_K => Some((256, 144)),
+            Self::Q5_K => Some((256, 176)),
+            Self::Q6_K => Some((256, 210)),
             Self::Other(_) => None,
         }
     }
@@ -92,6 +108,11 @@ impl GgmlType {
             Self::Q4_0 => "Q4_0".into(),
             Self::Q4_1 => "Q4_1".into(),
             Self::Q8_0 => "Q8_0".into(),
+            Self::Q5_0 => "Q5_0".into(),
+            Self::Q5_1 => "Q5_1".into(),
+            Self::Q4_K => "Q4_K".into(),
+            Self::Q5_K => "Q5_K".into(),
+            Self::Q6_K => "Q6_K".into(),
             Self::Other(id) => format!("ggml type id {id}"),
         }
     }
@@ -657,15 +678,37 @@ mod tests {
     #[test]
     fn unsupported_tensor_type_is_named() {
         let bytes = GgufBuilder::new()
-            .tensor("blk.0.attn_q.weight", &[256, 1], 12, vec![0; 144])
+            .tensor("blk.0.attn_q.weight", &[256, 1], 16, vec![0; 66])
             .build();
-        let path = write_tmp("q4k.gguf", &bytes);
-        let err = GgufFile::open(&path).expect_err("Q4_K is not supported");
+        let path = write_tmp("iq2.gguf", &bytes);
+        let err = GgufFile::open(&path).expect_err("IQ2_XXS is not supported");
         let msg = err.to_string();
         assert!(
-            msg.contains("blk.0.attn_q.weight") && msg.contains("12"),
+            msg.contains("blk.0.attn_q.weight") && msg.contains("16") && msg.contains("Q6_K"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn k_quant_tensors_open_with_their_block_sizes() {
+        // Two rows of 256: one super-block each (Q4_K 144, Q5_K 176, Q6_K 210 bytes).
+        for (id, ty, bytes) in [
+            (12, GgmlType::Q4_K, 144),
+            (13, GgmlType::Q5_K, 176),
+            (14, GgmlType::Q6_K, 210),
+        ] {
+            let built = GgufBuilder::new()
+                .tensor("w", &[256, 2], id, vec![0; 2 * bytes])
+                .build();
+            let gguf = GgufFile::open(write_tmp(&format!("k{id}.gguf"), &built)).expect("opens");
+            let t = gguf.tensor("w").expect("tensor");
+            assert_eq!((t.ty, gguf.tensor_data(t).len()), (ty, 2 * bytes));
+            // Three rows claimed, two stored: the extent check must use the K block size.
+            let short = GgufBuilder::new()
+                .tensor("w", &[256, 3], id, vec![0; 2 * bytes])
+                .build();
+            assert!(GgufFile::open(write_tmp(&format!("ks{id}.gguf"), &short)).is_err());
+        }
     }
 
     #[test]

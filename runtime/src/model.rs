@@ -8,11 +8,13 @@
 
 use crate::gguf::GgufFile;
 use crate::kv_math::{KvDtype, KvShape};
+use kvgate_kernels::RopeMode;
 
-/// Architectures whose GGUF files kvgate can run. Only plain llama is listed: llama.cpp writes
-/// Mistral-7B, SmolLM and TinyLlama as "llama" too, while the other names it knows (qwen2, gemma,
-/// phi3, granite, ...) add biases, different norms or scaling factors that this graph lacks.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
+/// Architectures whose GGUF files kvgate can run. llama.cpp writes Llama 2 and 3, Mistral-7B,
+/// SmolLM and TinyLlama as "llama" (Llama 3.1+ adds `rope_freqs.weight`); "qwen2" is the same
+/// graph with Q/K/V biases and NEOX-style RoPE. The other names llama.cpp knows (gemma, phi3,
+/// granite, ...) add norms, scaling factors or layouts that this graph lacks.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2"];
 
 /// Why a GGUF file could not be turned into a runnable model.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -55,6 +57,9 @@ pub struct ModelConfig {
     pub head_dim: usize,
     /// Dimensions of each head that RoPE rotates (the rest pass through).
     pub rope_dim: usize,
+    /// Which elements RoPE pairs: adjacent ones (llama, whose converter permutes Q/K for it)
+    /// or the two halves of a head (qwen2), as llama.cpp's `llama_model_rope_type` says.
+    pub rope_mode: RopeMode,
     pub rope_freq_base: f32,
     pub rms_eps: f32,
     /// Context length the model was trained for (the longest sequence kvgate will admit).
@@ -152,6 +157,11 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             rope_dim,
+            rope_mode: if arch == "qwen2" {
+                RopeMode::Neox
+            } else {
+                RopeMode::Norm
+            },
             rope_freq_base,
             rms_eps,
             context_length,
@@ -208,8 +218,10 @@ fn float_or(gguf: &GgufFile, key: &str, default: f32) -> Result<f32, ModelError>
     }
 }
 
-/// RoPE scaling (linear, YaRN, llama-3 frequency factors) changes the rotation angles; kvgate
-/// does not implement it, and silently ignoring it would produce a subtly wrong model.
+/// RoPE scaling (linear, YaRN) changes the rotation angles; kvgate does not implement it, and
+/// silently ignoring it would produce a subtly wrong model. Llama 3.1's scaling is not a
+/// scaling type in GGUF but per-pair factors in `rope_freqs.weight`, which kvgate applies
+/// (bound with the weights).
 fn check_no_rope_scaling(gguf: &GgufFile, arch: &str) -> Result<(), ModelError> {
     let scaling = gguf.get_str(&format!("{arch}.rope.scaling.type"));
     if let Some(kind) = scaling.filter(|k| *k != "none") {
@@ -220,11 +232,6 @@ fn check_no_rope_scaling(gguf: &GgufFile, arch: &str) -> Result<(), ModelError> 
         return Err(ModelError::Unsupported(format!(
             "rope scaling factor {factor:?}"
         )));
-    }
-    if gguf.tensor("rope_freqs.weight").is_some() {
-        return Err(ModelError::Unsupported(
-            "rope frequency factors (`rope_freqs.weight`, llama 3.1 style)".into(),
-        ));
     }
     Ok(())
 }
@@ -237,7 +244,9 @@ pub(crate) mod testutil;
 
 #[cfg(test)]
 mod tests {
-    use super::testutil::{TINY, tiny_llama, write_temp};
+    use super::testutil::{
+        TINY, tiny_arch, tiny_llama, with_qkv_biases, with_rope_freqs, write_temp,
+    };
     use super::*;
 
     fn open(name: &str, bytes: Vec<u8>) -> GgufFile {
@@ -268,14 +277,18 @@ mod tests {
     #[test]
     fn unsupported_architecture_is_named() {
         let gguf = open(
-            "qwen.gguf",
+            "gemma.gguf",
             tiny_llama(TINY, None)
-                .str("general.architecture", "qwen2")
+                .str("general.architecture", "gemma2")
                 .build(),
         );
-        let err = ModelConfig::from_gguf(&gguf).expect_err("qwen2 is not llama");
-        assert_eq!(err, ModelError::UnsupportedArchitecture("qwen2".into()));
-        assert!(err.to_string().contains("qwen2") && err.to_string().contains("llama"));
+        let err = ModelConfig::from_gguf(&gguf).expect_err("gemma2 is not supported");
+        assert_eq!(err, ModelError::UnsupportedArchitecture("gemma2".into()));
+        let msg = err.to_string();
+        assert!(
+            msg.contains("gemma2") && msg.contains("llama") && msg.contains("qwen2"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -345,6 +358,60 @@ mod tests {
         );
         let err = ModelConfig::from_gguf(&gguf).expect_err("yarn unsupported");
         assert!(err.to_string().contains("yarn"), "{err}");
+    }
+
+    #[test]
+    fn qwen2_reads_its_own_keys_and_uses_neox_rope() {
+        let gguf = open("qwen2.gguf", tiny_arch("qwen2", TINY, None).build());
+        let config = ModelConfig::from_gguf(&gguf).expect("qwen2 config parses");
+        assert_eq!(config.architecture, "qwen2");
+        assert_eq!(config.rope_mode, RopeMode::Neox);
+        assert_eq!((config.num_layers, config.hidden_size), (2, 64));
+        let llama = open("llama.gguf", tiny_llama(TINY, None).build());
+        let llama = ModelConfig::from_gguf(&llama).expect("llama config parses");
+        assert_eq!(llama.rope_mode, RopeMode::Norm);
+    }
+
+    #[test]
+    fn qkv_biases_and_rope_freqs_bind_with_shape_checks() {
+        let gguf = open(
+            "bias.gguf",
+            with_rope_freqs(with_qkv_biases(tiny_arch("qwen2", TINY, None), TINY), TINY).build(),
+        );
+        let config = ModelConfig::from_gguf(&gguf).expect("config");
+        let w = ModelWeights::bind(&gguf, &config).expect("binds");
+        let l = &w.layers[1];
+        let lens = |t: &Option<BoundTensor>| t.as_ref().map(|t| t.cols);
+        assert_eq!(
+            (lens(&l.bq), lens(&l.bk), lens(&l.bv)),
+            (Some(64), Some(32), Some(32))
+        );
+        assert_eq!(w.rope_freqs.as_ref().map(|t| t.cols), Some(16));
+        // Without them: plain llama.
+        let plain = open("plain.gguf", tiny_llama(TINY, None).build());
+        let cfg = ModelConfig::from_gguf(&plain).expect("config");
+        let w = ModelWeights::bind(&plain, &cfg).expect("binds");
+        assert!(w.layers[0].bq.is_none() && w.rope_freqs.is_none());
+        // A bias of the wrong width names the tensor.
+        let bad = open(
+            "badbias.gguf",
+            tiny_llama(TINY, None)
+                .tensor("blk.0.attn_k.bias", &[64], 0, vec![0; 256])
+                .build(),
+        );
+        let cfg = ModelConfig::from_gguf(&bad).expect("config");
+        let err = ModelWeights::bind(&bad, &cfg).expect_err("k bias is kv_dim wide");
+        assert!(err.to_string().contains("blk.0.attn_k.bias"), "{err}");
+        // An output bias is a graph kvgate lacks: refused, not ignored.
+        let bo = open(
+            "bo.gguf",
+            tiny_llama(TINY, None)
+                .tensor("blk.0.attn_output.bias", &[64], 0, vec![0; 256])
+                .build(),
+        );
+        let cfg = ModelConfig::from_gguf(&bo).expect("config");
+        let err = ModelWeights::bind(&bo, &cfg).expect_err("bo unsupported");
+        assert!(err.to_string().contains("attn_output.bias"), "{err}");
     }
 
     #[test]

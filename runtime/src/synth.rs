@@ -22,6 +22,9 @@ use std::str::FromStr;
 use half::f16;
 use rayon::prelude::*;
 
+use kvgate_kernels::quant::kquants::quantize_row_k;
+use kvgate_kernels::quant::{KQuantType, QK_K, WeightType};
+
 use crate::gguf::MetaValue;
 use crate::tokenizer::byte_to_char;
 
@@ -38,6 +41,9 @@ const TASKS_PER_BATCH: usize = 64;
 pub enum SynthShape {
     /// 2 layers, hidden 128, 4 heads over 2 KV heads, vocabulary 512: for tests.
     Tiny,
+    /// The tiny shape widened to hidden 256, FFN 512, 4 heads of 64 over 2 KV heads: every
+    /// matrix is a whole number of 256-wide K-quant super-blocks. For K-quant tests.
+    TinyK,
     /// SmolLM2-135M (kvgate's default model): 30 layers, hidden 576, GQA 9/3, tied embeddings.
     Smollm2_135m,
     /// Llama-2-7B: 32 layers, hidden 4096, 32 heads, vocabulary 32000.
@@ -63,8 +69,9 @@ pub struct ShapeSpec {
 }
 
 impl SynthShape {
-    pub const ALL: [SynthShape; 4] = [
+    pub const ALL: [SynthShape; 5] = [
         SynthShape::Tiny,
+        SynthShape::TinyK,
         SynthShape::Smollm2_135m,
         SynthShape::Llama2_7b,
         SynthShape::Llama2_13b,
@@ -73,6 +80,7 @@ impl SynthShape {
     pub fn name(self) -> &'static str {
         match self {
             SynthShape::Tiny => "tiny",
+            SynthShape::TinyK => "tiny-k",
             SynthShape::Smollm2_135m => "smollm2-135m",
             SynthShape::Llama2_7b => "llama2-7b",
             SynthShape::Llama2_13b => "llama2-13b",
@@ -93,6 +101,11 @@ impl SynthShape {
                 rope_freq_base: 10_000.0,
                 rms_eps: 1e-5,
                 tied_embeddings: false,
+            },
+            SynthShape::TinyK => ShapeSpec {
+                hidden: 256,
+                ffn: 512,
+                ..SynthShape::Tiny.spec()
             },
             SynthShape::Smollm2_135m => ShapeSpec {
                 layers: 30,
@@ -154,20 +167,34 @@ impl fmt::Display for SynthShape {
 }
 
 /// Storage type of the weight matrices (norm weights are always F32, as llama.cpp writes them).
+/// The K-quant types store each matrix whose width is a multiple of 256 in that type and the
+/// rest in llama.cpp's fallback (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, as its quantizer
+/// does); `q4_k_m` mixes Q4_K and Q6_K the way llama.cpp's Q4_K_M does.
+#[allow(non_camel_case_types)] // llama.cpp's names
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SynthDtype {
     Q4_0,
     Q4_1,
     Q8_0,
     F16,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    /// Q4_K, with Q6_K for the output head and for `attn_v`/`ffn_down` in the layers
+    /// llama.cpp's `use_more_bits` picks (the first and last eighth, every third between).
+    Q4_K_M,
 }
 
 impl SynthDtype {
-    pub const ALL: [SynthDtype; 4] = [
+    pub const ALL: [SynthDtype; 8] = [
         SynthDtype::Q4_0,
         SynthDtype::Q4_1,
         SynthDtype::Q8_0,
         SynthDtype::F16,
+        SynthDtype::Q4_K,
+        SynthDtype::Q5_K,
+        SynthDtype::Q6_K,
+        SynthDtype::Q4_K_M,
     ];
 
     pub fn name(self) -> &'static str {
@@ -176,52 +203,114 @@ impl SynthDtype {
             SynthDtype::Q4_1 => "q4_1",
             SynthDtype::Q8_0 => "q8_0",
             SynthDtype::F16 => "f16",
+            SynthDtype::Q4_K => "q4_k",
+            SynthDtype::Q5_K => "q5_k",
+            SynthDtype::Q6_K => "q6_k",
+            SynthDtype::Q4_K_M => "q4_k_m",
         }
     }
 
-    /// GGML tensor type id.
-    fn ggml_type(self) -> u32 {
-        match self {
-            SynthDtype::Q4_0 => 2,
-            SynthDtype::Q4_1 => 3,
-            SynthDtype::Q8_0 => 8,
-            SynthDtype::F16 => 1,
-        }
-    }
-
-    /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_MOSTLY_*`).
+    /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_MOSTLY_*`; plain K types as the `_S` mixes).
     fn file_type(self) -> u32 {
         match self {
             SynthDtype::Q4_0 => 2,
             SynthDtype::Q4_1 => 3,
             SynthDtype::Q8_0 => 7,
             SynthDtype::F16 => 1,
+            SynthDtype::Q4_K => 14,
+            SynthDtype::Q4_K_M => 15,
+            SynthDtype::Q5_K => 16,
+            SynthDtype::Q6_K => 18,
         }
     }
 
-    fn row_bytes(self, cols: usize) -> usize {
+    /// The storage type of matrix `name` (`cols` wide) in layer `layer` of `layers`.
+    fn matrix_type(
+        self,
+        name: &str,
+        layer: Option<usize>,
+        layers: usize,
+        cols: usize,
+    ) -> WeightType {
+        let k = |ty: WeightType| {
+            if cols.is_multiple_of(QK_K) {
+                ty
+            } else {
+                match ty {
+                    WeightType::Q4_K => WeightType::Q5_0,
+                    WeightType::Q5_K => WeightType::Q5_1,
+                    _ => WeightType::Q8_0,
+                }
+            }
+        };
         match self {
-            SynthDtype::Q4_0 => cols / 32 * 18,
-            SynthDtype::Q4_1 => cols / 32 * 20,
-            SynthDtype::Q8_0 => cols / 32 * 34,
-            SynthDtype::F16 => cols * 2,
+            SynthDtype::Q4_0 => WeightType::Q4_0,
+            SynthDtype::Q4_1 => WeightType::Q4_1,
+            SynthDtype::Q8_0 => WeightType::Q8_0,
+            SynthDtype::F16 => WeightType::F16,
+            SynthDtype::Q4_K => k(WeightType::Q4_K),
+            SynthDtype::Q5_K => k(WeightType::Q5_K),
+            SynthDtype::Q6_K => k(WeightType::Q6_K),
+            SynthDtype::Q4_K_M => {
+                let more_bits = layer.is_some_and(|i| {
+                    i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2
+                });
+                let wide = name == "output.weight"
+                    || (more_bits
+                        && (name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight")));
+                k(if wide {
+                    WeightType::Q6_K
+                } else {
+                    WeightType::Q4_K
+                })
+            }
         }
     }
+}
 
-    /// Converts one row of f32 values (a multiple of 32 long) into this type.
-    fn encode_row(self, x: &[f32], out: &mut Vec<u8>) {
-        match self {
-            SynthDtype::Q4_0 => x.chunks_exact(32).for_each(|b| quantize_block_q4_0(b, out)),
-            SynthDtype::Q4_1 => x.chunks_exact(32).for_each(|b| quantize_block_q4_1(b, out)),
-            SynthDtype::Q8_0 => {
-                let start = out.len();
-                out.resize(start + self.row_bytes(x.len()), 0);
-                kvgate_kernels::quant::quantize_row_q8_0(x, &mut out[start..]);
-            }
-            SynthDtype::F16 => {
-                out.extend(x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()));
+/// GGML tensor type id of a storage type.
+fn ggml_type(ty: WeightType) -> u32 {
+    match ty {
+        WeightType::F32 => 0,
+        WeightType::F16 => 1,
+        WeightType::Q4_0 => 2,
+        WeightType::Q4_1 => 3,
+        WeightType::Q5_0 => 6,
+        WeightType::Q5_1 => 7,
+        WeightType::Q8_0 => 8,
+        WeightType::Q4_K => 12,
+        WeightType::Q5_K => 13,
+        WeightType::Q6_K => 14,
+    }
+}
+
+/// Converts one row of f32 values (a multiple of the type's block) into `ty`.
+fn encode_row(ty: WeightType, x: &[f32], out: &mut Vec<u8>) {
+    match ty {
+        WeightType::F32 => out.extend(x.iter().flat_map(|v| v.to_le_bytes())),
+        WeightType::F16 => out.extend(x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes())),
+        WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q5_0 | WeightType::Q5_1 => {
+            let bits = if matches!(ty, WeightType::Q4_0 | WeightType::Q4_1) {
+                4
+            } else {
+                5
+            };
+            for block in x.chunks_exact(32) {
+                if matches!(ty, WeightType::Q4_0 | WeightType::Q5_0) {
+                    quantize_block_symmetric(block, bits, out);
+                } else {
+                    quantize_block_min(block, bits, out);
+                }
             }
         }
+        WeightType::Q8_0 => {
+            let start = out.len();
+            out.resize(start + ty.row_bytes(x.len()), 0);
+            kvgate_kernels::quant::quantize_row_q8_0(x, &mut out[start..]);
+        }
+        WeightType::Q4_K => quantize_row_k(KQuantType::Q4K, x, out),
+        WeightType::Q5_K => quantize_row_k(KQuantType::Q5K, x, out),
+        WeightType::Q6_K => quantize_row_k(KQuantType::Q6K, x, out),
     }
 }
 
@@ -231,7 +320,10 @@ impl FromStr for SynthDtype {
         Self::ALL
             .into_iter()
             .find(|dtype| dtype.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown dtype `{s}` (known: q4_0, q4_1, q8_0, f16)"))
+            .ok_or_else(|| {
+                let known: Vec<&str> = Self::ALL.iter().map(|d| d.name()).collect();
+                format!("unknown dtype `{s}` (known: {})", known.join(", "))
+            })
     }
 }
 
@@ -271,6 +363,8 @@ struct SynthTensor {
     cols: usize,
     rows: usize,
     fill: Fill,
+    /// Storage type (F32 for norms; matrices by the spec's dtype and the tensor's place).
+    ty: WeightType,
     /// Offset from the start of the data section.
     offset: u64,
 }
@@ -300,11 +394,20 @@ impl SynthModel {
         };
         let mut tensors = Vec::new();
         let mut add = |name: String, cols: usize, rows: usize, fill: Fill| {
+            let layer = name
+                .strip_prefix("blk.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|i| i.parse().ok());
+            let ty = match fill {
+                Fill::Norm => WeightType::F32,
+                Fill::Matrix { .. } => spec.dtype.matrix_type(&name, layer, s.layers, cols),
+            };
             tensors.push(SynthTensor {
                 name,
                 cols,
                 rows,
                 fill,
+                ty,
                 offset: 0,
             })
         };
@@ -338,7 +441,7 @@ impl SynthModel {
         let mut offset = 0u64;
         for t in &mut tensors {
             t.offset = offset;
-            offset = align(offset + tensor_bytes(spec.dtype, t));
+            offset = align(offset + tensor_bytes(t));
         }
         let mut model = SynthModel {
             spec,
@@ -395,7 +498,7 @@ impl SynthModel {
             for d in dims {
                 buf.extend(d.to_le_bytes());
             }
-            buf.extend(tensor_type(self.spec.dtype, t).to_le_bytes());
+            buf.extend(ggml_type(t.ty).to_le_bytes());
             buf.extend(t.offset.to_le_bytes());
         }
         buf.resize(align(buf.len() as u64) as usize, 0);
@@ -426,7 +529,7 @@ impl SynthModel {
                 progress(written);
                 first = last;
             }
-            let bytes = tensor_bytes(self.spec.dtype, t);
+            let bytes = tensor_bytes(t);
             let pad = align(bytes) - bytes;
             w.write_all(&vec![0u8; pad as usize])?;
             written += pad;
@@ -449,10 +552,10 @@ impl SynthModel {
                 values.iter().flat_map(|v| v.to_le_bytes()).collect()
             }
             Fill::Matrix { scale } => {
-                let mut out = Vec::with_capacity(rows * self.spec.dtype.row_bytes(t.cols));
+                let mut out = Vec::with_capacity(rows * t.ty.row_bytes(t.cols));
                 for _ in 0..rows {
                     values.iter_mut().for_each(|v| *v = scale * rng.symmetric());
-                    self.spec.dtype.encode_row(&values, &mut out);
+                    encode_row(t.ty, &values, &mut out);
                 }
                 out
             }
@@ -483,18 +586,8 @@ fn align(n: u64) -> u64 {
     n.div_ceil(ALIGNMENT) * ALIGNMENT
 }
 
-fn tensor_type(dtype: SynthDtype, t: &SynthTensor) -> u32 {
-    match t.fill {
-        Fill::Norm => 0,
-        Fill::Matrix { .. } => dtype.ggml_type(),
-    }
-}
-
-fn tensor_bytes(dtype: SynthDtype, t: &SynthTensor) -> u64 {
-    match t.fill {
-        Fill::Norm => (t.cols * 4) as u64,
-        Fill::Matrix { .. } => (t.rows * dtype.row_bytes(t.cols)) as u64,
-    }
+fn tensor_bytes(t: &SynthTensor) -> u64 {
+    (t.rows * t.ty.row_bytes(t.cols)) as u64
 }
 
 /// The llama hyper-parameters and the tokenizer, in the keys llama.cpp writes.
@@ -648,30 +741,50 @@ fn put_payload(buf: &mut Vec<u8>, v: &MetaValue) {
     }
 }
 
-/// ggml's `quantize_row_q4_0_ref` for one block: d = the signed value of largest magnitude
-/// divided by −8, q = min(15, trunc(x/d + 8.5)).
-fn quantize_block_q4_0(x: &[f32], out: &mut Vec<u8>) {
+/// ggml's `quantize_row_q{4,5}_0_ref` for one block of `bits`-bit values: d = the signed value
+/// of largest magnitude divided by −2^(bits−1), q = min(2^bits − 1, trunc(x/d + 2^(bits−1) + ½)).
+/// Writes d, then the packed values.
+fn quantize_block_symmetric(x: &[f32], bits: u32, out: &mut Vec<u8>) {
+    let half = (1u32 << (bits - 1)) as f32;
     let max = x
         .iter()
         .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-    let d = max / -8.0;
+    let d = max / -half;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
-    let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
-    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+    let top = (1i32 << bits) - 1;
+    // ggml adds the constant 8.5 / 16.5 in one step (the sum is exact in f32).
+    let q: [u8; 32] =
+        std::array::from_fn(|j| ((x[j] * id + (half + 0.5)) as i32).clamp(0, top) as u8);
+    pack_values(&q, bits, out);
 }
 
-/// ggml's `quantize_row_q4_1_ref` for one block: d = (max − min)/15, m = min,
-/// q = min(15, trunc((x − min)/d + 0.5)).
-fn quantize_block_q4_1(x: &[f32], out: &mut Vec<u8>) {
+/// ggml's `quantize_row_q{4,5}_1_ref` for one block: d = (max − min)/(2^bits − 1), m = min,
+/// q = min(2^bits − 1, trunc((x − min)/d + ½)). Writes d, m, then the packed values.
+fn quantize_block_min(x: &[f32], bits: u32, out: &mut Vec<u8>) {
+    let top = (1i32 << bits) - 1;
     let min = x.iter().fold(f32::INFINITY, |m, &v| m.min(v));
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let d = (max - min) / 15.0;
+    let d = (max - min) / top as f32;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
     out.extend(f16::from_f32(min).to_le_bytes());
-    let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
-    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+    let q: [u8; 32] =
+        std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as i32).clamp(0, top) as u8);
+    pack_values(&q, bits, out);
+}
+
+/// 32 values of 4 bits as 16 nibble bytes (low nibbles = elements 0..16); of 5 bits, first the
+/// little-endian `qh` word of fifth bits (bit `j` = element `j`), then the same nibble bytes.
+fn pack_values(q: &[u8; 32], bits: u32, out: &mut Vec<u8>) {
+    if bits == 5 {
+        let qh = q
+            .iter()
+            .enumerate()
+            .fold(0u32, |h, (j, &v)| h | (u32::from(v >> 4) << j));
+        out.extend(qh.to_le_bytes());
+    }
+    out.extend((0..16).map(|j| (q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4)));
 }
 
 /// splitmix64's finaliser: spreads a counter over all 64 bits.

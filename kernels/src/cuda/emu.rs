@@ -251,7 +251,12 @@ fn ggml_id(ty: WeightType) -> i32 {
         WeightType::F16 => 1,
         WeightType::Q4_0 => 2,
         WeightType::Q4_1 => 3,
+        WeightType::Q5_0 => 6,
+        WeightType::Q5_1 => 7,
         WeightType::Q8_0 => 8,
+        WeightType::Q4_K => 12,
+        WeightType::Q5_K => 13,
+        WeightType::Q6_K => 14,
     }
 }
 

@@ -1,7 +1,21 @@
-//! Scalar reference dot products of K-quant weight rows with Q8_K activation rows, in the order
-//! of ggml's generic C (`ggml_vec_dot_q{4,5,6}_K_q8_K` in ggml-cpu/quants.c) as compiled for an
-//! FMA target, where `sums[l] += d * aux32[l]` and `sumf -= dmin * sumi` contract into fused
-//! multiply-adds:
+//! Scalar reference dot products of K-quant weight rows with Q8_K activation rows, in two orders.
+//!
+//! [`dot_k_q8_k`] (what kvgate computes, on every path) follows ggml's AVX2 kernels
+//! (`ggml_vec_dot_q{4,5,6}_K_q8_K` in ggml-cpu/arch/x86/quants.c), which is what llama.cpp runs
+//! on this hardware:
+//!
+//! * per super-block, eight i32 lanes: lane `l` sums exactly `scale(e) · w[e]·x[e]` over the
+//!   elements with `(e mod 32) / 4 = l` (`maddubs` then `madd` with the scales);
+//! * `acc[l] = fma(dx·d, lane[l], acc[l])`, reduced at the end with `hsum8`;
+//! * the minimum term, `dmin' = −dx·dmin`: Q4_K keeps four f32 lanes,
+//!   `acc_m[p] = fma(dmin', m[2p]·s[2p] + m[2p+1]·s[2p+1], acc_m[p])` with `s[j]` the sum of
+//!   sub-block `j`'s activations, reduced as `(a0+a2) + (a1+a3)`; Q5_K keeps one f32,
+//!   `summs = fma(dmin', Σ m·s, summs)`; Q6_K has none;
+//! * the result is `hsum8(acc) + minimum term`.
+//!
+//! [`dot_k_q8_k_generic`] is ggml's generic C order (`ggml_vec_dot_q*_K_q8_K_generic`, what
+//! llama.cpp runs without AVX2) as compiled for an FMA target, where `sums[l] += d * aux32[l]`
+//! and `sumf -= dmin * sumi` contract into fused multiply-adds:
 //!
 //! * per super-block, lane `l` (0..8) sums exactly, in integers, `scale(g) · w[e]·x[e]` over the
 //!   elements `e ≡ l (mod 8)`, `g` being the 16-element group of `e`;
@@ -13,14 +27,14 @@
 //! functions built with GCC 12 `-O2 -march=native`: 200 random rows of 8 blocks per type gave
 //! bit-identical results.
 //!
-//! ggml's AVX2 kernels for these types reduce in a different order; a SIMD path added here will
-//! bring its own order and be tested bit-for-bit against a matching reference.
+//! The AVX2 kernels (`avx2/kquants.rs`) are tested bit for bit against [`dot_k_q8_k`].
 
 use crate::quant::kquants::{
     KQuantType, KScales, Q8_K_BLOCK_BYTES, Q8K_BSUMS, Q8K_QS, QK_K, read_f32,
 };
 
-/// Q4_K weight row · Q8_K activation row (`w` and `x` hold the same number of blocks).
+/// Q4_K weight row · Q8_K activation row (`w` and `x` hold the same number of blocks), in
+/// ggml's AVX2 order.
 pub fn dot_q4_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
     dot_k_q8_k(KQuantType::Q4K, w, x)
 }
@@ -35,9 +49,78 @@ pub fn dot_q6_k_q8_k(w: &[u8], x: &[u8]) -> f32 {
     dot_k_q8_k(KQuantType::Q6K, w, x)
 }
 
-/// The shared body: the three types differ only in how values and scales unpack, and Q6_K has
-/// no minimum term (its `sumf` stays 0 until the final lane sum, as in ggml).
+/// The sum of each 32-element sub-block's activations, from Q8_K's 16-element `bsums`.
+#[inline(always)]
+pub(crate) fn sub_block_sums(xb: &[u8]) -> [i32; 8] {
+    let bsum = |g: usize| {
+        let at = Q8K_BSUMS + 2 * g;
+        i32::from(i16::from_le_bytes([xb[at], xb[at + 1]]))
+    };
+    std::array::from_fn(|j| bsum(2 * j) + bsum(2 * j + 1))
+}
+
+/// The integer lane sums of one super-block in ggml's AVX2 grouping: lane `l` holds
+/// `Σ scale·w·x` over the elements `e` with `(e mod 32) / 4 = l`.
+#[inline(always)]
+fn x86_lanes(values: &[i8; QK_K], scales: &KScales, xq: &[u8]) -> [i32; 8] {
+    let mut lanes = [0i32; 8];
+    for (e, (&v, &q)) in values.iter().zip(xq).enumerate() {
+        lanes[(e % 32) / 4] += scales.scales[e / 16] * i32::from(v) * i32::from(q as i8);
+    }
+    lanes
+}
+
+/// The shared body of the three types in ggml's AVX2 order (see the module documentation).
 pub fn dot_k_q8_k(ty: KQuantType, w: &[u8], x: &[u8]) -> f32 {
+    assert_eq!(
+        w.len() / ty.block_bytes(),
+        x.len() / Q8_K_BLOCK_BYTES,
+        "dot_k_q8_k: weight and activation rows differ in length"
+    );
+    let mut acc = [0.0f32; 8];
+    let mut acc_m = [0.0f32; 4];
+    let mut summs = 0.0f32;
+    for (wb, xb) in w
+        .chunks_exact(ty.block_bytes())
+        .zip(x.chunks_exact(Q8_K_BLOCK_BYTES))
+    {
+        let scales = KScales::of(ty, wb);
+        let lanes = x86_lanes(&ty.quants(wb), &scales, &xb[Q8K_QS..Q8K_QS + QK_K]);
+        let dx = read_f32(xb, 0);
+        let d = dx * scales.d;
+        for (a, &lane) in acc.iter_mut().zip(&lanes) {
+            *a = d.mul_add(lane as f32, *a);
+        }
+        let dmin = -dx * scales.dmin;
+        // Sub-block j's minimum is mins[2j] (the 16-element table repeats it).
+        let sums = sub_block_sums(xb);
+        let m = |j: usize| scales.mins[2 * j];
+        match ty {
+            KQuantType::Q4K => {
+                for (p, a) in acc_m.iter_mut().enumerate() {
+                    let prod = m(2 * p) * sums[2 * p] + m(2 * p + 1) * sums[2 * p + 1];
+                    *a = dmin.mul_add(prod as f32, *a);
+                }
+            }
+            KQuantType::Q5K => {
+                let total: i32 = (0..8).map(|j| m(j) * sums[j]).sum();
+                summs = dmin.mul_add(total as f32, summs);
+            }
+            KQuantType::Q6K => {}
+        }
+    }
+    let lanes = crate::dot::hsum8(&acc);
+    match ty {
+        KQuantType::Q4K => lanes + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3])),
+        KQuantType::Q5K => lanes + summs,
+        KQuantType::Q6K => lanes,
+    }
+}
+
+/// ggml's generic C order (see the module documentation): the three types differ only in how
+/// values and scales unpack, and Q6_K has no minimum term (its `sumf` stays 0 until the final
+/// lane sum, as in ggml).
+pub fn dot_k_q8_k_generic(ty: KQuantType, w: &[u8], x: &[u8]) -> f32 {
     assert_eq!(
         w.len() / ty.block_bytes(),
         x.len() / Q8_K_BLOCK_BYTES,
@@ -152,13 +235,15 @@ mod tests {
             for nb in [1, 3, 8] {
                 let w = random_blocks(&mut rng, ty, nb);
                 let (_, x) = random_q8_k(&mut rng, nb, 3.0);
-                let got = f64::from(dot_k_q8_k(ty, &w, &x));
                 let (exact, magnitude) = exact_dot(ty, &w, &x);
                 let tol = magnitude * 2f64.powi(-20);
-                assert!(
-                    (got - exact).abs() <= tol,
-                    "{ty:?} × {nb} blocks: {got} vs {exact} (tol {tol:e})"
-                );
+                for dot in [dot_k_q8_k, dot_k_q8_k_generic] {
+                    let got = f64::from(dot(ty, &w, &x));
+                    assert!(
+                        (got - exact).abs() <= tol,
+                        "{ty:?} × {nb} blocks: {got} vs {exact} (tol {tol:e})"
+                    );
+                }
             }
         }
     }
@@ -208,6 +293,27 @@ mod tests {
             let zero = vec![0u8; Q8_K_BLOCK_BYTES];
             assert_eq!(f(&w, &zero), 0.0);
         }
+    }
+
+    #[test]
+    fn x86_and_generic_orders_round_differently_but_agree_closely() {
+        // Both orders compute the same exact sum with different f32 roundings, so on random
+        // rows some results differ in the last bits (proof that the orders are really
+        // distinct) but never by more than the rounding bound.
+        let mut rng = StdRng::seed_from_u64(19);
+        let mut differing = 0;
+        for ty in TYPES {
+            for _ in 0..50 {
+                let w = random_blocks(&mut rng, ty, 8);
+                let (_, x) = random_q8_k(&mut rng, 8, 3.0);
+                let a = dot_k_q8_k(ty, &w, &x);
+                let b = dot_k_q8_k_generic(ty, &w, &x);
+                let (_, magnitude) = exact_dot(ty, &w, &x);
+                assert!(f64::from((a - b).abs()) <= magnitude * 2f64.powi(-19));
+                differing += usize::from(a.to_bits() != b.to_bits());
+            }
+        }
+        assert!(differing > 10, "only {differing} of 150 dots differ");
     }
 
     #[test]

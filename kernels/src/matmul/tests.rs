@@ -26,11 +26,24 @@ pub(crate) fn random_matrix(rng: &mut StdRng, ty: WeightType, rows: usize, cols:
                 c.copy_from_slice(&f16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes());
             }
         }
+        WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => {
+            // Random scales, mins and values; only the f16 super-block scales need taming.
+            let d_at = if ty == WeightType::Q6_K { 208 } else { 0 };
+            for b in data.chunks_exact_mut(ty.block_bytes()) {
+                b[d_at..d_at + 2]
+                    .copy_from_slice(&f16::from_f32(rng.random_range(0.0001..0.005)).to_le_bytes());
+                if ty != WeightType::Q6_K {
+                    b[2..4].copy_from_slice(
+                        &f16::from_f32(rng.random_range(0.0001..0.005)).to_le_bytes(),
+                    );
+                }
+            }
+        }
         _ => {
             for b in data.chunks_exact_mut(ty.block_bytes()) {
                 b[0..2]
                     .copy_from_slice(&f16::from_f32(rng.random_range(0.0005..0.05)).to_le_bytes());
-                if ty == WeightType::Q4_1 {
+                if ty == WeightType::Q4_1 || ty == WeightType::Q5_1 {
                     b[2..4]
                         .copy_from_slice(&f16::from_f32(rng.random_range(-0.3..0.3)).to_le_bytes());
                 }
@@ -51,13 +64,17 @@ fn random_acts(rng: &mut StdRng, n: usize) -> Vec<f32> {
     x
 }
 
-const TYPES: [WeightType; 5] = [
+const TYPES: [WeightType; 7] = [
     WeightType::Q4_1,
     WeightType::Q4_0,
     WeightType::Q8_0,
     WeightType::F16,
     WeightType::F32,
+    WeightType::Q5_0,
+    WeightType::Q5_1,
 ];
+
+const K_TYPES: [WeightType; 3] = [WeightType::Q4_K, WeightType::Q5_K, WeightType::Q6_K];
 
 fn check_against_reference(
     ty: WeightType,
@@ -105,6 +122,65 @@ fn eight_row_tiles_over_long_rows_are_bit_identical_to_reference() {
             check_against_reference(ty, 6, 67 * 32, m, 2, 77 + m as u64);
         }
     }
+}
+
+#[test]
+fn k_quant_matmul_is_bit_identical_to_reference() {
+    // Rows split unevenly over threads and decode tiles; m covers decode, small and tiled
+    // prefill; 1, 2 and 6 super-blocks per row.
+    for ty in K_TYPES {
+        for (rows, cols) in [(1, 256), (13, 512), (37, 1536)] {
+            for m in [1, 3, 8, 17] {
+                for threads in [1, 3] {
+                    check_against_reference(ty, rows, cols, m, threads, rows as u64 * 7 + m as u64);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn k_quant_reference_approximates_float_product() {
+    // Q8_K rounds each activation to 127 levels of its 256-block's largest magnitude; the
+    // product is within Σ|w| · amax/254 of the f64 product of the dequantized weights.
+    let mut rng = StdRng::seed_from_u64(22);
+    let (rows, cols, m) = (9, 512, 2);
+    for ty in K_TYPES {
+        let data = random_matrix(&mut rng, ty, rows, cols);
+        let w = QMatrix::new(ty, &data, rows, cols).unwrap();
+        let x = random_acts(&mut rng, m * cols);
+        let mut out = vec![0.0; m * rows];
+        matmul_reference(&w, &x, m, &mut out);
+        let mut wf = vec![0.0; cols];
+        for r in 0..rows {
+            dequantize_row(ty, w.row(r), &mut wf).unwrap();
+            for a in 0..m {
+                let xa = &x[a * cols..(a + 1) * cols];
+                let exact: f64 = wf
+                    .iter()
+                    .zip(xa)
+                    .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                    .sum();
+                let bound: f64 =
+                    wf.iter().map(|p| f64::from(p.abs())).sum::<f64>() * 8.0 / 254.0 + 1e-3;
+                let got = f64::from(out[a * rows + r]);
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "{ty:?} r{r} a{a}: {got} vs {exact}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn k_quant_rows_need_whole_super_blocks() {
+    let data = vec![0u8; 144];
+    assert!(matches!(
+        QMatrix::new(WeightType::Q4_K, &data, 1, 128),
+        Err(KernelError::ColsNotBlockMultiple { block: 256, .. })
+    ));
+    assert!(QMatrix::new(WeightType::Q4_K, &data, 1, 256).is_ok());
 }
 
 #[test]
@@ -227,7 +303,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
     fn random_shapes_match_reference(
-        ty_index in 0usize..3, rows in 1usize..40, blocks in 1usize..6, m in 1usize..10, seed in any::<u64>()
+        ty_index in 0usize..7, rows in 1usize..40, blocks in 1usize..6, m in 1usize..10, seed in any::<u64>()
     ) {
         check_against_reference(TYPES[ty_index], rows, blocks * QK, m, 2, seed);
     }

@@ -47,8 +47,8 @@ const K6_D: usize = 208;
 pub(crate) const Q8K_QS: usize = 4;
 pub(crate) const Q8K_BSUMS: usize = 260;
 
-/// A K-quant weight type (not yet a [`crate::WeightType`]: the model loader and the matmul
-/// dispatch do not accept these types yet).
+/// The layout of a K-quant weight type (the K-quant [`crate::WeightType`]s map onto these with
+/// `WeightType::kquant`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KQuantType {
     Q4K,
@@ -227,6 +227,12 @@ pub fn dequantize_row_k(
             actual: data.len(),
         });
     }
+    dequantize_blocks(ty, data, out);
+    Ok(())
+}
+
+/// The body of [`dequantize_row_k`] once the sizes are known to match.
+pub(crate) fn dequantize_blocks(ty: KQuantType, data: &[u8], out: &mut [f32]) {
     for (ob, block) in out
         .chunks_exact_mut(QK_K)
         .zip(data.chunks_exact(ty.block_bytes()))
@@ -242,7 +248,6 @@ pub fn dequantize_row_k(
             }
         }
     }
-    Ok(())
 }
 
 /// Quantizes `x` (a multiple of 256 long) into Q8_K blocks (`x.len() / 256 * 292` bytes) as
@@ -294,6 +299,133 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [u8]) {
             ob[Q8K_BSUMS + 2 * k..Q8K_BSUMS + 2 * k + 2].copy_from_slice(&sum.to_le_bytes());
         }
     }
+}
+
+/// Quantizes `x` (a multiple of 256 long) into `ty` blocks appended to `out`, with a plain
+/// min/max quantizer: each sub-block's scale (and Q4_K/Q5_K minimum) is fitted to its range,
+/// then quantized to 6 bits (Q6_K: 8 bits) relative to the super-block's largest.
+///
+/// This is not ggml's `quantize_row_q*_K_ref`, whose iterative scale search (`make_qkx2_quants`)
+/// lowers the error further: it exists so that kvgate can write synthetic K-quant models and
+/// test data. Any valid block runs the same through kvgate and llama.cpp, so parity tests do not
+/// depend on which quantizer made the file.
+pub fn quantize_row_k(ty: KQuantType, x: &[f32], out: &mut Vec<u8>) {
+    assert!(
+        x.len().is_multiple_of(QK_K),
+        "quantize_row_k: {} values is not a multiple of {QK_K}",
+        x.len()
+    );
+    for xb in x.chunks_exact(QK_K) {
+        match ty {
+            KQuantType::Q4K => quantize_block_min_k(xb, 4, out),
+            KQuantType::Q5K => quantize_block_min_k(xb, 5, out),
+            KQuantType::Q6K => quantize_block_q6_k(xb, out),
+        }
+    }
+}
+
+/// `v / unit` rounded and clamped to `0..=max` (0 when `unit` is 0).
+fn level(v: f32, unit: f32, max: i32) -> i32 {
+    if unit == 0.0 {
+        return 0;
+    }
+    ((v / unit).round() as i32).clamp(0, max)
+}
+
+/// One Q4_K (`bits` = 4) or Q5_K (`bits` = 5) block: value = d·sc·q − dmin·m.
+fn quantize_block_min_k(x: &[f32], bits: u32, out: &mut Vec<u8>) {
+    let qmax = (1i32 << bits) - 1;
+    // Per 32-element sub-block: step (max − min)/qmax and minimum −min ≥ 0 (the range is
+    // widened to include 0 so that the minimum is never negative, as in ggml).
+    let mut steps = [0.0f32; 8];
+    let mut mins = [0.0f32; 8];
+    for (j, sub) in x.chunks_exact(32).enumerate() {
+        let lo = sub.iter().fold(0.0f32, |a, &v| a.min(v));
+        let hi = sub.iter().fold(0.0f32, |a, &v| a.max(v));
+        steps[j] = (hi - lo) / qmax as f32;
+        mins[j] = -lo;
+    }
+    let d = half::f16::from_f32(steps.iter().fold(0.0f32, |a, &v| a.max(v)) / 63.0);
+    let dmin = half::f16::from_f32(mins.iter().fold(0.0f32, |a, &v| a.max(v)) / 63.0);
+    let (df, dminf) = (d.to_f32(), dmin.to_f32());
+    let mut sc = [0u8; 8];
+    let mut m = [0u8; 8];
+    for j in 0..8 {
+        // Round the scale up so that the sub-block's range still fits in qmax steps.
+        sc[j] = if df == 0.0 {
+            0
+        } else {
+            ((steps[j] / df).ceil() as i32).clamp(0, 63) as u8
+        };
+        m[j] = level(mins[j], dminf, 63) as u8;
+    }
+    let mut q = [0u8; QK_K];
+    for (e, v) in x.iter().enumerate() {
+        let j = e / 32;
+        let unit = df * f32::from(sc[j]);
+        q[e] = level(v + dminf * f32::from(m[j]), unit, qmax) as u8;
+    }
+    out.extend(d.to_le_bytes());
+    out.extend(dmin.to_le_bytes());
+    let mut scales = [0u8; 12];
+    for j in 0..4 {
+        scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        scales[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+        scales[j + 8] = (sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4);
+    }
+    out.extend(scales);
+    if bits == 5 {
+        let mut qh = [0u8; 32];
+        for (e, &v) in q.iter().enumerate() {
+            let (j, h, l) = (e / 64, (e / 32) % 2, e % 32);
+            qh[l] |= ((v >> 4) & 1) << (2 * j + h);
+        }
+        out.extend(qh);
+    }
+    for chunk in q.chunks_exact(64) {
+        out.extend((0..32).map(|l| (chunk[l] & 0x0F) | ((chunk[l + 32] & 0x0F) << 4)));
+    }
+}
+
+/// One Q6_K block: value = d·sc·(q − 32) with signed 8-bit scales per 16 elements.
+fn quantize_block_q6_k(x: &[f32], out: &mut Vec<u8>) {
+    let mut steps = [0.0f32; 16];
+    for (g, sub) in x.chunks_exact(16).enumerate() {
+        steps[g] = sub.iter().fold(0.0f32, |a, &v| a.max(v.abs())) / 31.0;
+    }
+    let d = half::f16::from_f32(steps.iter().fold(0.0f32, |a, &v| a.max(v)) / 127.0);
+    let df = d.to_f32();
+    let mut sc = [0i8; 16];
+    for g in 0..16 {
+        sc[g] = if df == 0.0 {
+            0
+        } else {
+            ((steps[g] / df).ceil() as i32).clamp(0, 127) as i8
+        };
+    }
+    let mut q = [0u8; QK_K];
+    for (e, &v) in x.iter().enumerate() {
+        let unit = df * f32::from(sc[e / 16]);
+        // A zero unit gives level 0, value d·0·(0 − 32) = 0: still exact for an all-zero group.
+        q[e] = level(v + 32.0 * unit, unit, 63) as u8;
+    }
+    let mut ql = [0u8; 128];
+    let mut qh = [0u8; 64];
+    for (half, hq) in q.chunks_exact(128).enumerate() {
+        let (ql, qh) = (&mut ql[64 * half..], &mut qh[32 * half..]);
+        for l in 0..32 {
+            ql[l] = (hq[l] & 0x0F) | ((hq[l + 64] & 0x0F) << 4);
+            ql[l + 32] = (hq[l + 32] & 0x0F) | ((hq[l + 96] & 0x0F) << 4);
+            qh[l] = (hq[l] >> 4)
+                | ((hq[l + 32] >> 4) << 2)
+                | ((hq[l + 64] >> 4) << 4)
+                | ((hq[l + 96] >> 4) << 6);
+        }
+    }
+    out.extend(ql);
+    out.extend(qh);
+    out.extend(sc.map(|s| s as u8));
+    out.extend(d.to_le_bytes());
 }
 
 #[cfg(test)]
@@ -379,6 +511,40 @@ mod tests {
         assert_eq!(bsums[0], 10 - 127);
         assert_eq!(bsums[1], 0);
         assert!(bsums[2..].iter().all(|&s| s == 0));
+    }
+
+    #[test]
+    fn quantize_row_k_round_trips_within_a_step() {
+        // Values of mixed sign and magnitude per sub-block; each dequantized value must be
+        // within one quantization step (scale unit) of the input, and the layouts must
+        // decode through the independent-reference-checked `dequantize_row_k`.
+        let x: Vec<f32> = (0..2 * QK_K)
+            .map(|i| ((i * 7919 % 613) as f32 / 613.0 - 0.4) * if i % 100 < 30 { 2.0 } else { 0.3 })
+            .collect();
+        for ty in [KQuantType::Q4K, KQuantType::Q5K, KQuantType::Q6K] {
+            let mut bytes = Vec::new();
+            quantize_row_k(ty, &x, &mut bytes);
+            assert_eq!(bytes.len(), 2 * ty.block_bytes(), "{ty:?}");
+            let mut y = vec![0.0f32; x.len()];
+            dequantize_row_k(ty, &bytes, &mut y).expect("sizes match");
+            let levels = match ty {
+                KQuantType::Q4K => 15.0,
+                KQuantType::Q5K => 31.0,
+                KQuantType::Q6K => 31.0,
+            };
+            for (sub, (xs, ys)) in x.chunks(32).zip(y.chunks(32)).enumerate() {
+                let range = xs.iter().fold(0.0f32, |a, v| a.max(v.abs())) * 2.0;
+                // One step of the sub-block's range plus the 6-bit scale rounding (1/63 of the
+                // largest step) and the minimum's rounding.
+                let tol = range / levels * 1.1 + range / 63.0;
+                for (a, b) in xs.iter().zip(ys) {
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "{ty:?} sub {sub}: {a} vs {b} (tol {tol})"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

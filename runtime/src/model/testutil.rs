@@ -48,21 +48,27 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 /// `skip_tensor` if given. Later builder calls override keys (the reader keeps the last value),
 /// which error-path tests use to corrupt one entry.
 pub fn tiny_llama(shape: TinyShape, skip_tensor: Option<&str>) -> GgufBuilder {
+    tiny_arch("llama", shape, skip_tensor)
+}
+
+/// [`tiny_llama`] with the metadata keys (and `general.architecture`) of `arch`.
+pub fn tiny_arch(arch: &str, shape: TinyShape, skip_tensor: Option<&str>) -> GgufBuilder {
     let s = shape;
+    let key = |k: &str| format!("{arch}.{k}");
     let kv_dim = (s.hidden / s.heads * s.kv_heads) as u64;
     let (d, ff, vocab) = (s.hidden as u64, s.ffn as u64, s.vocab as u64);
     let tokens: Vec<String> = (0..s.vocab).map(|i| format!("t{i}")).collect();
     let token_refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
     let mut b = GgufBuilder::new()
-        .str("general.architecture", "llama")
-        .u32("llama.block_count", s.layers as u32)
-        .u32("llama.context_length", 256)
-        .u32("llama.embedding_length", s.hidden as u32)
-        .u32("llama.feed_forward_length", s.ffn as u32)
-        .u32("llama.attention.head_count", s.heads as u32)
-        .u32("llama.attention.head_count_kv", s.kv_heads as u32)
-        .f32("llama.rope.freq_base", 10000.0)
-        .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        .str("general.architecture", arch)
+        .u32(&key("block_count"), s.layers as u32)
+        .u32(&key("context_length"), 256)
+        .u32(&key("embedding_length"), s.hidden as u32)
+        .u32(&key("feed_forward_length"), s.ffn as u32)
+        .u32(&key("attention.head_count"), s.heads as u32)
+        .u32(&key("attention.head_count_kv"), s.kv_heads as u32)
+        .f32(&key("rope.freq_base"), 10000.0)
+        .f32(&key("attention.layer_norm_rms_epsilon"), 1e-5)
         .str_array("tokenizer.ggml.tokens", &token_refs);
     let mut seed = 1;
     let mut add = |b: GgufBuilder, name: &str, dims: &[u64], scale: f32, offset: f32| {
@@ -88,6 +94,37 @@ pub fn tiny_llama(shape: TinyShape, skip_tensor: Option<&str>) -> GgufBuilder {
         b = add(b, &n("ffn_down"), &[ff, d], 0.2, 0.0);
     }
     add(b, "output_norm.weight", &[d], 0.2, 1.0)
+}
+
+/// Adds random F32 Q/K/V biases to every layer (qwen2's extra tensors).
+pub fn with_qkv_biases(mut b: GgufBuilder, s: TinyShape) -> GgufBuilder {
+    let kv_dim = (s.hidden / s.heads * s.kv_heads) as u64;
+    for i in 0..s.layers {
+        for (t, width, seed) in [
+            ("q", s.hidden as u64, 101),
+            ("k", kv_dim, 102),
+            ("v", kv_dim, 103),
+        ] {
+            let v = values(seed + 10 * i as u64, width as usize, 0.5);
+            b = b.tensor(
+                &format!("blk.{i}.attn_{t}.bias"),
+                &[width],
+                0,
+                f32_bytes(&v),
+            );
+        }
+    }
+    b
+}
+
+/// Adds Llama 3.1-style RoPE frequency factors: 1 for the high frequencies rising to 8 for
+/// the lowest, one per rotated pair.
+pub fn with_rope_freqs(b: GgufBuilder, s: TinyShape) -> GgufBuilder {
+    let pairs = s.hidden / s.heads / 2;
+    let ff: Vec<f32> = (0..pairs)
+        .map(|i| 1.0 + 7.0 * (i as f32 / (pairs - 1) as f32).powi(2))
+        .collect();
+    b.tensor("rope_freqs.weight", &[pairs as u64], 0, f32_bytes(&ff))
 }
 
 /// Writes `bytes` to a fresh file under the system temp dir and returns its path. Every call

@@ -9,13 +9,19 @@ use crate::gguf::{GgmlType, GgufFile, TensorInfo};
 
 /// Types a weight matrix may have (the kernels have dot products for each).
 const MATRIX_TYPES: &[GgmlType] = &[
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q8_0,
     GgmlType::F16,
     GgmlType::F32,
 ];
-/// Norm weights are applied element-wise in f32, as llama.cpp stores them.
+/// Norm weights (and biases, frequency factors) are applied element-wise in f32, as llama.cpp
+/// stores them.
 const NORM_TYPES: &[GgmlType] = &[GgmlType::F32];
 
 /// One tensor located in the file: `rows` rows of `cols` elements (GGML `ne1` × `ne0`).
@@ -57,6 +63,10 @@ pub struct LayerWeights {
     pub ffn_gate: BoundTensor,
     pub ffn_up: BoundTensor,
     pub ffn_down: BoundTensor,
+    /// Q/K/V projection biases (qwen2 has them; llama.cpp's llama graph accepts them too).
+    pub bq: Option<BoundTensor>,
+    pub bk: Option<BoundTensor>,
+    pub bv: Option<BoundTensor>,
 }
 
 /// Every tensor of a llama-family model.
@@ -67,6 +77,8 @@ pub struct ModelWeights {
     pub output_norm: BoundTensor,
     /// `output.weight`, or the token embedding again when the model ties them.
     pub output: BoundTensor,
+    /// Llama 3.1+ RoPE frequency factors, one per rotated pair (`rope_freqs.weight`).
+    pub rope_freqs: Option<BoundTensor>,
 }
 
 impl ModelWeights {
@@ -92,6 +104,9 @@ impl ModelWeights {
                 ffn_gate: bind(gguf, &name("ffn_gate"), &[d, ff], MATRIX_TYPES)?,
                 ffn_up: bind(gguf, &name("ffn_up"), &[d, ff], MATRIX_TYPES)?,
                 ffn_down: bind(gguf, &name("ffn_down"), &[ff, d], MATRIX_TYPES)?,
+                bq: bind_optional(gguf, &format!("blk.{i}.attn_q.bias"), &[d])?,
+                bk: bind_optional(gguf, &format!("blk.{i}.attn_k.bias"), &[kv])?,
+                bv: bind_optional(gguf, &format!("blk.{i}.attn_v.bias"), &[kv])?,
             });
         }
         let output_norm = bind(gguf, "output_norm.weight", &[d], NORM_TYPES)?;
@@ -100,12 +115,27 @@ impl ModelWeights {
         } else {
             bind(gguf, "output.weight", &[d, vocab], MATRIX_TYPES)?
         };
+        let pairs = (config.rope_dim / 2) as u64;
+        let rope_freqs = bind_optional(gguf, "rope_freqs.weight", &[pairs])?;
         Ok(ModelWeights {
             token_embd,
             layers,
             output_norm,
             output,
+            rope_freqs,
         })
+    }
+}
+
+/// [`bind`] for a tensor the graph uses only when the file has it (an F32 vector).
+fn bind_optional(
+    gguf: &GgufFile,
+    name: &str,
+    shape: &[u64],
+) -> Result<Option<BoundTensor>, ModelError> {
+    match gguf.tensor(name) {
+        Some(_) => bind(gguf, name, shape, NORM_TYPES).map(Some),
+        None => Ok(None),
     }
 }
 
@@ -146,8 +176,9 @@ fn bind(
     })
 }
 
-/// Tensors that mean the file needs a graph kvgate does not have (biases, mixture of experts).
-/// Running without them would silently give wrong output, so they are errors.
+/// Tensors that mean the file needs a graph kvgate does not have (an attention output bias,
+/// mixture of experts). Running without them would silently give wrong output, so they are
+/// errors. (Q/K/V biases are part of the graph: see [`LayerWeights`].)
 fn reject_unsupported_extras(gguf: &GgufFile, config: &ModelConfig) -> Result<(), ModelError> {
     let arch = &config.architecture;
     if gguf
@@ -156,16 +187,10 @@ fn reject_unsupported_extras(gguf: &GgufFile, config: &ModelConfig) -> Result<()
     {
         return Err(ModelError::Unsupported("mixture-of-experts layers".into()));
     }
-    for t in [
-        "attn_q.bias",
-        "attn_k.bias",
-        "attn_v.bias",
-        "attn_output.bias",
-    ] {
-        if gguf.tensor(&format!("blk.0.{t}")).is_some() {
-            return Err(ModelError::Unsupported(format!(
-                "attention bias `blk.0.{t}`"
-            )));
+    for i in 0..config.num_layers {
+        let name = format!("blk.{i}.attn_output.bias");
+        if gguf.tensor(&name).is_some() {
+            return Err(ModelError::Unsupported(format!("attention bias `{name}`")));
         }
     }
     Ok(())

@@ -57,8 +57,17 @@ fn tiny_model_of_every_dtype_opens_binds_and_has_the_planned_size() {
             SynthDtype::Q4_1 => GgmlType::Q4_1,
             SynthDtype::Q8_0 => GgmlType::Q8_0,
             SynthDtype::F16 => GgmlType::F16,
+            // 320-wide ffn_down is not a whole number of 256-wide super-blocks: llama.cpp's
+            // fallback types.
+            // (Q4_K_M gives the last layer's ffn_down Q6_K bits, whose fallback is Q8_0.)
+            SynthDtype::Q4_K => GgmlType::Q5_0,
+            SynthDtype::Q5_K => GgmlType::Q5_1,
+            SynthDtype::Q6_K | SynthDtype::Q4_K_M => GgmlType::Q8_0,
         };
         assert_eq!(weights.layers[1].ffn_down.ty(), expected);
+        if dtype == SynthDtype::Q4_K_M {
+            assert_eq!(weights.layers[0].ffn_down.ty(), GgmlType::Q5_0);
+        }
         assert_eq!(weights.output_norm.ty(), GgmlType::F32);
         assert!(!config.tied_embeddings);
     }
@@ -87,14 +96,22 @@ fn same_seed_same_bytes_other_seed_other_weights() {
 fn weights_have_the_intended_scale_after_quantization() {
     // Dequantized rows of attn_q must look like uniform(±sqrt(3/hidden)): mean near 0, variance
     // near 1/hidden, for every dtype (a broken quantizer would be off by a large factor).
-    let hidden = SynthShape::Tiny.spec().hidden;
-    for (dtype, ty) in [
-        (SynthDtype::Q4_0, WeightType::Q4_0),
-        (SynthDtype::Q4_1, WeightType::Q4_1),
-        (SynthDtype::Q8_0, WeightType::Q8_0),
-        (SynthDtype::F16, WeightType::F16),
+    for (shape, dtype, ty) in [
+        (SynthShape::Tiny, SynthDtype::Q4_0, WeightType::Q4_0),
+        (SynthShape::Tiny, SynthDtype::Q4_1, WeightType::Q4_1),
+        (SynthShape::Tiny, SynthDtype::Q8_0, WeightType::Q8_0),
+        (SynthShape::Tiny, SynthDtype::F16, WeightType::F16),
+        (SynthShape::TinyK, SynthDtype::Q4_K, WeightType::Q4_K),
+        (SynthShape::TinyK, SynthDtype::Q5_K, WeightType::Q5_K),
+        (SynthShape::TinyK, SynthDtype::Q6_K, WeightType::Q6_K),
     ] {
-        let path = write(tiny(dtype, 11), &format!("scale-{dtype}.gguf"));
+        let hidden = shape.spec().hidden;
+        let spec = SynthSpec {
+            shape,
+            dtype,
+            seed: 11,
+        };
+        let path = write(spec, &format!("scale-{shape}-{dtype}.gguf"));
         let gguf = GgufFile::open(&path).expect("opens");
         let info = gguf.tensor("blk.0.attn_q.weight").expect("tensor");
         let data = gguf.tensor_data(info);
@@ -129,33 +146,43 @@ fn quantizers_reconstruct_within_their_step() {
         dequantize_row(ty, block, &mut y).expect("dequantizes");
         y
     };
-    // Q4_0 (ggml): d = -max/8 spans [-8d, 7d]; the largest magnitude is exact, values are
-    // within half a step except at the clipped opposite end (at most one step).
-    let mut block = Vec::new();
-    quantize_block_q4_0(&x, &mut block);
-    assert_eq!(block.len(), WeightType::Q4_0.block_bytes());
-    let y = decode(WeightType::Q4_0, &block);
-    let step = amax / 8.0;
     let first_max = x
         .iter()
         .position(|v| v.abs() >= amax - 1e-6)
         .expect("extreme");
-    assert!(
-        (y[first_max] - x[first_max]).abs() < 1e-3,
-        "extreme value kept"
-    );
-    for (a, b) in x.iter().zip(&y) {
-        let bound = if *a > 7.0 * step { step } else { step * 0.5 };
-        assert!((a - b).abs() <= bound + 1e-3, "Q4_0: {a} vs {b}");
+    for (bits, ty) in [(4, WeightType::Q4_0), (5, WeightType::Q5_0)] {
+        // Q4_0/Q5_0 (ggml): d = -max/half spans [-half·d, (half−1)·d]; the largest magnitude
+        // is exact, values are within half a step except at the clipped opposite end (at most
+        // one step).
+        let half = (1 << (bits - 1)) as f32;
+        let mut block = Vec::new();
+        quantize_block_symmetric(&x, bits, &mut block);
+        assert_eq!(block.len(), ty.block_bytes());
+        let y = decode(ty, &block);
+        let step = amax / half;
+        assert!(
+            (y[first_max] - x[first_max]).abs() < 1e-3,
+            "{ty:?}: extreme value kept"
+        );
+        for (a, b) in x.iter().zip(&y) {
+            let bound = if *a > (half - 1.0) * step {
+                step
+            } else {
+                step * 0.5
+            };
+            assert!((a - b).abs() <= bound + 1e-3, "{ty:?}: {a} vs {b}");
+        }
     }
-    // Q4_1: min + 15 steps covers the range; half a step everywhere.
-    let mut block = Vec::new();
-    quantize_block_q4_1(&x, &mut block);
-    assert_eq!(block.len(), WeightType::Q4_1.block_bytes());
-    let y = decode(WeightType::Q4_1, &block);
-    let step = 2.0 * amax / 15.0;
-    for (a, b) in x.iter().zip(&y) {
-        assert!((a - b).abs() <= step * 0.5 + 1e-3, "Q4_1: {a} vs {b}");
+    for (bits, ty) in [(4, WeightType::Q4_1), (5, WeightType::Q5_1)] {
+        // Q4_1/Q5_1: min + (2^bits − 1) steps covers the range; half a step everywhere.
+        let mut block = Vec::new();
+        quantize_block_min(&x, bits, &mut block);
+        assert_eq!(block.len(), ty.block_bytes());
+        let y = decode(ty, &block);
+        let step = 2.0 * amax / ((1 << bits) - 1) as f32;
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() <= step * 0.5 + 1e-3, "{ty:?}: {a} vs {b}");
+        }
     }
 }
 
@@ -175,12 +202,11 @@ fn vocabulary_round_trips_text_and_has_chatml_tokens() {
     assert_eq!(chat[0], IM_START);
 }
 
-#[test]
-fn tiny_model_generates_through_the_cpu_backend_deterministically() {
-    let path = write(tiny(SynthDtype::Q4_1, 5), "generate.gguf");
-    let run = || {
+/// Greedy-generates 12 tokens (EOS ignored) from `path` on one thread.
+fn generate_12(path: &Path) -> Vec<u32> {
+    {
         let runtime = Runtime::start(
-            &path,
+            path,
             RuntimeOptions {
                 kv_memory_bytes: 4 << 20,
                 threads: Some(1),
@@ -201,7 +227,13 @@ fn tiny_model_generates_through_the_cpu_backend_deterministically() {
             }
         }
         ids
-    };
+    }
+}
+
+#[test]
+fn tiny_model_generates_through_the_cpu_backend_deterministically() {
+    let path = write(tiny(SynthDtype::Q4_1, 5), "generate.gguf");
+    let run = || generate_12(&path);
     let first = run();
     assert_eq!(first.len(), 12, "{first:?}");
     assert!(first.iter().all(|&id| (id as usize) < 512));
@@ -211,6 +243,68 @@ fn tiny_model_generates_through_the_cpu_backend_deterministically() {
         "random weights should not repeat one token: {first:?}"
     );
     assert_eq!(run(), first, "greedy generation is deterministic");
+}
+
+#[test]
+fn q4_k_m_mix_binds_the_llama_cpp_types_and_generates() {
+    // tiny-k has 2 layers: llama.cpp's use_more_bits picks layer 1 (the last eighth), so its
+    // attn_v and ffn_down are Q6_K, like the output head; everything else is Q4_K.
+    let spec = SynthSpec {
+        shape: SynthShape::TinyK,
+        dtype: SynthDtype::Q4_K_M,
+        seed: 9,
+    };
+    let path = write(spec, "q4_k_m.gguf");
+    let gguf = GgufFile::open(&path).expect("opens");
+    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    let w = ModelWeights::bind(&gguf, &config).expect("binds");
+    assert_eq!(w.output.ty(), GgmlType::Q6_K);
+    assert_eq!(w.token_embd.ty(), GgmlType::Q4_K);
+    assert_eq!(
+        (w.layers[0].wv.ty(), w.layers[0].ffn_down.ty()),
+        (GgmlType::Q4_K, GgmlType::Q4_K)
+    );
+    assert_eq!(
+        (w.layers[1].wv.ty(), w.layers[1].ffn_down.ty()),
+        (GgmlType::Q6_K, GgmlType::Q6_K)
+    );
+    assert_eq!(w.layers[1].wq.ty(), GgmlType::Q4_K);
+    assert_eq!(gguf.get_u64("general.file_type"), Some(15));
+
+    let ids = generate_12(&path);
+    assert_eq!(ids.len(), 12, "{ids:?}");
+    let distinct: std::collections::BTreeSet<_> = ids.iter().collect();
+    assert!(distinct.len() > 1, "{ids:?}");
+    assert_eq!(
+        generate_12(&path),
+        ids,
+        "greedy generation is deterministic"
+    );
+}
+
+#[test]
+fn every_k_quant_dtype_generates() {
+    // Each type runs through its own dot product end to end: tiny-k stores every matrix in the
+    // K type (all widths are multiples of 256), tiny every matrix in its fallback (Q4_K →
+    // Q5_0, Q5_K → Q5_1: no width of tiny is a multiple of 256).
+    let cases = [
+        (SynthShape::TinyK, SynthDtype::Q4_K),
+        (SynthShape::TinyK, SynthDtype::Q5_K),
+        (SynthShape::TinyK, SynthDtype::Q6_K),
+        (SynthShape::Tiny, SynthDtype::Q4_K),
+        (SynthShape::Tiny, SynthDtype::Q5_K),
+    ];
+    for (shape, dtype) in cases {
+        let spec = SynthSpec {
+            shape,
+            dtype,
+            seed: 9,
+        };
+        let path = write(spec, &format!("gen-{shape}-{dtype}.gguf"));
+        let ids = generate_12(&path);
+        assert_eq!(ids.len(), 12, "{dtype}: {ids:?}");
+        assert!(ids.iter().all(|&id| (id as usize) < 512), "{dtype}");
+    }
 }
 
 /// The model's header followed by a sparse data section (reads as zeros, takes no disk space):
@@ -298,5 +392,8 @@ fn names_parse_and_unknown_names_are_listed() {
         err.contains("smollm2-135m") && err.contains("tiny"),
         "{err}"
     );
-    assert!("q4_k".parse::<SynthDtype>().is_err());
+    assert_eq!("Q4_K_M".parse::<SynthDtype>(), Ok(SynthDtype::Q4_K_M));
+    assert_eq!("tiny-k".parse::<SynthShape>(), Ok(SynthShape::TinyK));
+    let err = "iq2_xxs".parse::<SynthDtype>().unwrap_err();
+    assert!(err.contains("q6_k") && err.contains("q4_k_m"), "{err}");
 }

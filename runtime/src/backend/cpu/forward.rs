@@ -9,7 +9,8 @@
 use kvgate_kernels::attention::{AttentionRow, paged_attention_batch};
 use kvgate_kernels::quant::dequantize_row;
 use kvgate_kernels::{
-    KvLayout, ReductionOrder, RopeMode, matmul, matmul_fused, rms_norm, rope, swiglu, write_kv,
+    KvLayout, ReductionOrder, matmul, matmul_fused, rms_norm, rope_with_freq_factors, swiglu,
+    write_kv,
 };
 
 use super::kv_cache::LayerKv;
@@ -163,21 +164,27 @@ fn attention_block(
         // Every token continues: Q, K and V in one pass over the activations.
         let q = &mut ws.q[..n * d];
         matmul_fused([(&wq, q), (&wk, k), (&wv, v)], xn, n, &mut ws.matmul, pool);
+        add_bias(&mut ws.q[..n * d], layer.bq.as_deref());
     } else {
         matmul_fused([(&wk, k), (&wv, v)], xn, n, &mut ws.matmul, pool);
     }
+    // llama.cpp adds the biases to the projections (ggml_add) before RoPE.
+    add_bias(&mut ws.k[..n * kvd], layer.bk.as_deref());
+    add_bias(&mut ws.v[..n * kvd], layer.bv.as_deref());
+    let freq_factors = step.model.rope_freqs.as_deref();
     let rows = ws.k[..n * kvd]
         .chunks_exact_mut(kvd)
         .zip(ws.v.chunks_exact(kvd));
     for ((k_row, v_row), (&pos, &slot)) in rows.zip(positions.iter().zip(&step.inputs.slot_mapping))
     {
-        rope(
+        rope_with_freq_factors(
             k_row,
             cfg.num_kv_heads,
             hd,
             pos,
             cfg.rope_freq_base,
-            RopeMode::Norm,
+            cfg.rope_mode,
+            freq_factors,
         );
         write_kv(
             &step.layout,
@@ -203,16 +210,18 @@ fn attention_block(
             &mut ws.matmul,
             pool,
         );
+        add_bias(&mut ws.q[..m * d], layer.bq.as_deref());
     }
     for (j, &t) in queries.tokens.iter().enumerate() {
         let q_row = &mut ws.q[j * d..(j + 1) * d];
-        rope(
+        rope_with_freq_factors(
             q_row,
             cfg.num_heads,
             hd,
             positions[t],
             cfg.rope_freq_base,
-            RopeMode::Norm,
+            cfg.rope_mode,
+            freq_factors,
         );
     }
     attend(step, kv, &ws.q[..m * d], &mut ws.att[..m * d], queries);
@@ -291,6 +300,15 @@ fn ffn_block(step: &Step, layer: &LayerMats, ws: &mut Workspace, m: usize) {
         step.pool,
     );
     add_in_place(&mut ws.x[..m * d], &ws.proj[..m * d]);
+}
+
+/// Adds `bias` (one row's width) to every row of `x`; nothing when the model has none.
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            add_in_place(row, b);
+        }
+    }
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {

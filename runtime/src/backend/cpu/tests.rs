@@ -8,13 +8,19 @@ use half::f16;
 use super::{CpuBackend, CpuBackendOptions};
 use crate::backend::{Backend, BackendError, BatchInputs, SeqInputs};
 use crate::gguf::GgufFile;
-use crate::model::testutil::{TINY, tiny_llama, write_temp};
+use crate::model::testutil::{
+    TINY, tiny_arch, tiny_llama, with_qkv_biases, with_rope_freqs, write_temp,
+};
 use crate::model::{ModelConfig, ModelWeights};
 
 const BLOCK: usize = 4;
 
 fn tiny() -> (Arc<GgufFile>, ModelConfig) {
-    let path = write_temp("cpu-tiny.gguf", &tiny_llama(TINY, None).build());
+    open_model(&tiny_llama(TINY, None).build())
+}
+
+fn open_model(bytes: &[u8]) -> (Arc<GgufFile>, ModelConfig) {
+    let path = write_temp("cpu-tiny.gguf", bytes);
     let gguf = Arc::new(GgufFile::open(path).expect("tiny model opens"));
     let config = ModelConfig::from_gguf(&gguf).expect("tiny config");
     (gguf, config)
@@ -22,6 +28,10 @@ fn tiny() -> (Arc<GgufFile>, ModelConfig) {
 
 fn backend(threads: usize) -> CpuBackend {
     let (gguf, config) = tiny();
+    backend_of(gguf, config, threads)
+}
+
+fn backend_of(gguf: Arc<GgufFile>, config: ModelConfig, threads: usize) -> CpuBackend {
     let options = CpuBackendOptions {
         num_blocks: 32,
         block_size: BLOCK,
@@ -74,9 +84,21 @@ const PROMPT: [u32; 9] = [3, 17, 5, 39, 0, 22, 8, 8, 31];
 /// the logits after every position of `tokens`.
 fn reference(tokens: &[u32]) -> Vec<Vec<f32>> {
     let (gguf, cfg) = tiny();
-    let w = ModelWeights::bind(&gguf, &cfg).expect("bind");
+    reference_of(&gguf, &cfg, tokens)
+}
+
+/// [`reference`] for any tiny model: Q/K/V biases when present, the config's RoPE pairing and
+/// the file's frequency factors.
+fn reference_of(gguf: &GgufFile, cfg: &ModelConfig, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let w = ModelWeights::bind(gguf, cfg).expect("bind");
     let vals = |t: &crate::model::BoundTensor| -> Vec<f64> {
-        t.f32_values(&gguf).iter().map(|&v| f64::from(v)).collect()
+        t.f32_values(gguf).iter().map(|&v| f64::from(v)).collect()
+    };
+    let freqs = w.rope_freqs.as_ref().map(vals);
+    let add_bias = |x: &mut Vec<f64>, b: &Option<crate::model::BoundTensor>| {
+        if let Some(b) = b {
+            x.iter_mut().zip(vals(b)).for_each(|(a, b)| *a += b);
+        }
     };
     let (d, hd) = (cfg.hidden_size, cfg.head_dim);
     let matvec = |m: &[f64], x: &[f64]| -> Vec<f64> {
@@ -92,11 +114,17 @@ fn reference(tokens: &[u32]) -> Vec<Vec<f32>> {
     let rope = |x: &mut [f64], pos: usize| {
         for head in x.chunks_mut(hd) {
             for i in 0..hd / 2 {
-                let theta =
-                    pos as f64 * f64::from(cfg.rope_freq_base).powf(-2.0 * i as f64 / hd as f64);
-                let (a, b) = (head[2 * i], head[2 * i + 1]);
-                head[2 * i] = a * theta.cos() - b * theta.sin();
-                head[2 * i + 1] = a * theta.sin() + b * theta.cos();
+                let ff = freqs.as_ref().map_or(1.0, |f| f[i]);
+                let theta = pos as f64
+                    * f64::from(cfg.rope_freq_base).powf(-2.0 * i as f64 / hd as f64)
+                    / ff;
+                let (ia, ib) = match cfg.rope_mode {
+                    kvgate_kernels::RopeMode::Norm => (2 * i, 2 * i + 1),
+                    kvgate_kernels::RopeMode::Neox => (i, i + hd / 2),
+                };
+                let (a, b) = (head[ia], head[ib]);
+                head[ia] = a * theta.cos() - b * theta.sin();
+                head[ib] = a * theta.sin() + b * theta.cos();
             }
         }
     };
@@ -111,7 +139,10 @@ fn reference(tokens: &[u32]) -> Vec<Vec<f32>> {
             let xn = norm(&x, &vals(&lw.attn_norm));
             let mut q = matvec(&vals(&lw.wq), &xn);
             let mut k = matvec(&vals(&lw.wk), &xn);
-            let v = matvec(&vals(&lw.wv), &xn);
+            let mut v = matvec(&vals(&lw.wv), &xn);
+            add_bias(&mut q, &lw.bq);
+            add_bias(&mut k, &lw.bk);
+            add_bias(&mut v, &lw.bv);
             rope(&mut q, pos);
             rope(&mut k, pos);
             ks[l].push(k.iter().map(|&v| h16(v)).collect());
@@ -184,6 +215,57 @@ fn token_by_token_matches_the_reference_forward() {
         let diff = max_abs_diff(&got[0], want);
         assert!(diff < 2e-3, "position {pos}: max |diff| {diff}");
         assert!(got[0].iter().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn qwen2_and_llama3_rope_factors_match_the_reference_forward() {
+    // qwen2: Q/K/V biases and NEOX pairs; llama with rope_freqs: Llama 3.1's factors. Each
+    // feature alone changes the logits well beyond the tolerance (checked against plain llama),
+    // so a backend that ignored one would fail here.
+    let plain = reference(&PROMPT);
+    let models = [
+        (
+            "qwen2",
+            with_qkv_biases(tiny_arch("qwen2", TINY, None), TINY).build(),
+        ),
+        (
+            "llama3",
+            with_rope_freqs(tiny_llama(TINY, None), TINY).build(),
+        ),
+    ];
+    for (name, bytes) in models {
+        let (gguf, cfg) = open_model(&bytes);
+        let want = reference_of(&gguf, &cfg, &PROMPT);
+        let differs = max_abs_diff(&want[PROMPT.len() - 1], &plain[PROMPT.len() - 1]);
+        assert!(
+            differs > 0.05,
+            "{name}: the feature must matter ({differs})"
+        );
+        let mut be = backend_of(Arc::clone(&gguf), cfg, 2);
+        // A whole-prompt chunk, then token by token on a second sequence.
+        let whole = run(
+            &mut be,
+            &[Part {
+                tokens: &PROMPT,
+                start: 0,
+                blocks: &[4, 6, 8],
+            }],
+        );
+        let last = max_abs_diff(&whole[0], &want[PROMPT.len() - 1]);
+        assert!(last < 2e-3, "{name} chunk: max |diff| {last}");
+        for (pos, want) in want.iter().enumerate() {
+            let got = run(
+                &mut be,
+                &[Part {
+                    tokens: &PROMPT[pos..=pos],
+                    start: pos,
+                    blocks: &[5, 2, 9],
+                }],
+            );
+            let diff = max_abs_diff(&got[0], want);
+            assert!(diff < 2e-3, "{name} position {pos}: max |diff| {diff}");
+        }
     }
 }
 

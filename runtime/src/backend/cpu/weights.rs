@@ -51,6 +51,11 @@ fn weight_type(tensor: &BoundTensor) -> Result<WeightType, BackendError> {
         GgmlType::Q4_0 => WeightType::Q4_0,
         GgmlType::Q4_1 => WeightType::Q4_1,
         GgmlType::Q8_0 => WeightType::Q8_0,
+        GgmlType::Q5_0 => WeightType::Q5_0,
+        GgmlType::Q5_1 => WeightType::Q5_1,
+        GgmlType::Q4_K => WeightType::Q4_K,
+        GgmlType::Q5_K => WeightType::Q5_K,
+        GgmlType::Q6_K => WeightType::Q6_K,
         GgmlType::Other(id) => {
             return Err(BackendError::Other(format!(
                 "tensor `{}` has ggml type {id}, which the CPU kernels do not support",
@@ -71,6 +76,10 @@ pub struct LayerMats {
     pub gate: Mat,
     pub up: Mat,
     pub down: Mat,
+    /// Q/K/V biases (qwen2), added to the projections before RoPE.
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
 }
 
 /// The whole model as the CPU forward pass uses it.
@@ -81,6 +90,8 @@ pub struct CpuModel {
     pub layers: Vec<LayerMats>,
     pub output_norm: Vec<f32>,
     pub output: Mat,
+    /// Llama 3.1+ RoPE frequency factors (one per rotated pair), checked finite and positive.
+    pub rope_freqs: Option<Vec<f32>>,
 }
 
 impl CpuModel {
@@ -107,9 +118,24 @@ impl CpuModel {
                 gate: Mat::new(g, &l.ffn_gate)?,
                 up: Mat::new(g, &l.ffn_up)?,
                 down: Mat::new(g, &l.ffn_down)?,
+                bq: l.bq.as_ref().map(|t| t.f32_values(g)),
+                bk: l.bk.as_ref().map(|t| t.f32_values(g)),
+                bv: l.bv.as_ref().map(|t| t.f32_values(g)),
             });
         }
+        let rope_freqs = weights.rope_freqs.as_ref().map(|t| t.f32_values(g));
+        // A zero or non-finite factor would turn every angle of its pair into NaN.
+        if let Some(bad) = rope_freqs
+            .iter()
+            .flatten()
+            .find(|f| !(f.is_finite() && **f > 0.0))
+        {
+            return Err(BackendError::Other(format!(
+                "tensor `rope_freqs.weight` holds {bad}; frequency factors must be finite and positive"
+            )));
+        }
         Ok(CpuModel {
+            rope_freqs,
             embd: Mat::new(g, &weights.token_embd)?,
             output_norm: weights.output_norm.f32_values(g),
             output: Mat::new(g, &weights.output)?,
