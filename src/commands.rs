@@ -87,6 +87,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         reservation: None,
         label: "cli".to_owned(),
         weight: std::num::NonZeroU32::MIN,
+        // One prompt per process: nothing to share.
+        cache_salt: None,
     })?;
     // Stream text as it is generated; only generated text goes to stdout.
     let mut out = std::io::stdout().lock();

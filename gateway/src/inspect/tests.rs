@@ -25,6 +25,7 @@ fn occupancy(used: usize, reserved: usize) -> Occupancy {
         used_blocks: used,
         reserved_blocks: reserved,
         free_blocks: 100 - used - reserved,
+        cached_blocks: 0,
         block_size: 16,
         bytes_per_block: 1000,
     }

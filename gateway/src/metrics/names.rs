@@ -15,6 +15,8 @@ pub const GENERATION_TOKENS: &str = "kvgate_generation_tokens";
 pub const PROMPT_TOKENS_TOTAL: &str = "kvgate_prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "kvgate_generation_tokens_total";
 pub const POLICY_RELOADS_TOTAL: &str = "kvgate_policy_reloads_total";
+pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "kvgate_prefix_cache_queries_total";
+pub const PREFIX_CACHE_HITS_TOTAL: &str = "kvgate_prefix_cache_hits_total";
 
 // ---- read from the engine and admission at scrape time ---------------------------------------
 pub const KV_BLOCKS: &str = "kvgate_kv_blocks";
@@ -147,6 +149,18 @@ pub const RECORDED: &[Family] = &[
         "Prompt tokens of finished requests.",
     ),
     family(
+        PREFIX_CACHE_QUERIES_TOTAL,
+        Counter,
+        &["tenant"],
+        "Prompt tokens of finished requests looked up in the prefix cache (vLLM's prefix_cache_queries).",
+    ),
+    family(
+        PREFIX_CACHE_HITS_TOTAL,
+        Counter,
+        &["tenant"],
+        "Prompt tokens the prefix cache served instead of computing them (vLLM's prefix_cache_hits).",
+    ),
+    family(
         GENERATION_TOKENS_TOTAL,
         Counter,
         &["tenant"],
@@ -166,7 +180,7 @@ pub const STATE: &[Family] = &[
         KV_BLOCKS,
         Gauge,
         &["state"],
-        "KV blocks by state: total, used (holding tokens), reserved (promised to admitted requests), free.",
+        "KV blocks by state: total, used (holding tokens), reserved (promised to admitted requests), free; cached (unreferenced blocks still holding a cached prefix, counted in free or reserved).",
     ),
     family(
         KV_USAGE_RATIO,
