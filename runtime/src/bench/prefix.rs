@@ -42,14 +42,14 @@ impl PrefixBenchOptions {
             PrefixWorkload::SharedPrompt => PrefixBenchOptions {
                 workload,
                 clients: 16,
-                turns: 2,
+                turns: 1,
                 system_tokens: 1000,
                 user_tokens: 24,
                 output_tokens: 16,
             },
             PrefixWorkload::MultiTurn => PrefixBenchOptions {
                 workload,
-                clients: 4,
+                clients: 2,
                 turns: 8,
                 system_tokens: 200,
                 user_tokens: 40,
@@ -110,8 +110,11 @@ pub fn run_prefix_bench(
     // Warm-up outside both passes: page in the weights, grow the scratch buffers.
     let warm = bench_prompt(5000, 64, runtime.config.vocab_size);
     run_one(&runtime.engine, warm, 2, None)?;
+    // Each pass is printed as it ends: a run cut short on a slow machine still says something.
     let off = run_pass(runtime, options, false)?;
+    eprintln!("prefix cache off: {off:?}");
     let on = run_pass(runtime, options, true)?;
+    eprintln!("prefix cache on: {on:?}");
     Ok(PrefixBenchReport {
         workload: match options.workload {
             PrefixWorkload::SharedPrompt => "shared-prompt",
