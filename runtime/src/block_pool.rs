@@ -402,6 +402,12 @@ impl BlockPool {
     /// capacity, and the prefix stops at the first block neither can pay for. Lookup and
     /// pinning happen under one lock, so nothing can evict a hit in between. Returns the
     /// number of blocks pinned.
+    ///
+    /// Credit accounting stays approximate in one direction, as for [`BlockPool::fork`]:
+    /// [`BlockPool::free_into`] counts released blocks against the credit's `drawn` from the
+    /// tail, so when a block drawn from the credit is still shared by another sequence at
+    /// release, the credit gets back one block less. The pool's books stay exact; the sequence
+    /// finds that block again as a hit in use when it is re-admitted.
     pub fn acquire_cached_prefix(
         &self,
         salt: &str,
