@@ -81,6 +81,29 @@ pub struct ModelArgs {
     /// shortest prompt first within a tenant), or first come first served.
     #[arg(long, value_enum, default_value_t = PrefillOrderArg::TenantFair)]
     pub prefill_order: PrefillOrderArg,
+    /// Reuse the KV of prompt prefixes already computed (shared system prompts, resent
+    /// conversations); `off` computes every prompt in full. Who shares with whom is the
+    /// policy's `prefix_cache` per tenant.
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub prefix_cache: Switch,
+}
+
+/// `on` / `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
+/// `kvgate bench --workload`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchWorkload {
+    /// Prefill, single-stream and aggregate decode rates.
+    Throughput,
+    /// 16 clients sharing a ~1,000-token system prompt, prefix cache off then on.
+    SharedPrompt,
+    /// Chats resending the whole conversation each turn, prefix cache off then on.
+    MultiTurn,
 }
 
 /// `--target-itl`: a duration, or `None` for `off`.
@@ -254,6 +277,9 @@ pub struct BenchArgs {
     /// Tokens of context before the timed single-stream decode (llama-bench's `-d`).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub decode_depth: usize,
+    /// What to measure.
+    #[arg(long, value_enum, default_value_t = BenchWorkload::Throughput, conflicts_with = "kv_waste")]
+    pub workload: BenchWorkload,
 }
 
 #[derive(Debug, Args)]

@@ -7,7 +7,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use kvgate_gateway::{auth, policy};
 use kvgate_kernels::cuda::probe::DeviceProbe;
-use kvgate_runtime::bench::{BenchOptions, KvWasteOptions, measure_kv_waste};
+use kvgate_runtime::bench::{
+    BenchOptions, KvWasteOptions, PrefixBenchOptions, PrefixWorkload, measure_kv_waste,
+    run_prefix_bench,
+};
 use kvgate_runtime::chat_template::ChatMessage;
 use kvgate_runtime::device::select_device;
 use kvgate_runtime::engine::{GenerationRequest, TokenEvent};
@@ -21,8 +24,8 @@ use kvgate_runtime::synth::{SynthModel, SynthSpec};
 use kvgate_runtime::tokenizer::Tokenizer;
 
 use crate::cli::{
-    BenchArgs, GenerateArgs, LogFormat, ModelArgs, PlanCliArgs, PolicyCommand, SynthModelArgs,
-    TokenizeArgs, TopArgs,
+    BenchArgs, BenchWorkload, GenerateArgs, LogFormat, ModelArgs, PlanCliArgs, PolicyCommand,
+    Switch, SynthModelArgs, TokenizeArgs, TopArgs,
 };
 
 /// Loads the model named by `args` (fetching the default one if needed) and starts the engine.
@@ -40,6 +43,7 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
         max_batched_tokens: args.max_batched_tokens,
         target_itl: args.target_itl.0,
         prefill_order: args.prefill_order.into(),
+        prefix_caching: args.prefix_cache == Switch::On,
     };
     Runtime::start(&path, opts).map_err(|error| match error {
         // Its message names the file and what is wrong with it.
@@ -87,6 +91,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         reservation: None,
         label: "cli".to_owned(),
         weight: std::num::NonZeroU32::MIN,
+        // One prompt per process: nothing to share.
+        cache_salt: None,
     })?;
     // Stream text as it is generated; only generated text goes to stdout.
     let mut out = std::io::stdout().lock();
@@ -120,6 +126,17 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let runtime = start_runtime(&args.model)?;
     if args.kv_waste {
         let report = measure_kv_waste(&runtime, &KvWasteOptions::default())?;
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    let workload = match args.workload {
+        BenchWorkload::Throughput => None,
+        BenchWorkload::SharedPrompt => Some(PrefixWorkload::SharedPrompt),
+        BenchWorkload::MultiTurn => Some(PrefixWorkload::MultiTurn),
+    };
+    if let Some(workload) = workload {
+        let options = PrefixBenchOptions::for_workload(workload);
+        let report = run_prefix_bench(&runtime, &options)?;
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }

@@ -357,6 +357,9 @@ fn generation_request(
         // The engine shares prompt tokens between tenants by these.
         label: tenant.name.clone(),
         weight: tenant.weight,
+        // From the authenticated tenant, never from the request: a caller who could choose
+        // the salt could choose whose prompts to probe.
+        cache_salt: tenant.prefix_cache.salt(&tenant.name),
     }
 }
 

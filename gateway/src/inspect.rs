@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use http::HeaderMap;
 use kvgate_runtime::block_pool::Occupancy;
-use kvgate_runtime::engine::{Engine, SeqSnapshot, SeqStatus};
+use kvgate_runtime::engine::{Engine, EngineStats, SeqSnapshot, SeqStatus};
 use serde::Serialize;
 
 use crate::admission::{Admission, TenantQueueSnapshot};
@@ -31,6 +31,38 @@ pub struct KvReport {
     pub largest: Vec<SeqKv>,
     /// Every live sequence, largest first.
     pub sequences: Vec<SeqKv>,
+    /// The engine's prefix-cache counters since start (`pool.cached_blocks` is the cache's
+    /// unreferenced part; blocks shared by running sequences count in each one's `blocks`).
+    pub prefix_cache: PrefixCacheReport,
+}
+
+/// Prompt tokens looked up in the prefix cache and served by it, since the engine started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PrefixCacheReport {
+    pub enabled: bool,
+    pub queried_tokens: u64,
+    pub hit_tokens: u64,
+    /// hit ÷ queried, 0 before any query.
+    pub hit_ratio: f64,
+}
+
+impl PrefixCacheReport {
+    pub fn of(stats: &EngineStats) -> PrefixCacheReport {
+        let (queried, hits) = (
+            stats.prefix_cache_queries_total,
+            stats.prefix_cache_hits_total,
+        );
+        PrefixCacheReport {
+            enabled: stats.prefix_caching,
+            queried_tokens: queried,
+            hit_tokens: hits,
+            hit_ratio: if queried == 0 {
+                0.0
+            } else {
+                hits as f64 / queried as f64
+            },
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -78,7 +110,9 @@ impl KvReport {
         let occupancy = engine.pool().snapshot();
         let sequences = engine.inspect();
         let queues = admission.map(Admission::queue_snapshot).unwrap_or_default();
-        KvReport::build(occupancy, sequences, &queues)
+        let mut report = KvReport::build(occupancy, sequences, &queues);
+        report.prefix_cache = PrefixCacheReport::of(&engine.stats());
+        report
     }
 
     /// Joins the three views; pure, so it is tested without an engine.
@@ -143,6 +177,7 @@ impl KvReport {
             tenants: tenants.into_values().collect(),
             largest: sequences.iter().take(LARGEST_HOLDERS).cloned().collect(),
             sequences,
+            prefix_cache: PrefixCacheReport::default(),
         }
     }
 }

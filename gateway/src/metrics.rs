@@ -215,6 +215,7 @@ pub fn record_request_finished(
     duration: Duration,
     prompt_tokens: usize,
     generation_tokens: usize,
+    cached_tokens: Option<usize>,
 ) {
     metrics::histogram!(REQUEST_DURATION_SECONDS).record(duration.as_secs_f64());
     metrics::histogram!(PROMPT_TOKENS).record(prompt_tokens as f64);
@@ -223,6 +224,14 @@ pub fn record_request_finished(
         .increment(prompt_tokens as u64);
     metrics::counter!(GENERATION_TOKENS_TOTAL, "tenant" => tenant.to_string())
         .increment(generation_tokens as u64);
+    // Only requests the engine finished report their cached tokens; a cancelled one's lookup
+    // is not counted, so queries and hits stay a true ratio.
+    if let Some(cached) = cached_tokens {
+        metrics::counter!(PREFIX_CACHE_QUERIES_TOTAL, "tenant" => tenant.to_string())
+            .increment(prompt_tokens as u64);
+        metrics::counter!(PREFIX_CACHE_HITS_TOTAL, "tenant" => tenant.to_string())
+            .increment(cached as u64);
+    }
 }
 
 /// A policy file reload was attempted.

@@ -152,6 +152,16 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    /// How the prompt tokens were processed; kvgate always sends it with `cached_tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// OpenAI's `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the prefix cache instead of being computed.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
@@ -160,7 +170,14 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: None,
         }
+    }
+
+    /// Adds `prompt_tokens_details.cached_tokens`.
+    pub fn with_cached_tokens(mut self, cached_tokens: u32) -> Self {
+        self.prompt_tokens_details = Some(PromptTokensDetails { cached_tokens });
+        self
     }
 }
 

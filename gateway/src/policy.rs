@@ -75,6 +75,32 @@ pub struct TenantPolicy {
     pub max_queue_wait: Duration,
     /// Fair-share weight: under contention a tenant gets tokens in proportion to it.
     pub weight: NonZeroU32,
+    /// Whose cached prompt prefixes this tenant's requests may reuse.
+    pub prefix_cache: PrefixCacheScope,
+}
+
+/// `prefix_cache`: which requests share cached prompt blocks with this tenant's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixCacheScope {
+    /// Only the tenant's own requests (the default): another tenant can neither hit nor time
+    /// its prompts, the side channel vLLM's `cache_salt` closes.
+    Tenant,
+    /// Every tenant whose policy also says `shared`.
+    Shared,
+    /// Neither reads nor fills the cache.
+    Off,
+}
+
+impl PrefixCacheScope {
+    /// The engine's cache salt for a request of `tenant` (`None`: no caching). A shared salt
+    /// cannot collide with a tenant's own, because it is not a tenant name.
+    pub fn salt(self, tenant: &str) -> Option<String> {
+        match self {
+            PrefixCacheScope::Tenant => Some(format!("tenant:{tenant}")),
+            PrefixCacheScope::Shared => Some("shared".to_owned()),
+            PrefixCacheScope::Off => None,
+        }
+    }
 }
 
 /// The request and token rates of `[defaults]` (`None`: unlimited). Reported in the

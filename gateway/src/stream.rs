@@ -109,15 +109,16 @@ pub async fn collect(
                 reason,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             } => {
                 guard.record_completion(completion_tokens);
                 if let Some(telemetry) = telemetry.as_mut() {
-                    telemetry.on_finished(completion_tokens);
+                    telemetry.on_finished(completion_tokens, cached_tokens);
                 }
                 return Ok(Collected {
                     text,
                     finish_reason: finish_reason(reason),
-                    usage: usage(prompt_tokens, completion_tokens),
+                    usage: usage(prompt_tokens, completion_tokens, cached_tokens),
                 });
             }
             TokenEvent::Error(message) => return Err(GatewayError::Generation(message)),
@@ -254,9 +255,10 @@ impl<G: BodyGuard> StreamState<G> {
                             reason,
                             prompt_tokens,
                             completion_tokens,
+                            cached_tokens,
                         }) => {
-                            self.release(Some(completion_tokens));
-                            let usage = usage(prompt_tokens, completion_tokens);
+                            self.release(Some((completion_tokens, cached_tokens)));
+                            let usage = usage(prompt_tokens, completion_tokens, cached_tokens);
                             self.phase = if self.meta.include_usage {
                                 Phase::Usage(usage)
                             } else {
@@ -281,15 +283,16 @@ impl<G: BodyGuard> StreamState<G> {
         }
     }
 
-    /// Gives back the sequence and the admission guard; records the completion if known.
-    fn release(&mut self, completion_tokens: Option<usize>) {
+    /// Gives back the sequence and the admission guard; records the completion if known
+    /// (`finished`: completion tokens and cached prompt tokens, from the engine).
+    fn release(&mut self, finished: Option<(usize, usize)>) {
         drop(self.handle.take());
-        if let Some(n) = completion_tokens {
+        if let Some((n, cached)) = finished {
             if let Some(guard) = self.guard.as_mut() {
                 guard.record_completion(n);
             }
             if let Some(telemetry) = self.telemetry.as_mut() {
-                telemetry.on_finished(n);
+                telemetry.on_finished(n, cached);
             }
         }
         drop(self.guard.take());
@@ -394,9 +397,9 @@ fn finish_reason(reason: EngineFinish) -> FinishReason {
     }
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Usage {
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Usage {
     let clip = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-    Usage::new(clip(prompt_tokens), clip(completion_tokens))
+    Usage::new(clip(prompt_tokens), clip(completion_tokens)).with_cached_tokens(clip(cached_tokens))
 }
 
 fn interrupted() -> GatewayError {

@@ -18,6 +18,8 @@ pub struct GenerationTelemetry {
     arrived: Instant,
     prompt_tokens: usize,
     generated: usize,
+    /// Prompt tokens the prefix cache served, once the engine has said (finished requests).
+    cached_tokens: Option<usize>,
     last_token: Option<Instant>,
 }
 
@@ -29,6 +31,7 @@ impl GenerationTelemetry {
             arrived,
             prompt_tokens,
             generated: 0,
+            cached_tokens: None,
             last_token: None,
         }
     }
@@ -46,9 +49,10 @@ impl GenerationTelemetry {
         self.generated += 1;
     }
 
-    /// Generation ended normally with the engine's own count.
-    pub fn on_finished(&mut self, completion_tokens: usize) {
+    /// Generation ended normally with the engine's own counts.
+    pub fn on_finished(&mut self, completion_tokens: usize, cached_tokens: usize) {
         self.generated = completion_tokens;
+        self.cached_tokens = Some(cached_tokens);
     }
 
     fn elapsed(&self) -> Duration {
@@ -63,6 +67,7 @@ impl Drop for GenerationTelemetry {
             self.elapsed(),
             self.prompt_tokens,
             self.generated,
+            self.cached_tokens,
         );
     }
 }

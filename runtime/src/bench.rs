@@ -13,6 +13,7 @@
 //! that one noisy run on a shared machine does not decide a ratio between them.
 
 mod kv_waste;
+mod prefix;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -21,6 +22,9 @@ use crate::engine::{Engine, GenerationRequest, TokenEvent};
 use crate::loader::Runtime;
 
 pub use kv_waste::{KvWasteOptions, KvWasteReport, measure_kv_waste};
+pub use prefix::{
+    PrefixBenchOptions, PrefixBenchReport, PrefixPassReport, PrefixWorkload, run_prefix_bench,
+};
 
 /// What to run. `Default` is the workload the README's numbers use.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -174,8 +178,10 @@ pub(crate) fn drive(
     let mut handles = Vec::with_capacity(requests.len());
     for (i, (prompt, max_tokens)) in requests.into_iter().enumerate() {
         let submitted = Instant::now();
-        let request =
+        let mut request =
             GenerationRequest::greedy(prompt, max_tokens, format!("{label}-{i}")).ignoring_eos();
+        // Throughput runs repeat their prompts: a cache hit would time nothing.
+        request.cache_salt = None;
         let handle = engine
             .submit(request)
             .map_err(|e| BenchError::Submit(e.to_string()))?;

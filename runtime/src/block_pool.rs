@@ -14,16 +14,29 @@
 //! allocates from it first; blocks taken from a credit go back into that credit when the sequence
 //! is preempted, so a request the gateway fully reserved for cannot lose its capacity to others.
 //!
-//! Blocks carry refcounts from the start ([`BlockPool::fork`]) so prefix sharing can be added
-//! later without changing the API. The free list is a plain stack of ids: O(1) push and pop and
-//! no allocation after construction. (Prefix caching will need an index-linked list so a cached
-//! block can be pulled from the middle.)
+//! **Prefix caching.** A sequence registers each of its blocks once the block is full and
+//! computed ([`BlockPool::register_full_blocks`]); the block then stays findable under the hash
+//! of its content (see [`prefix`]) for as long as it holds it, also after its last reference is
+//! gone. Free blocks therefore come in two kinds: plain ones on a stack, and ones still holding
+//! a cached prefix on an LRU list. A fresh block comes from the stack first and only then
+//! evicts the least recently freed cached block, so the cache costs no capacity: cached-and-free
+//! blocks count as free everywhere (as in vLLM). A new sequence pins its longest cached prefix
+//! with [`BlockPool::acquire_cached_prefix`]: blocks still in use just gain a reference, free
+//! cached ones are taken like a fresh allocation (credit first), all under the same lock, so a
+//! hit cannot be evicted between lookup and use. Only full blocks are shared and a block is
+//! never written again once full, so there is no copy-on-write.
 
+pub mod prefix;
+
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::sync::futures::Notified;
+
+pub use self::prefix::BlockHash;
+use self::prefix::{CachedBlock, LruList, PrefixHasher};
 
 /// Index of a block in the pool (and in the backend's KV cache).
 pub type BlockId = u32;
@@ -35,6 +48,10 @@ pub struct Occupancy {
     pub used_blocks: usize,
     pub reserved_blocks: usize,
     pub free_blocks: usize,
+    /// Blocks with no reference that still hold a cached prefix. They are part of the free
+    /// capacity (`free_blocks`, or `reserved_blocks` when promised): a fresh allocation evicts
+    /// them, least recently freed first, once no plain free block is left.
+    pub cached_blocks: usize,
     pub block_size: usize,
     pub bytes_per_block: usize,
 }
@@ -77,34 +94,69 @@ fn ratio(part: usize, whole: usize) -> f64 {
 /// The integer state guarded by the pool's lock.
 #[derive(Debug)]
 struct PoolState {
-    /// Refcount per block; 0 means the block is on the free list.
+    /// Refcount per block; 0 means the block is free (on `free_list` or `cached_free`).
     ref_counts: Vec<u32>,
-    /// Ids of blocks with refcount 0. `reserved` of them are spoken for.
+    /// Free blocks holding nothing cached, as a stack.
     free_list: Vec<BlockId>,
+    /// Free blocks still holding a cached prefix, least recently freed first.
+    cached_free: LruList,
+    /// The cache entry of each block registered under its hash (used or free).
+    entries: Vec<Option<CachedBlock>>,
+    by_hash: HashMap<BlockHash, BlockId>,
+    /// Blocks with refcount > 0.
     used: usize,
+    /// Free capacity promised to reservations; `reserved ≤ free_count()` always.
     reserved: usize,
 }
 
 impl PoolState {
-    fn available(&self) -> usize {
-        self.free_list.len() - self.reserved
+    fn free_count(&self) -> usize {
+        self.free_list.len() + self.cached_free.len()
     }
 
-    /// Moves `count` blocks from the free list to `table` with refcount 1. The caller has
-    /// checked `count <= free_list.len()` under the same lock.
+    fn available(&self) -> usize {
+        self.free_count() - self.reserved
+    }
+
+    /// A free block with refcount 1: a plain one if any, else the least recently freed cached
+    /// one, whose cache entry is dropped. The caller has checked capacity under the same lock.
+    fn take_fresh(&mut self) -> Option<BlockId> {
+        let id = match self.free_list.pop() {
+            Some(id) => id,
+            None => {
+                let id = self.cached_free.pop_front()?;
+                if let Some(entry) = self.entries[id as usize].take() {
+                    self.by_hash.remove(&entry.hash);
+                }
+                id
+            }
+        };
+        self.ref_counts[id as usize] = 1;
+        self.used += 1;
+        Some(id)
+    }
+
+    /// Moves `count` fresh blocks to `table`. The caller has checked `count <= free_count()`.
     fn take_blocks(&mut self, count: usize, table: &mut Vec<BlockId>) {
-        let start = self.free_list.len().saturating_sub(count);
-        let PoolState {
-            ref_counts,
-            free_list,
-            used,
-            ..
-        } = self;
-        for id in free_list.drain(start..).rev() {
-            ref_counts[id as usize] = 1;
-            *used += 1;
-            table.push(id);
+        for _ in 0..count {
+            match self.take_fresh() {
+                Some(id) => table.push(id),
+                None => break,
+            }
         }
+    }
+
+    /// The block cached under `hash` if it really holds (`parent`, `tokens`, `salt`).
+    fn confirmed_hit(
+        &self,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        salt: &str,
+    ) -> Option<BlockId> {
+        let &id = self.by_hash.get(&hash)?;
+        let entry = self.entries.get(id as usize)?.as_ref()?;
+        entry.confirms(hash, parent, tokens, salt).then_some(id)
     }
 }
 
@@ -112,6 +164,7 @@ impl PoolState {
 #[derive(Debug)]
 pub struct BlockPool {
     state: Mutex<PoolState>,
+    hasher: PrefixHasher,
     block_size: usize,
     bytes_per_block: usize,
     freed: Notify,
@@ -128,9 +181,13 @@ impl BlockPool {
             state: Mutex::new(PoolState {
                 ref_counts: vec![0; num_blocks],
                 free_list,
+                cached_free: LruList::new(num_blocks),
+                entries: vec![None; num_blocks],
+                by_hash: HashMap::new(),
                 used: 0,
                 reserved: 0,
             }),
+            hasher: PrefixHasher::new(),
             block_size,
             bytes_per_block,
             freed: Notify::new(),
@@ -152,6 +209,7 @@ impl BlockPool {
             used_blocks: state.used,
             reserved_blocks: state.reserved,
             free_blocks: state.available(),
+            cached_blocks: state.cached_free.len(),
             block_size: self.block_size,
             bytes_per_block: self.bytes_per_block,
         }
@@ -200,9 +258,7 @@ impl BlockPool {
         if !from_credit && state.available() == 0 {
             return None;
         }
-        let id = state.free_list.pop()?;
-        state.ref_counts[id as usize] = 1;
-        state.used += 1;
+        let id = state.take_fresh()?;
         if from_credit {
             state.reserved -= 1;
             credit.reserved -= 1;
@@ -286,7 +342,11 @@ impl BlockPool {
             let now_free = *count == 0;
             if now_free {
                 state.used -= 1;
-                state.free_list.push(id);
+                if state.entries[id as usize].is_some() {
+                    state.cached_free.push_back(id);
+                } else {
+                    state.free_list.push(id);
+                }
             }
             if let Some(credit) = credit.as_deref_mut()
                 && credit.drawn > 0
@@ -300,6 +360,140 @@ impl BlockPool {
         }
         drop(state);
         self.freed.notify_waiters();
+    }
+
+    /// Hashes of the first `max_blocks` full blocks of `tokens` under `salt`, chained.
+    fn prefix_hashes(&self, salt: &str, tokens: &[u32], max_blocks: usize) -> Vec<BlockHash> {
+        let mut hashes: Vec<BlockHash> = Vec::new();
+        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            let parent = hashes.last().copied();
+            hashes.push(self.hasher.hash(parent, chunk, salt));
+        }
+        hashes
+    }
+
+    /// How many leading full blocks of `tokens` (at most `max_blocks`) are cached under `salt`
+    /// right now. Pins nothing: the answer may be stale by the time it is used, so it serves
+    /// estimates (sizing a reservation) and never decides which blocks a sequence reads.
+    pub fn cached_prefix_blocks(&self, salt: &str, tokens: &[u32], max_blocks: usize) -> usize {
+        if self.block_size == 0 {
+            return 0;
+        }
+        let hashes = self.prefix_hashes(salt, tokens, max_blocks);
+        let state = self.state.lock();
+        let mut parent = None;
+        for (i, (&hash, chunk)) in hashes
+            .iter()
+            .zip(tokens.chunks_exact(self.block_size))
+            .enumerate()
+        {
+            if state.confirmed_hit(hash, parent, chunk, salt).is_none() {
+                return i;
+            }
+            parent = Some(hash);
+        }
+        hashes.len()
+    }
+
+    /// Pins the longest cached prefix of `tokens` under `salt`, at most `max_blocks` blocks,
+    /// appending the blocks to `table` and their hashes to `hashes` (both empty: a sequence
+    /// that holds no blocks). A hit on a block in use adds a reference; a hit on a free cached
+    /// block takes it off the LRU list, drawing on `credit` first, else on unreserved free
+    /// capacity, and the prefix stops at the first block neither can pay for. Lookup and
+    /// pinning happen under one lock, so nothing can evict a hit in between. Returns the
+    /// number of blocks pinned.
+    ///
+    /// Credit accounting stays approximate in one direction, as for [`BlockPool::fork`]:
+    /// [`BlockPool::free_into`] counts released blocks against the credit's `drawn` from the
+    /// tail, so when a block drawn from the credit is still shared by another sequence at
+    /// release, the credit gets back one block less. The pool's books stay exact; the sequence
+    /// finds that block again as a hit in use when it is re-admitted.
+    pub fn acquire_cached_prefix(
+        &self,
+        salt: &str,
+        tokens: &[u32],
+        max_blocks: usize,
+        credit: &mut Reservation,
+        table: &mut Vec<BlockId>,
+        hashes: &mut Vec<BlockHash>,
+    ) -> usize {
+        if self.block_size == 0 || !table.is_empty() || !hashes.is_empty() {
+            return 0;
+        }
+        let wanted = self.prefix_hashes(salt, tokens, max_blocks);
+        let own_credit = credit.belongs_to(self);
+        let mut state = self.state.lock();
+        for (&hash, chunk) in wanted.iter().zip(tokens.chunks_exact(self.block_size)) {
+            let Some(id) = state.confirmed_hit(hash, hashes.last().copied(), chunk, salt) else {
+                break;
+            };
+            let count = state.ref_counts[id as usize];
+            if count > 0 {
+                state.ref_counts[id as usize] = count + 1;
+            } else {
+                if own_credit && credit.reserved > 0 {
+                    state.reserved -= 1;
+                    credit.reserved -= 1;
+                    credit.drawn += 1;
+                } else if state.available() == 0 {
+                    break;
+                }
+                state.cached_free.remove(id);
+                state.ref_counts[id as usize] = 1;
+                state.used += 1;
+            }
+            table.push(id);
+            hashes.push(hash);
+        }
+        table.len()
+    }
+
+    /// Registers the full blocks of a sequence that are not registered yet: block `b` of
+    /// `table` holds `computed[b * block_size..(b + 1) * block_size]`, and `hashes` holds the
+    /// hashes of the blocks before it (the chain grows here). Call it only with tokens whose
+    /// K/V the backend has written. A block whose content is already cached in another block
+    /// is not registered twice (the first copy keeps serving hits), but its hash still extends
+    /// the chain.
+    pub fn register_full_blocks(
+        &self,
+        salt: &str,
+        table: &[BlockId],
+        computed: &[u32],
+        hashes: &mut Vec<BlockHash>,
+    ) {
+        if self.block_size == 0 {
+            return;
+        }
+        let first = hashes.len();
+        let full = (computed.len() / self.block_size).min(table.len());
+        if full <= first {
+            return;
+        }
+        for b in first..full {
+            let chunk = &computed[b * self.block_size..(b + 1) * self.block_size];
+            let parent = hashes.last().copied();
+            hashes.push(self.hasher.hash(parent, chunk, salt));
+        }
+        let salt: Arc<str> = salt.into();
+        let mut state = self.state.lock();
+        for b in first..full {
+            let id = table[b];
+            let hash = hashes[b];
+            let i = id as usize;
+            let usable = state.ref_counts.get(i).is_some_and(|&c| c > 0)
+                && state.entries[i].is_none()
+                && !state.by_hash.contains_key(&hash);
+            if !usable {
+                continue;
+            }
+            state.entries[i] = Some(CachedBlock {
+                hash,
+                parent: b.checked_sub(1).map(|p| hashes[p]),
+                salt: Arc::clone(&salt),
+                tokens: computed[b * self.block_size..(b + 1) * self.block_size].into(),
+            });
+            state.by_hash.insert(hash, id);
+        }
     }
 
     /// Fires (to every current waiter) whenever blocks or reservations are returned. To wait

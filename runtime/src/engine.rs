@@ -97,6 +97,11 @@ pub struct GenerationRequest {
     pub label: String,
     /// The tenant's fair-share weight (the policy's `weight`); requests without a tenant use 1.
     pub weight: NonZeroU32,
+    /// Prefix-cache salt: requests share cached prompt blocks only with requests of the same
+    /// salt, so the gateway sets it from the authenticated tenant (never from the client)
+    /// unless the tenant's policy shares its cache. `None`: this request neither reads nor
+    /// fills the cache.
+    pub cache_salt: Option<String>,
 }
 
 impl GenerationRequest {
@@ -111,9 +116,17 @@ impl GenerationRequest {
                 ..StopParams::default()
             },
             reservation: None,
+            cache_salt: None,
             label: label.into(),
             weight: NonZeroU32::MIN,
         }
+        .with_cache_salt_from_label()
+    }
+
+    /// Uses the label (the tenant) as the prefix-cache salt: the default isolation.
+    pub fn with_cache_salt_from_label(mut self) -> Self {
+        self.cache_salt = Some(self.label.clone());
+        self
     }
 
     /// Keeps generating past EOS until `max_tokens` (fixed-length benchmark runs).
@@ -191,6 +204,7 @@ impl Engine {
             prefill_cap_tokens: config.max_batched_tokens,
             step_cost: crate::scheduler::StepCostModel::default().cost(),
             target_step_micros: config.target_itl.map(|t| t.as_micros() as u64),
+            prefix_caching: config.prefix_caching,
             ..EngineStats::default()
         };
         let shared = Arc::new(Shared {
@@ -256,6 +270,9 @@ impl Engine {
             sender,
         );
         seq.weight = req.weight;
+        if self.inner.config.prefix_caching {
+            seq.cache_salt = req.cache_salt.map(Arc::from);
+        }
         match self.inner.commands.try_send(Command::Submit(Box::new(seq))) {
             Ok(()) => Ok(GenerationHandle { id, events }),
             Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull),
@@ -364,6 +381,8 @@ pub struct GenerationOutput {
     pub text: String,
     pub finish_reason: FinishReason,
     pub prompt_tokens: usize,
+    /// Prompt tokens served by the prefix cache.
+    pub cached_tokens: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -394,6 +413,7 @@ pub fn generate_blocking(
             TokenEvent::Finished {
                 reason,
                 prompt_tokens,
+                cached_tokens,
                 ..
             } => {
                 return Ok(GenerationOutput {
@@ -401,6 +421,7 @@ pub fn generate_blocking(
                     text,
                     finish_reason: reason,
                     prompt_tokens,
+                    cached_tokens,
                 });
             }
             TokenEvent::Error(msg) => return Err(GenerateError::Failed(msg)),

@@ -31,6 +31,8 @@ pub struct RuntimeOptions {
     /// Step-time target while sequences decode (`None`: no cap on prompt tokens per step).
     pub target_itl: Option<Duration>,
     pub prefill_order: PrefillOrder,
+    /// Reuse cached prompt prefixes (`EngineConfig::prefix_caching`).
+    pub prefix_caching: bool,
 }
 
 impl Default for RuntimeOptions {
@@ -43,6 +45,7 @@ impl Default for RuntimeOptions {
             max_batched_tokens: 512,
             target_itl: Some(DEFAULT_TARGET_ITL),
             prefill_order: PrefillOrder::TenantFair,
+            prefix_caching: true,
         }
     }
 }
@@ -147,6 +150,7 @@ impl Runtime {
             max_model_len: config.context_length,
             target_itl: opts.target_itl,
             prefill_order: opts.prefill_order,
+            prefix_caching: opts.prefix_caching,
             ..EngineConfig::default()
         };
         let decoder = Arc::clone(&tokenizer);

@@ -37,6 +37,14 @@
 //! sequences their own credit serves may be admitted after it, so nobody jumps the queue for
 //! shared capacity.
 //!
+//! **Prefix cache.** A sequence with a cache salt looks up its longest cached prefix when it is
+//! admitted (also after a preemption: it recomputes through the cache) and starts its prefill
+//! after it; at least its last token is always computed, since the step needs its logits. The
+//! lookup pins the blocks in the same critical section, so a hit cannot be evicted before use.
+//! If the rest cannot get its blocks, the hit blocks go straight back (still cached): a waiting
+//! sequence never holds blocks, which the preemption rules above rely on. After each step every
+//! block that became full and computed is registered (prefill and decode alike).
+//!
 //! Integers only on the KV side: the scheduler never sees tensors, and never over-commits the
 //! pool because every allocation goes through the pool's all-or-nothing `allocate_n`.
 
@@ -167,6 +175,10 @@ pub struct Scheduler {
     fcfs_until_step: u64,
     /// An admission failed for want of blocks this step.
     admission_blocked: bool,
+    /// Prompt tokens of admitted sequences looked up in the prefix cache, and those found
+    /// (first admissions only; vLLM's `prefix_cache_queries` / `_hits`).
+    prefix_query_tokens: u64,
+    prefix_hit_tokens: u64,
 }
 
 /// Steps of FCFS prefill after a preemption or an admission refused for blocks, see
@@ -190,6 +202,8 @@ impl Scheduler {
             order: config.prefill_order,
             fcfs_until_step: 0,
             admission_blocked: false,
+            prefix_query_tokens: 0,
+            prefix_hit_tokens: 0,
         }
     }
 
@@ -228,6 +242,11 @@ impl Scheduler {
         self.preemptions_total
     }
 
+    /// (prompt tokens looked up in the prefix cache, of which found), since the start.
+    pub fn prefix_cache_tokens(&self) -> (u64, u64) {
+        (self.prefix_query_tokens, self.prefix_hit_tokens)
+    }
+
     /// The step cost model (its fit is what the prefill cap follows).
     pub fn cost_model(&self) -> &StepCostModel {
         &self.cost
@@ -250,6 +269,36 @@ impl Scheduler {
             n = n.min(self.config.long_prefill_threshold);
         }
         n
+    }
+
+    /// Pins the longest cached prefix of a sequence that holds no blocks and marks those tokens
+    /// computed. Never the whole sequence: its last token must run to give logits.
+    fn reuse_cached_prefix(pool: &BlockPool, block_size: usize, seq: &mut Sequence) {
+        let Some(salt) = seq.cache_salt.as_deref() else {
+            return;
+        };
+        if !seq.block_table.is_empty() || seq.num_computed_tokens != 0 {
+            return;
+        }
+        let max_blocks = seq.len().saturating_sub(1) / block_size;
+        let hit = pool.acquire_cached_prefix(
+            salt,
+            &seq.token_ids,
+            max_blocks,
+            &mut seq.credit,
+            &mut seq.block_table,
+            &mut seq.block_hashes,
+        );
+        seq.num_computed_tokens = hit * block_size;
+    }
+
+    /// Gives back what [`Scheduler::reuse_cached_prefix`] pinned for a sequence that could not
+    /// be admitted after all (the blocks stay cached).
+    fn unpin_cached_prefix(pool: &BlockPool, seq: &mut Sequence) {
+        pool.free_into(&seq.block_table, &mut seq.credit);
+        seq.block_table.clear();
+        seq.block_hashes.clear();
+        seq.num_computed_tokens = 0;
     }
 
     /// Allocates the blocks `seq` needs to compute `n` more tokens; all or nothing.
@@ -563,25 +612,35 @@ impl Scheduler {
                 continue;
             }
             let limit = if use_whole_want { c.want } else { c.granted };
-            let n = limit.min(*budget).min(*prefill_left);
             let Some(idx) = self.waiting.iter().position(|s| s.id == c.id) else {
                 continue; // admitted already
             };
             let seq = &mut self.waiting[idx];
+            let skip = only_fully_covered && !seq.is_fully_covered(block_size);
+            if skip || limit.min(*budget).min(*prefill_left) == 0 {
+                continue;
+            }
+            Self::reuse_cached_prefix(&self.pool, block_size, seq);
+            let n = limit
+                .min(*budget)
+                .min(*prefill_left)
+                .min(seq.num_uncomputed_tokens());
             let needed = blocks_for_tokens(seq.num_computed_tokens + n, block_size)
                 .saturating_sub(seq.block_table.len());
-            let skip = if only_fully_covered {
-                !seq.is_fully_covered(block_size)
-            } else {
-                head_blocked && needed > seq.credit.blocks()
-            };
-            if skip || n == 0 {
+            if !only_fully_covered && head_blocked && needed > seq.credit.blocks() {
+                Self::unpin_cached_prefix(&self.pool, seq);
                 continue;
             }
             if !Self::grow(&self.pool, block_size, seq, n) {
+                Self::unpin_cached_prefix(&self.pool, seq);
                 head_blocked = true;
                 self.admission_blocked = true;
                 continue;
+            }
+            if seq.num_preemptions == 0 && seq.cache_salt.is_some() {
+                seq.num_cached_tokens = seq.num_computed_tokens.min(seq.prompt_len);
+                self.prefix_query_tokens += seq.prompt_len as u64;
+                self.prefix_hit_tokens += seq.num_cached_tokens as u64;
             }
             let Some(mut seq) = self.waiting.remove(idx) else {
                 break;
@@ -656,6 +715,7 @@ impl Scheduler {
             }
         }
         seq.block_table.clear();
+        seq.block_hashes.clear();
         seq.num_computed_tokens = 0;
         seq.num_scheduled_tokens = 0;
         seq.num_preemptions += 1;
@@ -687,6 +747,15 @@ impl Scheduler {
             };
             seq.num_computed_tokens += entry.num_tokens;
             seq.num_scheduled_tokens = 0;
+            // The step wrote these tokens' K/V: blocks it filled can serve other sequences.
+            if let Some(salt) = seq.cache_salt.as_deref() {
+                self.pool.register_full_blocks(
+                    salt,
+                    &seq.block_table,
+                    &seq.token_ids[..seq.num_computed_tokens],
+                    &mut seq.block_hashes,
+                );
+            }
             if entry.needs_logits
                 && let Some(&token) = tokens.next()
             {

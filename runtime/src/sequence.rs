@@ -17,7 +17,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use tokio::sync::mpsc;
 
-use crate::block_pool::{BlockId, Reservation};
+use crate::block_pool::{BlockHash, BlockId, Reservation};
 use crate::kv_math::blocks_for_tokens;
 
 pub use output_text::{OutputText, TextDelta};
@@ -99,6 +99,9 @@ pub enum TokenEvent {
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens whose K/V came from the prefix cache instead of being computed (at
+        /// the sequence's first admission; OpenAI's `prompt_tokens_details.cached_tokens`).
+        cached_tokens: usize,
     },
     Error(String),
 }
@@ -140,6 +143,14 @@ pub struct Sequence {
     pub block_table: Vec<BlockId>,
     /// Capacity promised by the gateway; allocation draws on it before free blocks.
     pub credit: Reservation,
+    /// The prefix-cache salt: only sequences with the same salt share cached blocks. `None`:
+    /// this sequence neither reads nor fills the cache.
+    pub cache_salt: Option<Arc<str>>,
+    /// Hashes of the leading full blocks of `block_table` that are registered in (or were
+    /// taken from) the prefix cache, in order; the chain the next full block extends.
+    pub block_hashes: Vec<BlockHash>,
+    /// Prompt tokens taken from the prefix cache at first admission.
+    pub num_cached_tokens: usize,
     pub status: SeqStatus,
     pub sampling: SamplingParams,
     pub stop: StopParams,
@@ -177,6 +188,9 @@ impl Sequence {
             num_scheduled_tokens: 0,
             block_table: Vec::new(),
             credit,
+            cache_salt: None,
+            block_hashes: Vec::new(),
+            num_cached_tokens: 0,
             status: SeqStatus::Waiting,
             rng: StdRng::seed_from_u64(sampling.seed),
             sampling,

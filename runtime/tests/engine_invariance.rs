@@ -132,3 +132,94 @@ fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
     );
     rt.engine.shutdown();
 }
+
+/// `request` with the prefix cache on (salt `s`) or off (`None`).
+fn salted(prompt: Vec<u32>, max_tokens: usize, salt: Option<&str>) -> GenerationRequest {
+    let mut req = request(prompt, max_tokens, "prefix");
+    req.cache_salt = salt.map(str::to_owned);
+    req
+}
+
+#[test]
+fn a_cached_prefix_gives_the_same_greedy_tokens_as_recomputing_it() {
+    let rt = runtime(256 << 20);
+    let block = rt.block_size;
+    let chunk = rt.engine.config().long_prefill_threshold;
+    let text = "Paged attention stores the key and value vectors of each sequence in fixed-size \
+                blocks, so memory is allocated on demand. "
+        .repeat(12);
+    let base = rt.tokenizer.encode(&text, false);
+    assert!(
+        base.len() > chunk + 2 * block,
+        "the prompt spans a chunk boundary"
+    );
+    let tail = rt
+        .tokenizer
+        .encode(" Now something else entirely: a recipe for bread.", false);
+    // Fill the cache with the base prompt.
+    let first = generate_blocking(&rt.engine, salted(base.clone(), 4, Some("t"))).expect("runs");
+    assert_eq!(first.cached_tokens, 0);
+    // Shared prefixes ending on block boundaries, on the chunk boundary, one token short of
+    // a block, and the whole prompt (its last token is still computed).
+    let offsets = [
+        block,
+        3 * block,
+        3 * block - 1,
+        chunk,
+        chunk - 1,
+        base.len(),
+    ];
+    let mut cached_total = 0;
+    for shared in offsets {
+        let mut prompt = base[..shared].to_vec();
+        if shared < base.len() {
+            prompt.extend(&tail);
+        }
+        let uncached =
+            generate_blocking(&rt.engine, salted(prompt.clone(), 16, None)).expect("uncached");
+        let cached =
+            generate_blocking(&rt.engine, salted(prompt.clone(), 16, Some("t"))).expect("cached");
+        assert_eq!(uncached.cached_tokens, 0);
+        assert_eq!(
+            cached.cached_tokens,
+            (shared.min(prompt.len() - 1) / block) * block,
+            "shared {shared}"
+        );
+        assert_eq!(
+            cached.tokens, uncached.tokens,
+            "cached prefix of {shared} tokens"
+        );
+        cached_total += cached.cached_tokens;
+    }
+    assert!(cached_total > 0);
+
+    // In a mixed batch: cached requests next to uncached fillers, all submitted together.
+    let expected = generate_blocking(&rt.engine, salted(base.clone(), 16, None))
+        .expect("alone")
+        .tokens;
+    let observed: Vec<_> = (0..3)
+        .map(|_| {
+            rt.engine
+                .submit(salted(base.clone(), 16, Some("t")))
+                .expect("submit")
+        })
+        .collect();
+    let fillers: Vec<_> = (0..5)
+        .map(|i| {
+            rt.engine
+                .submit(request(filler(&rt, i), 8, "filler"))
+                .expect("submit")
+        })
+        .collect();
+    for handle in observed {
+        assert_eq!(
+            collect(handle),
+            expected,
+            "a cached prefix in a mixed batch"
+        );
+    }
+    for handle in fillers {
+        assert_eq!(collect(handle).len(), 8);
+    }
+    rt.engine.shutdown();
+}

@@ -13,8 +13,9 @@ use kvgate_gateway::metrics::exposition::Scrape;
 use kvgate_gateway::metrics::{
     BUILD_INFO, ENGINE_STEPS_TOTAL, GENERATION_TOKENS_TOTAL, KV_BLOCK_SIZE_TOKENS, KV_BLOCKS,
     KV_CAPACITY_BYTES, MEMORY_ALLOCATED_BYTES, MEMORY_BUDGET_BYTES, MEMORY_PEAK_ALLOCATED_BYTES,
-    PREEMPTIONS_TOTAL, PROCESS_RESIDENT_MEMORY_BYTES, QUEUED_TOKENS, REQUESTS_IN_FLIGHT,
-    REQUESTS_QUEUED, REQUESTS_REJECTED_TOTAL, REQUESTS_TOTAL, SEQUENCES,
+    PREEMPTIONS_TOTAL, PREFIX_CACHE_HITS_TOTAL, PREFIX_CACHE_QUERIES_TOTAL,
+    PROCESS_RESIDENT_MEMORY_BYTES, QUEUED_TOKENS, REQUESTS_IN_FLIGHT, REQUESTS_QUEUED,
+    REQUESTS_REJECTED_TOTAL, REQUESTS_TOTAL, SEQUENCES,
 };
 use kvgate_runtime::kv_math::HumanSize;
 
@@ -87,6 +88,11 @@ pub struct TopView {
     pub blocks_total: f64,
     pub blocks_used: f64,
     pub blocks_reserved: f64,
+    /// Unreferenced blocks still holding a cached prefix (part of the free ones).
+    pub blocks_cached: f64,
+    /// Cached ÷ looked-up prompt tokens over the interval, all tenants; `None` without a
+    /// previous scrape or without a finished request in between.
+    pub prefix_hit_rate: Option<f64>,
     pub block_size: f64,
     pub kv_bytes: f64,
     pub memory_allocated: f64,
@@ -129,6 +135,14 @@ impl TopView {
             blocks_total: gauge(KV_BLOCKS, &[("state", "total")]),
             blocks_used: gauge(KV_BLOCKS, &[("state", "used")]),
             blocks_reserved: gauge(KV_BLOCKS, &[("state", "reserved")]),
+            blocks_cached: gauge(KV_BLOCKS, &[("state", "cached")]),
+            prefix_hit_rate: match (
+                rate(current, previous, PREFIX_CACHE_HITS_TOTAL, &[]),
+                rate(current, previous, PREFIX_CACHE_QUERIES_TOTAL, &[]),
+            ) {
+                (Some(hits), Some(queries)) if queries > 0.0 => Some((hits / queries).min(1.0)),
+                _ => None,
+            },
             block_size: gauge(KV_BLOCK_SIZE_TOKENS, &[]),
             kv_bytes: gauge(KV_CAPACITY_BYTES, &[]),
             memory_allocated: s.sum(MEMORY_ALLOCATED_BYTES, &[]),
@@ -164,6 +178,13 @@ impl TopView {
             self.blocks_total,
             self.block_size,
             bytes(self.kv_bytes)
+        );
+        let _ = writeln!(
+            out,
+            "PFX  {} cached blocks, prefix hit rate {}",
+            self.blocks_cached,
+            self.prefix_hit_rate
+                .map_or("-".into(), |r| format!("{:.1}%", r * 100.0))
         );
         // The bar is a fraction of the budget; without one there is nothing to fill it against
         // (scaling to the peak would draw a full bar whenever allocation is at its peak).

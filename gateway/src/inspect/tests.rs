@@ -25,6 +25,7 @@ fn occupancy(used: usize, reserved: usize) -> Occupancy {
         used_blocks: used,
         reserved_blocks: reserved,
         free_blocks: 100 - used - reserved,
+        cached_blocks: 0,
         block_size: 16,
         bytes_per_block: 1000,
     }
@@ -133,4 +134,20 @@ fn json_shape_is_flat_and_complete() {
     assert_eq!(json["largest"][0]["state"], "Running");
     assert_eq!(json["largest"][0]["bytes"], 5000);
     assert_eq!(json["tenants"][0]["blocks"], 5);
+}
+
+#[test]
+fn prefix_cache_report_gives_the_hit_ratio_of_tokens() {
+    let stats = kvgate_runtime::engine::EngineStats {
+        prefix_cache_queries_total: 400,
+        prefix_cache_hits_total: 300,
+        prefix_caching: true,
+        ..Default::default()
+    };
+    let report = PrefixCacheReport::of(&stats);
+    assert_eq!((report.queried_tokens, report.hit_tokens), (400, 300));
+    assert!((report.hit_ratio - 0.75).abs() < 1e-12);
+    assert!(report.enabled);
+    let idle = PrefixCacheReport::of(&Default::default());
+    assert_eq!(idle.hit_ratio, 0.0, "no query, no ratio");
 }

@@ -19,6 +19,8 @@ pub const UPSTREAM_RELOADS_TOTAL: &str = "kvgate_upstream_reloads_total";
 pub const UPSTREAM_BREAKER_TOTAL: &str = "kvgate_upstream_breaker_transitions_total";
 pub const UPSTREAM_REQUESTS_TOTAL: &str = "kvgate_upstream_requests_total";
 pub const UPSTREAM_RESPONSE_SECONDS: &str = "kvgate_upstream_response_seconds";
+pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "kvgate_prefix_cache_queries_total";
+pub const PREFIX_CACHE_HITS_TOTAL: &str = "kvgate_prefix_cache_hits_total";
 
 // ---- read from the engine and admission at scrape time ---------------------------------------
 pub const KV_BLOCKS: &str = "kvgate_kv_blocks";
@@ -151,6 +153,18 @@ pub const RECORDED: &[Family] = &[
         "Prompt tokens of finished requests.",
     ),
     family(
+        PREFIX_CACHE_QUERIES_TOTAL,
+        Counter,
+        &["tenant"],
+        "Prompt tokens of finished requests looked up in the prefix cache (vLLM's prefix_cache_queries).",
+    ),
+    family(
+        PREFIX_CACHE_HITS_TOTAL,
+        Counter,
+        &["tenant"],
+        "Prompt tokens the prefix cache served instead of computing them (vLLM's prefix_cache_hits).",
+    ),
+    family(
         GENERATION_TOKENS_TOTAL,
         Counter,
         &["tenant"],
@@ -197,7 +211,7 @@ pub const STATE: &[Family] = &[
         KV_BLOCKS,
         Gauge,
         &["state"],
-        "KV blocks by state: total, used (holding tokens), reserved (promised to admitted requests), free.",
+        "KV blocks by state: total, used (holding tokens), reserved (promised to admitted requests), free; cached (unreferenced blocks still holding a cached prefix, counted in free or reserved).",
     ),
     family(
         KV_USAGE_RATIO,

@@ -100,6 +100,7 @@ impl StateTracker {
             (&[("state", "used")], occ.used_blocks as f64),
             (&[("state", "reserved")], occ.reserved_blocks as f64),
             (&[("state", "free")], occ.free_blocks as f64),
+            (&[("state", "cached")], occ.cached_blocks as f64),
         ];
         family(KV_BLOCKS, &blocks);
         family(KV_USAGE_RATIO, &[(&[], occ.usage_ratio())]);
@@ -225,6 +226,7 @@ mod tests {
                 used_blocks: 40,
                 reserved_blocks: 10,
                 free_blocks: 50,
+                cached_blocks: 0,
                 block_size: 16,
                 bytes_per_block: 1024,
             },

@@ -164,6 +164,7 @@ fn occupancy_rises_while_a_sequence_runs_and_returns_after() {
         reservation: None,
         label: "tenant-a".into(),
         weight: std::num::NonZeroU32::MIN,
+        cache_salt: None,
     };
     let mut handle = match engine.submit(request) {
         Ok(h) => h,
@@ -243,7 +244,8 @@ fn recorded_events_render_with_their_buckets_and_help() {
     record_request(tenant, "chat", false);
     record_rejection(tenant, RejectReason::KvSaturation);
     record_queue_wait(tenant, Duration::from_millis(30));
-    record_request_finished(tenant, Duration::from_secs(2), 40, 9);
+    record_request_finished(tenant, Duration::from_secs(2), 40, 9, Some(32));
+    record_request_finished(tenant, Duration::from_secs(1), 20, 0, None);
 
     let scrape = match Scrape::parse(&handle.render()) {
         Ok(s) => s,
@@ -264,7 +266,9 @@ fn recorded_events_render_with_their_buckets_and_help() {
         ),
         Some(1.0)
     );
-    assert_eq!(scrape.value(PROMPT_TOKENS_TOTAL, &ours), Some(40.0));
+    assert_eq!(scrape.value(PROMPT_TOKENS_TOTAL, &ours), Some(60.0));
+    assert_eq!(scrape.value(PREFIX_CACHE_QUERIES_TOTAL, &ours), Some(40.0));
+    assert_eq!(scrape.value(PREFIX_CACHE_HITS_TOTAL, &ours), Some(32.0));
     assert_eq!(scrape.value(GENERATION_TOKENS_TOTAL, &ours), Some(9.0));
     let bucket = |le| {
         scrape.value(

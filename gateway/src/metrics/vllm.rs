@@ -52,6 +52,16 @@ pub(super) fn write(out: &mut Writer, snap: &Snapshot, config: &MetricsConfig) {
             "Number of generation tokens processed.",
             snap.stats.generation_tokens_total,
         ),
+        (
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            snap.stats.prefix_cache_queries_total,
+        ),
+        (
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            snap.stats.prefix_cache_hits_total,
+        ),
     ];
     for (name, help, value) in counters {
         out.family(name, "counter", help);
@@ -63,7 +73,14 @@ pub(super) fn write(out: &mut Writer, snap: &Snapshot, config: &MetricsConfig) {
     let info = [
         ("block_size", block_size.as_str()),
         ("cache_dtype", "auto"),
-        ("enable_prefix_caching", "False"),
+        (
+            "enable_prefix_caching",
+            if snap.stats.prefix_caching {
+                "True"
+            } else {
+                "False"
+            },
+        ),
         ("engine", "0"),
         ("num_cpu_blocks", "None"),
         ("num_gpu_blocks", num_blocks.as_str()),
@@ -91,6 +108,9 @@ mod tests {
                 running: 2,
                 waiting: 1,
                 preemptions_total: 3,
+                prefix_cache_queries_total: 400,
+                prefix_cache_hits_total: 320,
+                prefix_caching: true,
                 ..EngineStats::default()
             },
             occupancy: Occupancy {
@@ -132,9 +152,22 @@ mod tests {
         assert_eq!(scrape.value("vllm:num_preemptions_total", &ids), Some(3.0));
         assert_eq!(scrape.types["vllm:num_preemptions_total"], "counter");
         assert_eq!(
+            scrape.value("vllm:prefix_cache_queries_total", &ids),
+            Some(400.0)
+        );
+        assert_eq!(
+            scrape.value("vllm:prefix_cache_hits_total", &ids),
+            Some(320.0)
+        );
+        assert_eq!(scrape.types["vllm:prefix_cache_hits_total"], "counter");
+        assert_eq!(
             scrape.value(
                 "vllm:cache_config_info",
-                &[("block_size", "16"), ("num_gpu_blocks", "200")]
+                &[
+                    ("block_size", "16"),
+                    ("num_gpu_blocks", "200"),
+                    ("enable_prefix_caching", "True")
+                ]
             ),
             Some(1.0)
         );

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use toml::Spanned;
 
-use super::raw::{self, RawLimits, RawOverflow};
+use super::raw::{self, RawLimits, RawOverflow, RawPrefixCache};
 use super::source::Source;
-use super::{Overflow, PolicyError, TenantPolicy};
+use super::{Overflow, PolicyError, PrefixCacheScope, TenantPolicy};
 
 // Built-in limits, sized for a small model with an 8192-token context on a CPU.
 const BUILTIN_MAX_INPUT_TOKENS: u64 = 2048;
@@ -60,6 +60,7 @@ pub(super) struct Limits {
     queue_tokens: Field<u64>,
     max_queue_wait: Field<Duration>,
     weight: Field<u64>,
+    prefix_cache: Field<PrefixCacheScope>,
 }
 
 impl Limits {
@@ -78,6 +79,7 @@ impl Limits {
             queue_tokens: Field::builtin(BUILTIN_QUEUE_TOKENS),
             max_queue_wait: Field::builtin(BUILTIN_MAX_QUEUE_WAIT),
             weight: Field::builtin(1),
+            prefix_cache: Field::builtin(PrefixCacheScope::Tenant),
         }
     }
 
@@ -111,6 +113,17 @@ impl Limits {
                 origin: Some((v.span(), format!("{table}.overflow"))),
             },
             None => self.overflow.clone(),
+        };
+        let prefix_cache = match &own.prefix_cache {
+            Some(v) => Field {
+                value: match v.get_ref() {
+                    RawPrefixCache::Tenant => PrefixCacheScope::Tenant,
+                    RawPrefixCache::Shared => PrefixCacheScope::Shared,
+                    RawPrefixCache::Off => PrefixCacheScope::Off,
+                },
+                origin: Some((v.span(), format!("{table}.prefix_cache"))),
+            },
+            None => self.prefix_cache.clone(),
         };
         let max_queue_wait = match &own.max_queue_wait {
             Some(text) => {
@@ -178,6 +191,7 @@ impl Limits {
             queue_tokens: int(&own.queue_tokens, &self.queue_tokens, "queue_tokens", 0)?,
             max_queue_wait,
             weight: int(&own.weight, &self.weight, "weight", 1)?,
+            prefix_cache,
         })
     }
 
@@ -221,6 +235,7 @@ impl Limits {
                 .ok()
                 .and_then(NonZeroU32::new)
                 .unwrap_or(NonZeroU32::MIN),
+            prefix_cache: self.prefix_cache.value,
         })
     }
 }

@@ -56,6 +56,15 @@ pub(super) struct RawLimits {
     pub queue_tokens: Option<Spanned<i64>>,
     pub max_queue_wait: Option<Spanned<String>>,
     pub weight: Option<Spanned<i64>>,
+    pub prefix_cache: Option<Spanned<RawPrefixCache>>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum RawPrefixCache {
+    Tenant,
+    Shared,
+    Off,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]

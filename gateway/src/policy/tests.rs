@@ -268,3 +268,33 @@ fn max_validating_inherits_and_must_be_positive() {
     assert_eq!(field, "tenants.a.max_validating");
     assert!(message.contains("at least 1"), "{message}");
 }
+
+#[test]
+fn prefix_cache_defaults_to_the_tenant_inherits_and_rejects_unknown_scopes() {
+    let policy = parse_policy(
+        "p.toml",
+        "[defaults]\nprefix_cache = \"shared\"\n[tenants.a]\n[tenants.b]\nprefix_cache = \"off\"\n",
+    )
+    .unwrap();
+    let scope = |name: &str| policy.tenant(name).unwrap().prefix_cache;
+    assert_eq!(scope("a"), PrefixCacheScope::Shared);
+    assert_eq!(scope("b"), PrefixCacheScope::Off);
+    let builtin = parse_policy("p.toml", "[tenants.a]\n").unwrap();
+    let a = builtin.tenant("a").unwrap();
+    assert_eq!(a.prefix_cache, PrefixCacheScope::Tenant);
+    // Salts: per tenant by default, one for every sharing tenant, none when off.
+    assert_eq!(a.prefix_cache.salt("a"), Some("tenant:a".to_owned()));
+    assert_ne!(a.prefix_cache.salt("a"), a.prefix_cache.salt("b"));
+    assert_eq!(
+        PrefixCacheScope::Shared.salt("a"),
+        PrefixCacheScope::Shared.salt("b")
+    );
+    assert_eq!(PrefixCacheScope::Off.salt("a"), None);
+
+    let (line, column, field, message) = error_of("[tenants.a]\nprefix_cache = \"global\"\n");
+    assert_eq!(
+        (line, column, field.as_str()),
+        (2, 16, "tenants.a.prefix_cache")
+    );
+    assert!(message.contains("unknown variant"), "{message}");
+}

@@ -59,6 +59,7 @@ fn finished(reason: EngineFinish, completion_tokens: usize) -> TokenEvent {
         reason,
         prompt_tokens: 7,
         completion_tokens,
+        cached_tokens: 4,
     }
 }
 
@@ -106,7 +107,12 @@ async fn chat_stream_has_role_deltas_finish_usage_and_done() {
     assert_eq!(usage["choices"], serde_json::json!([]));
     assert_eq!(
         usage["usage"],
-        serde_json::json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10})
+        serde_json::json!({
+            "prompt_tokens": 7,
+            "completion_tokens": 3,
+            "total_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 4}
+        })
     );
     assert_eq!(data[5], "[DONE]");
     assert_eq!(probe.completion.load(Ordering::SeqCst), 4);
@@ -201,6 +207,8 @@ async fn collect_joins_text_and_reports_usage() {
     assert_eq!(collected.text, "Hi there");
     assert_eq!(collected.finish_reason, FinishReason::Stop);
     assert_eq!(collected.usage.total_tokens, 9);
+    let details = collected.usage.prompt_tokens_details;
+    assert_eq!(details.map(|d| d.cached_tokens), Some(4));
     assert_eq!(probe.completion.load(Ordering::SeqCst), 3);
 
     let meta = ResponseMeta::new(Endpoint::Chat, "m", false);

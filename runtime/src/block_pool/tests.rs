@@ -32,6 +32,7 @@ fn reservations_are_atomic_and_return_on_drop() {
             used_blocks: 0,
             reserved_blocks: 0,
             free_blocks: 10,
+            cached_blocks: 0,
             block_size: 16,
             bytes_per_block: 1024,
         }
@@ -152,18 +153,164 @@ async fn freed_wakes_waiters() {
     assert_eq!(waiter.await.expect("task"), 1);
 }
 
+/// A sequence's view for the prefix-cache tests: its blocks and their hash chain.
+#[derive(Default)]
+struct Held {
+    table: Vec<BlockId>,
+    hashes: Vec<BlockHash>,
+}
+
+/// Allocates blocks for all of `tokens` and registers the full ones, as a sequence that
+/// computed its prompt does.
+fn compute(pool: &Arc<BlockPool>, salt: &str, tokens: &[u32]) -> Held {
+    let mut held = Held::default();
+    let blocks = tokens.len().div_ceil(pool.block_size());
+    assert!(pool.allocate_n(blocks, &mut pool.empty_reservation(), &mut held.table));
+    pool.register_full_blocks(salt, &held.table, tokens, &mut held.hashes);
+    held
+}
+
+fn acquire(pool: &Arc<BlockPool>, salt: &str, tokens: &[u32], credit: &mut Reservation) -> Held {
+    let mut held = Held::default();
+    let max = (tokens.len() - 1) / pool.block_size();
+    pool.acquire_cached_prefix(salt, tokens, max, credit, &mut held.table, &mut held.hashes);
+    held
+}
+
+#[test]
+fn full_blocks_are_shared_while_in_use_and_cached_after() {
+    let pool = BlockPool::new(8, 4, 1);
+    let prompt: Vec<u32> = (0..10).collect(); // 2 full blocks + 2 tokens
+    let first = compute(&pool, "t", &prompt);
+    assert_eq!(
+        first.hashes.len(),
+        2,
+        "the partial third block is never registered"
+    );
+    // In use: a hit adds references, costs no free block.
+    let free_before = pool.snapshot().free_blocks;
+    let second = acquire(&pool, "t", &prompt, &mut pool.empty_reservation());
+    assert_eq!(second.table, first.table[..2]);
+    assert_eq!(second.hashes, first.hashes);
+    assert_eq!(pool.snapshot().free_blocks, free_before);
+    pool.free(&first.table);
+    pool.free(&second.table);
+    let occ = pool.snapshot();
+    assert_eq!(
+        (occ.used_blocks, occ.free_blocks, occ.cached_blocks),
+        (0, 8, 2)
+    );
+    // Free but cached: a hit revives them (and pays for them as for an allocation).
+    let mut credit = pool.try_reserve(3).expect("free");
+    let third = acquire(&pool, "t", &prompt, &mut credit);
+    assert_eq!(third.table, first.table[..2]);
+    assert_eq!((credit.blocks(), credit.drawn()), (1, 2));
+    let occ = pool.snapshot();
+    assert_eq!(
+        (occ.used_blocks, occ.cached_blocks, occ.reserved_blocks),
+        (2, 0, 1)
+    );
+    // The whole prompt cached still leaves its last token to compute.
+    let exact: Vec<u32> = (0..8).collect();
+    assert_eq!(
+        pool.cached_prefix_blocks("t", &exact, (exact.len() - 1) / 4),
+        1
+    );
+}
+
+#[test]
+fn salt_and_every_earlier_token_separate_prefixes() {
+    let pool = BlockPool::new(8, 4, 1);
+    let prompt: Vec<u32> = (0..9).collect();
+    let _held = compute(&pool, "tenant-a", &prompt);
+    assert_eq!(pool.cached_prefix_blocks("tenant-a", &prompt, 2), 2);
+    assert_eq!(pool.cached_prefix_blocks("tenant-b", &prompt, 2), 0);
+    let mut changed_first = prompt.clone();
+    changed_first[0] = 99;
+    assert_eq!(
+        pool.cached_prefix_blocks("tenant-a", &changed_first, 2),
+        0,
+        "same second block after a different first one is another prefix"
+    );
+    let mut changed_second = prompt.clone();
+    changed_second[5] = 99;
+    assert_eq!(pool.cached_prefix_blocks("tenant-a", &changed_second, 2), 1);
+}
+
+#[test]
+fn a_hash_hit_with_other_tokens_is_a_miss() {
+    let pool = BlockPool::new(4, 4, 1);
+    let prompt: Vec<u32> = (0..5).collect();
+    let held = compute(&pool, "t", &prompt);
+    // Forge a collision: the entry under the prompt's hash now claims other tokens.
+    if let Some(entry) = pool.state.lock().entries[held.table[0] as usize].as_mut() {
+        entry.tokens = vec![9, 9, 9, 9].into();
+    }
+    let got = acquire(&pool, "t", &prompt, &mut pool.empty_reservation());
+    assert!(
+        got.table.is_empty(),
+        "a collision must never serve the block"
+    );
+}
+
+#[test]
+fn fresh_blocks_come_from_plain_free_ones_before_evicting_the_oldest_cached() {
+    let pool = BlockPool::new(4, 2, 1);
+    let a = compute(&pool, "t", &[1, 1]);
+    let b = compute(&pool, "t", &[2, 2]);
+    pool.free(&a.table); // freed first: evicted first
+    pool.free(&b.table);
+    let mut table = Vec::new();
+    let mut credit = pool.empty_reservation();
+    assert!(pool.allocate_n(2, &mut credit, &mut table));
+    assert_eq!(
+        pool.snapshot().cached_blocks,
+        2,
+        "two plain free blocks went first"
+    );
+    assert!(pool.allocate_n(1, &mut credit, &mut table));
+    assert_eq!(table[2], a.table[0]);
+    assert_eq!(pool.cached_prefix_blocks("t", &[1, 1, 0], 1), 0, "evicted");
+    assert_eq!(
+        pool.cached_prefix_blocks("t", &[2, 2, 0], 1),
+        1,
+        "still cached"
+    );
+    // A revived block may not take capacity promised to someone else.
+    let _promised = pool
+        .try_reserve(1)
+        .expect("the cached block is free capacity");
+    let held = acquire(&pool, "t", &[2, 2, 0], &mut pool.empty_reservation());
+    assert!(held.table.is_empty());
+}
+
 /// One step of the gateway/engine interleaving the property test drives.
 #[derive(Debug, Clone)]
 enum Op {
-    Reserve { blocks: usize, limit: usize },
+    Reserve {
+        blocks: usize,
+        limit: usize,
+    },
     CancelPending(usize),
     Submit(usize),
     SubmitUnreserved,
-    Grow { seq: usize, blocks: usize },
+    Grow {
+        seq: usize,
+        blocks: usize,
+    },
     GrowOne(usize),
     Fork(usize),
     Preempt(usize),
     Finish(usize),
+    /// A new sequence of prompt `prompt` under salt `salt` pins its cached prefix, drawing on
+    /// pending reservation `credit` when there is one.
+    Hit {
+        prompt: usize,
+        salt: usize,
+        credit: usize,
+    },
+    /// Sequence `seq` has computed every block it holds: register the full ones.
+    Register(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -177,12 +324,53 @@ fn op() -> impl Strategy<Value = Op> {
         (0..8usize).prop_map(Op::Fork),
         (0..8usize).prop_map(Op::Preempt),
         (0..8usize).prop_map(Op::Finish),
+        (0..PROMPTS.len(), 0..2usize, 0..10usize).prop_map(|(prompt, salt, credit)| Op::Hit {
+            prompt,
+            salt,
+            credit
+        }),
+        (0..8usize).prop_map(Op::Register),
     ]
 }
+
+/// Block size of the property test: small, so prompts span several blocks.
+const PROP_BLOCK: usize = 2;
+/// Prompts sharing prefixes of different lengths (and one token short of a block).
+const PROMPTS: [&[u32]; 4] = [
+    &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    &[1, 2, 3, 4, 9, 9, 9, 9],
+    &[1, 2, 3, 4, 5, 6, 7, 8, 1, 1, 1, 1],
+    &[7, 7, 7],
+];
+const SALTS: [&str; 2] = ["tenant-a", "tenant-b"];
 
 struct Seq {
     credit: Reservation,
     table: Vec<BlockId>,
+    /// Which prompt and salt it runs, and its chain of registered / hit block hashes.
+    prompt: usize,
+    salt: usize,
+    hashes: Vec<BlockHash>,
+}
+
+impl Seq {
+    fn new(credit: Reservation) -> Seq {
+        Seq {
+            credit,
+            table: Vec::new(),
+            prompt: 0,
+            salt: 0,
+            hashes: Vec::new(),
+        }
+    }
+
+    /// What block `b` of this sequence holds: its salt and every token up to the block's end
+    /// (a block's K/V depends on the whole prefix).
+    fn content(&self, b: usize) -> (usize, Vec<u32>) {
+        let tokens = PROMPTS[self.prompt];
+        let end = ((b + 1) * PROP_BLOCK).min(tokens.len());
+        (self.salt, tokens[..end].to_vec())
+    }
 }
 
 fn check_model(pool: &BlockPool, pending: &[Reservation], seqs: &[Seq]) {
@@ -213,6 +401,22 @@ fn check_model(pool: &BlockPool, pending: &[Reservation], seqs: &[Seq]) {
         promised, occ.reserved_blocks,
         "reserved = sum of live credits"
     );
+    let state = pool.state.lock();
+    let cached_free = (0..occ.total_blocks)
+        .filter(|&i| state.ref_counts[i] == 0 && state.entries[i].is_some())
+        .count();
+    assert_eq!(
+        occ.cached_blocks, cached_free,
+        "cached = free blocks with an entry"
+    );
+    assert!(occ.cached_blocks <= occ.free_blocks + occ.reserved_blocks);
+    assert_eq!(state.by_hash.len(), state.entries.iter().flatten().count());
+    for (hash, &id) in &state.by_hash {
+        let entry = state.entries[id as usize]
+            .as_ref()
+            .expect("mapped block has an entry");
+        assert_eq!(&entry.hash, hash);
+    }
 }
 
 proptest! {
@@ -221,7 +425,9 @@ proptest! {
         total in 0..24usize,
         ops in prop::collection::vec(op(), 0..80),
     ) {
-        let pool = BlockPool::new(total, 16, 64);
+        let pool = BlockPool::new(total, PROP_BLOCK, 64);
+        // What each block was last written with by its owner (model of the backend's KV).
+        let mut written: HashMap<BlockId, (usize, Vec<u32>)> = HashMap::new();
         let mut pending: Vec<Reservation> = Vec::new();
         let mut seqs: Vec<Seq> = Vec::new();
         for op in ops {
@@ -242,10 +448,10 @@ proptest! {
                 }
                 Op::CancelPending(i) if i < pending.len() => drop(pending.swap_remove(i)),
                 Op::Submit(i) if i < pending.len() => {
-                    seqs.push(Seq { credit: pending.swap_remove(i), table: Vec::new() });
+                    seqs.push(Seq::new(pending.swap_remove(i)));
                 }
                 Op::SubmitUnreserved => {
-                    seqs.push(Seq { credit: pool.empty_reservation(), table: Vec::new() });
+                    seqs.push(Seq::new(pool.empty_reservation()));
                 }
                 Op::Grow { seq, blocks } if seq < seqs.len() => {
                     let s = &mut seqs[seq];
@@ -271,16 +477,63 @@ proptest! {
                 Op::Fork(i) if i < seqs.len() => {
                     let table = seqs[i].table.clone();
                     pool.fork(&table);
-                    seqs.push(Seq { credit: pool.empty_reservation(), table });
+                    let mut fork = Seq::new(pool.empty_reservation());
+                    fork.table = table;
+                    fork.prompt = seqs[i].prompt;
+                    fork.salt = seqs[i].salt;
+                    seqs.push(fork);
                 }
                 Op::Preempt(i) if i < seqs.len() => {
                     let s = &mut seqs[i];
                     pool.free_into(&s.table, &mut s.credit);
                     s.table.clear();
+                    s.hashes.clear();
                 }
                 Op::Finish(i) if i < seqs.len() => {
                     let mut s = seqs.swap_remove(i);
                     pool.free_into(&s.table, &mut s.credit);
+                }
+                Op::Hit { prompt, salt, credit } => {
+                    let credit = if credit < pending.len() {
+                        pending.swap_remove(credit)
+                    } else {
+                        pool.empty_reservation()
+                    };
+                    let mut s = Seq::new(credit);
+                    (s.prompt, s.salt) = (prompt, salt);
+                    let tokens = PROMPTS[prompt];
+                    // Never the whole prompt: its last token must be computed for logits.
+                    let max = (tokens.len() - 1) / PROP_BLOCK;
+                    let peek = pool.cached_prefix_blocks(SALTS[salt], tokens, max);
+                    let got = pool.acquire_cached_prefix(
+                        SALTS[salt], tokens, max, &mut s.credit, &mut s.table, &mut s.hashes,
+                    );
+                    prop_assert!(got <= peek && got <= max);
+                    prop_assert_eq!(s.table.len(), got);
+                    prop_assert_eq!(s.hashes.len(), got);
+                    if got < peek {
+                        // Nothing left to pay for a free cached block is the only reason to
+                        // stop before the cached prefix ends.
+                        let after = pool.snapshot();
+                        prop_assert!(after.free_blocks == 0 && s.credit.blocks() == 0);
+                    }
+                    for (b, &id) in s.table.iter().enumerate() {
+                        prop_assert_eq!(
+                            written.get(&id), Some(&s.content(b)),
+                            "block {} serves another prompt's KV", id
+                        );
+                    }
+                    seqs.push(s);
+                }
+                Op::Register(i) if i < seqs.len() => {
+                    let s = &mut seqs[i];
+                    let tokens = PROMPTS[s.prompt];
+                    // Blocks past the prompt hold no token of it: only the prompt is "computed".
+                    for b in s.hashes.len()..s.table.len() {
+                        written.insert(s.table[b], s.content(b));
+                    }
+                    pool.register_full_blocks(SALTS[s.salt], &s.table, tokens, &mut s.hashes);
+                    prop_assert_eq!(s.hashes.len(), (tokens.len() / PROP_BLOCK).min(s.table.len()));
                 }
                 _ => {}
             }

@@ -35,6 +35,9 @@ pub struct EngineConfig {
     pub target_itl: Option<Duration>,
     /// How prompt tokens are shared between sequences (and tenants) with prefill left.
     pub prefill_order: PrefillOrder,
+    /// Reuse the K/V of full blocks whose prefix (and cache salt) a request repeats. Off,
+    /// every request computes its whole prompt (`--prefix-cache off`, for comparisons).
+    pub prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +53,7 @@ impl Default for EngineConfig {
             command_queue: 256,
             target_itl: Some(DEFAULT_TARGET_ITL),
             prefill_order: PrefillOrder::TenantFair,
+            prefix_caching: true,
         }
     }
 }

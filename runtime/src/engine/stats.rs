@@ -129,6 +129,15 @@ pub struct EngineStats {
     pub errors_total: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
+    /// Prompt tokens computed by the backend: prefill chunks and recomputation after
+    /// preemption, without the tokens the prefix cache served.
+    pub prefill_tokens_computed_total: u64,
+    /// Prompt tokens of admitted requests looked up in the prefix cache (vLLM's
+    /// `prefix_cache_queries`), and how many of them it served (`prefix_cache_hits`).
+    pub prefix_cache_queries_total: u64,
+    pub prefix_cache_hits_total: u64,
+    /// Whether the engine reuses cached prefixes at all (`EngineConfig::prefix_caching`).
+    pub prefix_caching: bool,
     /// Allocated KV slots not holding a token, over running sequences (last-block tails).
     pub kv_waste_slots: usize,
     pub last_batch_seqs: usize,

@@ -3,6 +3,7 @@
 //! UTF-8 assembly, seeding, rejection, failure and shutdown behave as documented.
 
 mod fake;
+mod prefix_cache;
 
 use std::num::NonZeroU32;
 use std::sync::mpsc as std_mpsc;
@@ -27,6 +28,7 @@ fn config(block_size: usize, num_blocks: usize, budget: usize, threshold: usize)
         // runs with a target.
         target_itl: None,
         prefill_order: PrefillOrder::TenantFair,
+        prefix_caching: true,
     }
 }
 
@@ -83,7 +85,8 @@ fn greedy_output_matches_reference_under_chunking_and_batching() {
             Some(&TokenEvent::Finished {
                 reason: FinishReason::Length,
                 prompt_tokens: p.len(),
-                completion_tokens: *n
+                completion_tokens: *n,
+                cached_tokens: 0,
             })
         );
     }
@@ -193,7 +196,8 @@ fn stop_string_across_tokens_is_cut_and_ends_the_stream() {
         Some(&TokenEvent::Finished {
             reason: FinishReason::Stop,
             prompt_tokens: 1,
-            completion_tokens: 4
+            completion_tokens: 4,
+            cached_tokens: 0,
         })
     );
 }

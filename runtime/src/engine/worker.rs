@@ -145,6 +145,10 @@ impl Worker {
         let scheduled_at = Instant::now();
         self.scheduler.schedule(&mut self.batch);
         self.stats.preemptions_total = self.scheduler.preemptions_total();
+        (
+            self.stats.prefix_cache_queries_total,
+            self.stats.prefix_cache_hits_total,
+        ) = self.scheduler.prefix_cache_tokens();
         if self.batch.is_empty() {
             return false;
         }
@@ -164,6 +168,7 @@ impl Worker {
         };
         match result {
             Ok(()) => {
+                self.stats.prefill_tokens_computed_total += self.batch.shape.prefill_tokens as u64;
                 self.scheduler.postprocess(&self.batch, &self.sampled);
                 self.emit_tokens();
             }
@@ -252,6 +257,7 @@ impl Worker {
                     reason,
                     prompt_tokens: seq.prompt_len,
                     completion_tokens: seq.num_output_tokens(),
+                    cached_tokens: seq.num_cached_tokens,
                 });
             } else if !delivered {
                 seq.status = SeqStatus::Finished;

@@ -14,6 +14,8 @@ kvgate_requests_rejected_total{tenant="acme",reason="rate"} 6
 kvgate_requests_rejected_total{tenant="acme",reason="queue_full"} 4
 kvgate_engine_steps_total 1000
 kvgate_preemptions_total 5
+kvgate_prefix_cache_queries_total{tenant="acme"} 1000
+kvgate_prefix_cache_hits_total{tenant="acme"} 100
 "#;
 
 const AFTER: &str = r#"
@@ -22,6 +24,11 @@ kvgate_kv_blocks{state="total"} 200
 kvgate_kv_blocks{state="used"} 50
 kvgate_kv_blocks{state="reserved"} 20
 kvgate_kv_blocks{state="free"} 130
+kvgate_kv_blocks{state="cached"} 12
+kvgate_prefix_cache_queries_total{tenant="acme"} 1800
+kvgate_prefix_cache_queries_total{tenant="other"} 200
+kvgate_prefix_cache_hits_total{tenant="acme"} 700
+kvgate_prefix_cache_hits_total{tenant="other"} 150
 kvgate_kv_block_size_tokens 16
 kvgate_kv_capacity_bytes 2097152
 kvgate_memory_allocated_bytes{kind="weights"} 1048576
@@ -206,5 +213,25 @@ fn without_a_budget_the_memory_line_has_no_level_bar() {
     assert!(
         mem.starts_with(&format!("MEM  [{}{}", "#".repeat(15), "^".repeat(5))),
         "{mem}"
+    );
+}
+
+#[test]
+fn the_prefix_line_shows_cached_blocks_and_the_interval_hit_rate() {
+    let (before, after) = two_frames();
+    let view = TopView::build(&after, Some(&before));
+    assert_eq!(view.blocks_cached, 12.0);
+    // (700 − 100 + 150) hits of (1800 − 1000 + 200) queried tokens in the interval.
+    let rate = view.prefix_hit_rate.expect("two frames");
+    assert!((rate - 0.75).abs() < 1e-9, "{rate}");
+    let screen = view.render("http://127.0.0.1:8080", Duration::from_secs(1));
+    assert!(
+        screen.contains("PFX  12 cached blocks, prefix hit rate 75.0%"),
+        "{screen}"
+    );
+    let first = TopView::build(&after, None);
+    assert_eq!(
+        first.prefix_hit_rate, None,
+        "no rate without a previous scrape"
     );
 }
