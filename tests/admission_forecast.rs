@@ -214,7 +214,10 @@ async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_long
     let spec = [TenantSpec {
         name: "a",
         key: "sk-a",
-        extra: "max_input_tokens = 400\nmax_output_tokens = 700\nmax_total_tokens = 1100",
+        // Long enough that the forecast (500 tokens of the running request) never refuses the
+        // second request on a slow machine: it must queue.
+        extra: "max_input_tokens = 400\nmax_output_tokens = 700\nmax_total_tokens = 1100\n\
+                max_queue_wait = \"100s\"",
     }];
     let server =
         TestServer::start_with(&policy(&spec, "[kv]\nhigh_watermark = 1.0\n"), options).await;

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use http::HeaderMap;
 use kvgate_runtime::block_pool::{BlockPool, Occupancy, Reservation};
-use kvgate_runtime::engine::EngineStats;
+use kvgate_runtime::engine::{EngineStats, StepCost};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -45,7 +45,7 @@ use crate::reload::PolicyStore;
 #[cfg(test)]
 use dispatcher::REFORECAST_EVERY;
 use dispatcher::{Command, Dispatcher, Pending};
-use ledger::Ledger;
+use ledger::{Footprint, Ledger};
 
 /// Commands waiting for the dispatcher; senders wait when it is full (backpressure).
 const COMMAND_CAPACITY: usize = 1024;
@@ -307,51 +307,28 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// The engine's per-token service time as of its last step: the step's wall time divided by
-/// the sequences in it (each running sequence gains one token per step). `None` before the
-/// first step, and for a step that was mostly prefill (more than twice as many tokens as
-/// sequences): such a step says little about decode speed and would make every forecast
-/// far too pessimistic, so admission keeps the last decode-dominated value instead.
-pub fn per_token_service_time(stats: &EngineStats) -> Option<Duration> {
-    if stats.last_batch_tokens > 2 * stats.last_batch_seqs {
-        return None;
-    }
-    let sequences = u32::try_from(stats.last_batch_seqs)
-        .ok()
-        .filter(|n| *n > 0)?;
-    let step = Duration::from_micros(stats.last_step_micros);
-    (!step.is_zero()).then(|| step / sequences)
-}
-
-/// The engine's time per generated token, and how it was measured.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How fast the engine serves, for forecasts made before completions have measured a drain
+/// rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ServiceTime {
-    /// From a decode-dominated step: [`per_token_service_time`].
-    Decode(Duration),
-    /// From a prefill-dominated step: its wall time per computed token. A batched prefill
-    /// token is cheaper than a decode token, so this is a lower bound on the decode time —
-    /// good enough to refuse what even an optimistic forecast says cannot start in time
-    /// before the first decode step is timed (a long prompt's prefill can take seconds).
-    PrefillBound(Duration),
+    /// A fixed wall time per generated token, all running sequences together.
+    PerToken(Duration),
+    /// The engine's step cost model ([`EngineStats::step_cost`]): admission prices the decode
+    /// steps and prefills of requests like the running ones with it. `Runtime::start` fits it
+    /// to the machine before serving and every step refits it, so it answers from the first
+    /// request of a burst on, before any real step has been timed.
+    Model(StepCost),
 }
 
 impl From<Duration> for ServiceTime {
     fn from(per_token: Duration) -> ServiceTime {
-        ServiceTime::Decode(per_token)
+        ServiceTime::PerToken(per_token)
     }
 }
 
-/// What the engine's last step says about its per-token service time: a decode time when the
-/// step was decode-dominated, else a lower bound from its prefill; `None` before any step.
+/// What the engine's stats say about its pace: its step cost model's current fit.
 pub fn engine_service_time(stats: &EngineStats) -> Option<ServiceTime> {
-    if let Some(decode) = per_token_service_time(stats) {
-        return Some(ServiceTime::Decode(decode));
-    }
-    let tokens = u32::try_from(stats.last_batch_tokens)
-        .ok()
-        .filter(|n| *n > 0)?;
-    let step = Duration::from_micros(stats.last_step_micros);
-    (!step.is_zero()).then(|| ServiceTime::PrefillBound(step / tokens))
+    Some(ServiceTime::Model(stats.step_cost))
 }
 
 /// How a request fits a pool under the KV policy.
@@ -523,8 +500,13 @@ impl Admitted {
             *generated = Some(generated.unwrap_or(0) + 1);
             // The forecasts' model of the engine learns how far its requests are.
             if self.reported_output < self.max_output_tokens {
+                let prefilled = if self.reported_output == 0 {
+                    self.prompt_tokens as u64
+                } else {
+                    0
+                };
                 self.reported_output += 1;
-                self.ledger.generated(self.pool);
+                self.ledger.generated(self.pool, prefilled);
             }
         }
     }
@@ -574,6 +556,15 @@ impl Admitted {
         self.reserved_blocks
     }
 
+    /// What it adds to its pool's in-flight totals while it runs.
+    fn footprint(&self) -> Footprint {
+        Footprint {
+            reserved_tokens: self.reserved_tokens,
+            prompt_tokens: self.prompt_tokens as u64,
+            output_tokens: self.max_output_tokens as u64,
+        }
+    }
+
     /// Tokens this request is charged for, by the stage it is in; `None` when it never ran.
     fn used_tokens(&self) -> Option<usize> {
         let used_output = match self.stage {
@@ -605,14 +596,19 @@ impl Drop for Admitted {
         }
         // Blocks first, then the slot: the dispatcher woken by the slot sees the blocks free.
         drop(self.reservation.take());
+        let unprefilled = if self.reported_output == 0 {
+            self.prompt_tokens as u64
+        } else {
+            0
+        };
         self.ledger.finish(
             &self.tenant.name,
             self.pool,
             self.lane,
-            self.reserved_tokens,
+            self.footprint(),
             (
-                self.max_output_tokens as u64,
                 (self.max_output_tokens - self.reported_output) as u64,
+                unprefilled,
             ),
         );
     }

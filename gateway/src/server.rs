@@ -179,8 +179,8 @@ pub async fn bind_on(
     let queues: Arc<dyn QueueSource> = Arc::new(admission.clone());
     let metrics = Metrics::new(metrics_config, engine.clone(), Some(queues))?;
     let rate_view = admission.clone();
-    // Until completions have measured a drain rate, Retry-After estimates use the engine's
-    // per-token service time.
+    // Until completions have measured a drain rate, forecasts and Retry-After estimates price
+    // the queued work with the engine's step cost model (fitted at start, refitted every step).
     let probed = engine.clone();
     admission.set_service_time_probe(move || engine_service_time(&probed.stats()));
     // Never more requests in the engine than its submit queue takes: no `QueueFull` 503s.

@@ -488,13 +488,6 @@ impl Dispatcher {
             reply,
             ..
         } = payload;
-        self.ledger.start(
-            &ticket.tenant.name,
-            ticket.pool,
-            lane,
-            reserved_tokens,
-            ticket.max_output_tokens as u64,
-        );
         let admitted = Admitted {
             headers: debit.headers(),
             tenant: ticket.tenant,
@@ -512,6 +505,12 @@ impl Dispatcher {
             debit: Some(debit),
             ledger: Arc::clone(&self.ledger),
         };
+        self.ledger.start(
+            &admitted.tenant.name,
+            admitted.pool,
+            lane,
+            admitted.footprint(),
+        );
         // If the client left since the last purge, the guard comes back and drops here: it still
         // holds its reservation, so slot, blocks and the whole debit are returned, once.
         let _ = reply.send(Ok(admitted));
@@ -602,7 +601,7 @@ impl Dispatcher {
             if pool != PoolId::LOCAL {
                 return None;
             }
-            let per_token = self.ledger.per_token_service_time()?;
+            let per_token = self.ledger.per_token_service_time(pool)?;
             Some(per_token.mul_f64(average_output as f64))
         };
         let oldest_wait = || {
