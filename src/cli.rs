@@ -138,6 +138,7 @@ pub struct ServeArgs {
     pub metrics_listen: Option<SocketAddr>,
     /// After SIGTERM/SIGINT, fail /readyz but keep accepting and serving for this long (load
     /// balancers need a probe period to stop routing here), then close the listener and drain.
+    /// A second SIGTERM/SIGINT ends the pre-drain at once.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     pub pre_drain: Duration,
     /// Also export vLLM-compatible metric names (for existing dashboards and KV-aware routers).

@@ -40,7 +40,7 @@ use crate::auth::authenticate;
 use crate::metrics::QueueSource;
 use crate::policy::{KvPolicy, Policy, ReservationMode, TenantPolicy};
 use crate::queue::Lane;
-use crate::ratelimit::{Debit, RateLimitError, RateLimitHeaders, RateLimits};
+use crate::ratelimit::{Debit, RateLimitError, RateLimitHeaders, RateLimits, RequestCell};
 use crate::reload::PolicyStore;
 #[cfg(test)]
 use dispatcher::REFORECAST_EVERY;
@@ -129,6 +129,16 @@ impl Admission {
 
     /// Waits until the request may start, or says why it may not.
     pub async fn admit(&self, ticket: AdmissionTicket) -> Result<Admitted, Rejection> {
+        self.admit_prepaid(ticket, None).await
+    }
+
+    /// [`Admission::admit`] for a request whose request cell was taken before its body
+    /// ([`Admission::reserve_request`]): only its tokens are debited here.
+    pub async fn admit_prepaid(
+        &self,
+        ticket: AdmissionTicket,
+        prepaid: Option<RequestCell>,
+    ) -> Result<Admitted, Rejection> {
         let policy = self.store.current();
         let tenant = Arc::clone(&ticket.tenant);
         let Some(pool) = self.pools.get(ticket.pool.0) else {
@@ -158,7 +168,7 @@ impl Admission {
             .saturating_add(ticket.max_output_tokens);
         let debit = self
             .limits
-            .try_debit(&tenant, budget_tokens)
+            .try_debit_prepaid(&tenant, budget_tokens, prepaid)
             .map_err(|error| {
                 let rejection = rate_rejection(&tenant.name, error);
                 rejection.count(&tenant.name);
@@ -257,12 +267,13 @@ impl Admission {
         &self.store
     }
 
-    /// Refuses a request of `tenant` whose request bucket is empty now, before its body is read
-    /// (see `intake.rs`). Spends nothing: [`Admission::admit`] debits the request as usual, so a
-    /// request that passes here can still be refused there by a burst that came in meanwhile.
-    /// A refusal is counted like admission's own.
-    pub fn check_request_rate(&self, tenant: &TenantPolicy) -> Result<(), Rejection> {
-        self.limits.check_request(tenant).map_err(|error| {
+    /// Takes one request from `tenant`'s request bucket before its body is read (see
+    /// `intake.rs`), or refuses it (429 with governor's wait; counted like admission's own
+    /// refusals). Pass the cell to [`Admission::admit_prepaid`]: the request is then not
+    /// charged a second time. Dropping it (the body or validation failed, the client left)
+    /// returns it, as any request refused before it ran is refunded.
+    pub fn reserve_request(&self, tenant: &TenantPolicy) -> Result<RequestCell, Rejection> {
+        self.limits.reserve_request(tenant).map_err(|error| {
             let rejection = rate_rejection(&tenant.name, error);
             rejection.count(&tenant.name);
             rejection

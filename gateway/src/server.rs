@@ -252,6 +252,17 @@ impl Server {
     /// in-flight requests drain within the grace period. The operator listener keeps serving
     /// (metrics of the drain included) until the drain is over.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        self.run_until(shutdown, std::future::pending()).await;
+    }
+
+    /// [`Server::run`] with a way to end the pre-drain early: once `hurry` resolves (after
+    /// `shutdown`, e.g. a second signal, [`shutdown::Signals::second`]) the listener closes at
+    /// once and the drain begins.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+        hurry: impl Future<Output = ()>,
+    ) {
         let state = self.state;
         let sampler = state.metrics().spawn_sampler(METRICS_SAMPLE_INTERVAL);
         if let Ok(addr) = self.listener.local_addr() {
@@ -283,7 +294,10 @@ impl Server {
             unready.begin_shutdown();
             if !pre_drain.is_zero() {
                 tracing::info!(?pre_drain, "shutting down: not ready; still serving");
-                tokio::time::sleep(pre_drain).await;
+                tokio::select! {
+                    () = tokio::time::sleep(pre_drain) => {}
+                    () = hurry => tracing::info!("pre-drain cut short"),
+                }
             }
         };
         shutdown::serve_until(
