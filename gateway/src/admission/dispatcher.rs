@@ -45,9 +45,9 @@ use super::{AdmissionTicket, Admitted, MIN_CAPACITY_RETRY_AFTER, PoolId, Stage, 
 use crate::metrics::QUEUE_ABANDONED_TOTAL;
 use crate::policy::{Policy, TenantPolicy};
 use crate::queue::{EntryId, FairQueue, Lane, NewEntry, QueueEntry, QueueFull, QueueLimits};
-use crate::ratelimit::{Debit, RateLimitHeaders, RateLimits};
-use crate::validate::ValidationError;
+use crate::ratelimit::{Debit, RateLimits};
 use crate::reload::PolicyStore;
+use crate::validate::ValidationError;
 
 /// How often queued requests are re-forecast when nothing else wakes the dispatcher: the drain
 /// rate and the engine's service time change with every step, not only on events.
@@ -220,12 +220,10 @@ impl Dispatcher {
             let (requests, tokens) = kept.entry(tenant.name.clone()).or_default();
             let limit = tenant.queue_tokens as u64;
             let over = if entry.tokens > limit {
-                Some(Refusal::Now(Rejection::QueueNeverFits {
-                    tenant: tenant.name.clone(),
+                Some(Refusal::NeverQueues {
                     requested: entry.tokens,
                     limit,
-                    headers: RateLimitHeaders::default(),
-                }))
+                })
             } else if *requests >= tenant.queue_depth {
                 let (queued, limit) = (*requests, tenant.queue_depth);
                 Some(Refusal::QueueFull(QueueFull::Requests { queued, limit }))
@@ -265,18 +263,13 @@ impl Dispatcher {
             drop(debit);
             let tenant = Arc::clone(&ticket.tenant);
             let rejection = match refused.remove(&entry.id) {
-                Some(Refusal::Now(Rejection::QueueNeverFits {
-                    tenant,
-                    requested,
-                    limit,
-                    ..
-                })) => Rejection::QueueNeverFits {
-                    headers: self.limits.headers(&ticket.tenant),
-                    tenant,
-                    requested,
-                    limit,
-                },
                 Some(Refusal::Now(rejection)) => rejection,
+                Some(Refusal::NeverQueues { requested, limit }) => Rejection::QueueNeverFits {
+                    tenant: tenant.name.clone(),
+                    requested,
+                    limit,
+                    headers: self.limits.headers(&tenant),
+                },
                 Some(Refusal::QueueFull(reason)) => Rejection::QueueFull {
                     tenant: tenant.name.clone(),
                     reason,
@@ -673,10 +666,16 @@ impl Dispatcher {
     }
 }
 
-/// Why a reload refuses a queued request: a rejection known at once, or a full queue, whose
-/// Retry-After is estimated once the queue has been rewritten.
+/// Why a reload refuses a queued request: a rejection known at once, or one about the queue's
+/// bounds, whose headers and Retry-After are read once the queue has been rewritten (the
+/// rewrite holds the queue).
 enum Refusal {
     Now(Rejection),
+    /// Bigger than the tenant's whole `queue_tokens`.
+    NeverQueues {
+        requested: u64,
+        limit: u64,
+    },
     QueueFull(QueueFull),
 }
 

@@ -866,6 +866,59 @@ async fn a_reload_refuses_the_queued_requests_of_a_removed_key_and_applies_new_l
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_reload_that_lowers_queue_and_length_limits_refuses_the_queued_requests_over_them() {
+    let (admission, pool, store) = setup_reloadable(10, "[tenants.a]\n");
+    let blocker = pool.try_reserve(10).unwrap();
+    // Queued in this order: 32, 80, 32 and 32 tokens.
+    let first = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 1).await;
+    let long_prompt = spawn_admit(&admission, ticket(&store, "a", 64, 16));
+    until(|| queued(&admission) == 2).await;
+    let third = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 3).await;
+    let fourth = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 4).await;
+
+    reload(
+        &store,
+        "[tenants.a]\nqueue_depth = 2\nmax_input_tokens = 32\n",
+    );
+    // Over the new input limit: validation's own error.
+    let rejection = long_prompt.await.unwrap().unwrap_err();
+    assert_eq!(
+        (rejection.status(), rejection.code(), rejection.param()),
+        (400, "context_length_exceeded", Some("prompt"))
+    );
+    assert!(
+        rejection.message().contains("maximum input length is 32"),
+        "{}",
+        rejection.message()
+    );
+    // Of the three left, the oldest two fit the new depth; the youngest is refused.
+    let rejection = fourth.await.unwrap().unwrap_err();
+    assert_eq!((rejection.status(), rejection.code()), (429, "queue_full"));
+    assert!(rejection.retry_after().is_some());
+    assert_eq!(queued(&admission), 2);
+
+    // A token bound of 40 holds one of the two 32-token requests: the younger goes.
+    reload(
+        &store,
+        "[tenants.a]\nqueue_depth = 2\nmax_input_tokens = 32\nqueue_tokens = 40\n",
+    );
+    let rejection = third.await.unwrap().unwrap_err();
+    assert_eq!(rejection.code(), "queue_full");
+    assert!(
+        rejection.message().contains("tokens"),
+        "{}",
+        rejection.message()
+    );
+    assert_eq!(queued(&admission), 1);
+    drop(blocker);
+    assert_eq!(admitted(first).await.reserved_blocks(), 2);
+    let _ = std::fs::remove_file(store.path());
+}
+
+#[tokio::test(start_paused = true)]
 async fn every_stage_settles_the_debit_exactly() {
     let (admission, _pool, store) = setup(100, "[tenants.a]\ntokens_per_minute = 1000\n");
     let tenant = store.current().tenant("a").unwrap();
