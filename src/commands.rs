@@ -40,6 +40,7 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
         max_batched_tokens: args.max_batched_tokens,
         target_itl: args.target_itl.0,
         prefill_order: args.prefill_order.into(),
+        command_queue: args.engine_queue as usize,
     };
     Runtime::start(&path, opts).map_err(|error| match error {
         // Its message names the file and what is wrong with it.

@@ -1,5 +1,5 @@
 //! Admission's core through the real server and model (issue 16): `reservation = "prompt"`
-//! with preemption, the engine's submit-queue bound, reloads while requests are queued, a
+//! with preemption, the engine's submit-queue bound (and its `QueueFull`), reloads while requests are queued, a
 //! `max_queue_wait` longer than the request timeout, and fail-fast 429s for a KV backlog
 //! that cannot drain in time (a scaled-down version of the 48 MiB measurement).
 
@@ -114,15 +114,18 @@ async fn prompt_reservations_overcommit_preempt_and_still_finish_every_request()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_engine_queue_wait_in_admission_instead_of_failing() {
+    // An engine whose submit queue takes one request: without the gate (the server caps
+    // admission at the engine's queue) the other three would be answered 503 `QueueFull`.
+    let options = Options {
+        engine_queue: 1,
+        ..Options::default()
+    };
     let server = tenant_a_server(
         "max_concurrency = 8\ntokens_per_minute = 100000",
         "",
-        Options::default(),
+        options,
     )
     .await;
-    // An engine whose submit queue takes one request: without the gate the other three would
-    // be answered 503 by the engine (`QueueFull`).
-    server.admission.limit_in_flight(PoolId::LOCAL, 1);
     let client = server.client();
     let running = hold_slot(&client, "sk-a", 300).await;
     let waiting: Vec<_> = (0..3)
@@ -143,6 +146,75 @@ async fn requests_beyond_the_engine_queue_wait_in_admission_instead_of_failing()
     );
     drop(running);
     for request in waiting {
+        let reply = request.await.unwrap();
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.json());
+    }
+    server.wait_for_idle_kv(WAIT).await;
+}
+
+/// The engine's own `QueueFull`, end to end: should the engine's queue fill although admission
+/// admitted the request (here admission's cap is lifted above the engine's queue of one, and the
+/// engine runs one sequence at a time), the request is answered 503 `engine_unavailable` with a
+/// Retry-After, and its request and tokens go back to the tenant's buckets exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_engine_queue_refuses_gets_503_and_is_refunded_exactly() {
+    let options = Options {
+        engine_queue: 1,
+        max_num_seqs: 1,
+        ..Options::default()
+    };
+    // Slow buckets (one request per 10 s, 10 tokens per second): a charge for the refused
+    // request (one request, ~25 tokens) would show through what refills while it is answered.
+    let extra = "max_concurrency = 8\nrequests_per_minute = 6\ntokens_per_minute = 600";
+    let server = tenant_a_server(extra, "", options).await;
+    server.admission.limit_in_flight(PoolId::LOCAL, 8);
+    let client = server.client();
+    // Running (the engine's one sequence), then one in its waiting list, one in its queue.
+    let running = hold_slot(&client, "sk-a", 300).await;
+    let accepted: Vec<_> = (0..2)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move { client.post(CHAT, Some("sk-a"), &chat("hi", 4)).await })
+        })
+        .collect();
+    wait_until("two more requests are in the engine", WAIT, || {
+        server.engine.stats().waiting == 1
+            && server
+                .admission
+                .queue_snapshot()
+                .iter()
+                .map(|row| row.in_flight)
+                .sum::<usize>()
+                == 3
+    })
+    .await;
+    let policy = server.store.current().tenant("a").expect("tenant");
+    let before = server.admission.rate_headers(&policy);
+    let refused = client.post(CHAT, Some("sk-a"), &chat("hi", 4)).await;
+    assert_eq!(
+        (refused.status, refused.error_code().as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "engine_unavailable"),
+        "{:?}",
+        refused.json()
+    );
+    assert!(refused.header("retry-after").is_some());
+    let after = server.admission.rate_headers(&policy);
+    let remaining = |h: &kvgate_gateway::ratelimit::RateLimitHeaders| {
+        (
+            h.requests.as_ref().map(|s| s.remaining),
+            h.tokens.as_ref().map(|s| s.remaining),
+        )
+    };
+    // Refills only raise `after`; a charge would lower it.
+    // (Answered within ~2 s, as it should be, a charge outweighs the refill.)
+    let (requests_before, tokens_before) = remaining(&before);
+    let (requests_after, tokens_after) = remaining(&after);
+    assert!(
+        requests_after >= requests_before && tokens_after >= tokens_before,
+        "before {before:?}, after {after:?}"
+    );
+    drop(running);
+    for request in accepted {
         let reply = request.await.unwrap();
         assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.json());
     }

@@ -32,6 +32,9 @@ pub struct RuntimeOptions {
     /// Step-time target while sequences decode (`None`: no cap on prompt tokens per step).
     pub target_itl: Option<Duration>,
     pub prefill_order: PrefillOrder,
+    /// Capacity of the engine's submit queue and of its waiting list (the gateway admits no
+    /// more requests at once than this).
+    pub command_queue: usize,
 }
 
 impl Default for RuntimeOptions {
@@ -44,6 +47,7 @@ impl Default for RuntimeOptions {
             max_batched_tokens: 512,
             target_itl: Some(DEFAULT_TARGET_ITL),
             prefill_order: PrefillOrder::TenantFair,
+            command_queue: EngineConfig::default().command_queue,
         }
     }
 }
@@ -148,6 +152,7 @@ impl Runtime {
             max_model_len: config.context_length,
             target_itl: opts.target_itl,
             prefill_order: opts.prefill_order,
+            command_queue: opts.command_queue,
             ..EngineConfig::default()
         };
         let decoder = Arc::clone(&tokenizer);
