@@ -169,25 +169,28 @@ async fn a_request_the_engine_queue_refuses_gets_503_and_is_refunded_exactly() {
     let server = tenant_a_server(extra, "", options).await;
     server.admission.limit_in_flight(PoolId::LOCAL, 8);
     let client = server.client();
-    // Running (the engine's one sequence), then one in its waiting list, one in its queue.
+    // Running (the engine's one sequence), then one in its waiting list, one in its queue:
+    // one at a time, since the engine moves its queue to its waiting list only between steps.
     let running = hold_slot(&client, "sk-a", 300).await;
-    let accepted: Vec<_> = (0..2)
-        .map(|_| {
-            let client = client.clone();
-            tokio::spawn(async move { client.post(CHAT, Some("sk-a"), &chat("hi", 4)).await })
-        })
-        .collect();
-    wait_until("two more requests are in the engine", WAIT, || {
+    let in_flight = || -> usize {
+        let rows = server.admission.queue_snapshot();
+        rows.iter().map(|row| row.in_flight).sum()
+    };
+    let spawn_short = || {
+        let client = client.clone();
+        tokio::spawn(async move { client.post(CHAT, Some("sk-a"), &chat("hi", 4)).await })
+    };
+    let waiting = spawn_short();
+    wait_until("a request waits in the engine", WAIT, || {
         server.engine.stats().waiting == 1
-            && server
-                .admission
-                .queue_snapshot()
-                .iter()
-                .map(|row| row.in_flight)
-                .sum::<usize>()
-                == 3
     })
     .await;
+    let queued_in_engine = spawn_short();
+    wait_until("a request sits in the engine's queue", WAIT, || {
+        in_flight() == 3
+    })
+    .await;
+    let accepted = [waiting, queued_in_engine];
     let policy = server.store.current().tenant("a").expect("tenant");
     let before = server.admission.rate_headers(&policy);
     let refused = client.post(CHAT, Some("sk-a"), &chat("hi", 4)).await;
@@ -301,6 +304,10 @@ async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_long
         tokio::spawn(async move { client.post(CHAT, Some("sk-a"), &chat("hi", 500)).await })
     };
     wait_until("the second request queues", WAIT, || {
+        assert!(
+            !waiting.is_finished(),
+            "the second request was answered before it queued"
+        );
         queued(&server, "a") == 1
     })
     .await;
