@@ -153,7 +153,6 @@ impl Runtime {
             target_itl: opts.target_itl,
             prefill_order: opts.prefill_order,
             command_queue: opts.command_queue,
-            ..EngineConfig::default()
         };
         let decoder = Arc::clone(&tokenizer);
         let engine = Engine::spawn(Box::new(backend), decoder, engine_config)?;
