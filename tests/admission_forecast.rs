@@ -298,7 +298,7 @@ async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_long
         TestServer::start_with(&policy(&spec, "[kv]\nhigh_watermark = 1.0\n"), options).await;
     let client = server.client();
     // ~30 + 500 tokens: 34 blocks held; the next one (34 more) waits for KV.
-    let running = hold_slot(&client, "sk-a", 500).await;
+    let running = hold_slot(&client, "sk-a", 2000).await;
     let waiting = {
         let client = client.clone();
         tokio::spawn(async move { client.post(CHAT, Some("sk-a"), &chat("hi", 500)).await })
@@ -335,14 +335,16 @@ async fn a_queue_wait_longer_than_the_request_timeout_ends_in_admissions_answer(
     let mut options = Options::default();
     options.serve.request_timeout = Duration::from_secs(2);
     let server = tenant_a_server(
-        "max_concurrency = 1\nmax_queue_wait = \"60s\"\nrequests_per_minute = 2",
+        "max_concurrency = 1\nmax_queue_wait = \"60s\"\nrequests_per_minute = 2\nmax_output_tokens = 2000\nmax_total_tokens = 2100",
         "",
         options,
     )
     .await;
     let client = server.client();
     // A stream outlives the request timeout (it bounds the headers, not the body).
-    let running = hold_slot(&client, "sk-a", 300).await;
+    // Long enough to outlast the 1.8 s queue wait on a fast idle machine too (300 tokens took
+    // under 1.5 s there, and the queued request was then served).
+    let running = hold_slot(&client, "sk-a", 2000).await;
     let started = Instant::now();
     let waited = client.post(CHAT, Some("sk-a"), &chat("hi", 1)).await;
     // Admission's 503 with Retry-After, before the timeout layer's bare 504.
