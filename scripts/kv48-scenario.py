@@ -64,7 +64,8 @@ def main():
             try:
                 with urllib.request.urlopen(base + "/readyz", timeout=1):
                     break
-            except (urllib.error.URLError, ConnectionError):
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                # Bound but still loading (the listener is bound before the model loads).
                 time.sleep(0.2)
         else:
             sys.exit("server never became ready")
@@ -86,6 +87,7 @@ def main():
     for status, rows in sorted(by_outcome.items()):
         times = sorted(took for took, _, _ in rows)
         line = f"{status}: {len(rows)}, answered after {times[0]:.2f}..{times[-1]:.2f} s"
+        line += f" ({sum(t <= 1.0 for t in times)} within 1 s, median {times[len(times) // 2]:.2f} s)"
         retry = sorted({int(r) for _, r, _ in rows if r is not None})
         if retry:
             line += f", Retry-After {retry[0]}..{retry[-1]} s"

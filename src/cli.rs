@@ -69,6 +69,10 @@ pub struct ModelArgs {
     /// Most sequences in one running batch.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_num_seqs: usize,
+    /// Capacity of the engine's submit queue and waiting list; `serve` admits at most this
+    /// many requests into the engine at once (the rest wait in admission's fair queue).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub engine_queue: u32,
     /// Token budget of one scheduler step (prefill chunks and decodes together).
     #[arg(long, value_name = "N", default_value_t = 512)]
     pub max_batched_tokens: usize,
@@ -161,6 +165,7 @@ pub struct ServeArgs {
     pub metrics_listen: Option<SocketAddr>,
     /// After SIGTERM/SIGINT, fail /readyz but keep accepting and serving for this long (load
     /// balancers need a probe period to stop routing here), then close the listener and drain.
+    /// A second SIGTERM/SIGINT ends the pre-drain at once.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     pub pre_drain: Duration,
     /// Also export vLLM-compatible metric names (for existing dashboards and KV-aware routers).

@@ -44,6 +44,7 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
         target_itl: args.target_itl.0,
         prefill_order: args.prefill_order.into(),
         prefix_caching: args.prefix_cache == Switch::On,
+        command_queue: args.engine_queue as usize,
     };
     Runtime::start(&path, opts).map_err(|error| match error {
         // Its message names the file and what is wrong with it.

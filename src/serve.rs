@@ -103,6 +103,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             upstreams,
         )
         .await?;
+        // Signals are handled from before "ready" on; a second SIGTERM/SIGINT cuts the
+        // pre-drain short.
+        let signals = shutdown::Signals::listen();
         let listen = server.local_addr().context("reading the bound address")?;
         tracing::info!(
             %listen,
@@ -110,7 +113,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             model = %config.model_name,
             "kvgate ready"
         );
-        server.run(shutdown::signal()).await;
+        server.run_until(signals.first(), signals.second()).await;
         anyhow::Ok(())
     })?;
     engine.shutdown();

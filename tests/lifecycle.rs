@@ -1,11 +1,13 @@
 //! Lifetimes through the real server: disconnects free KV (streaming, non-streaming, queued),
-//! policy reloads (good and bad), and graceful shutdown that loses no in-flight request.
+//! policy reloads (good and bad), and graceful shutdown that loses no in-flight request, with
+//! its pre-drain (cut short by a second signal to the real binary).
 
 mod common;
 
 use std::time::Duration;
 
 use common::client::{raw_connect, raw_post};
+use common::process::{scratch_dir, serve};
 use common::{LONG_ANSWER, TenantSpec, TestServer, chat, hold_slot, policy, queued, wait_until};
 use hyper::StatusCode;
 
@@ -232,4 +234,36 @@ async fn shutdown_fails_readiness_first_and_keeps_serving_through_the_pre_drain(
     })
     .await;
     stopped.await.expect("the server stops after the pre-drain");
+}
+
+/// `kvgate serve` with a pre-drain far longer than the test: the first SIGTERM starts it, a
+/// second signal (SIGINT here, as from Ctrl-C) ends it at once and the server exits cleanly.
+#[test]
+fn a_second_signal_cuts_the_pre_drain_short() {
+    let dir = scratch_dir("pre-drain");
+    let mut served = serve(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--pre-drain",
+            "600s",
+            "--kv-memory",
+            "16MiB",
+        ],
+        &dir,
+    );
+    served.signal("TERM");
+    served
+        .wait_for_line("not ready; still serving", WAIT)
+        .expect("the first signal starts the pre-drain");
+    // Still serving during the pre-drain (readiness failed, the listener is open).
+    assert!(std::net::TcpStream::connect(served.addr).is_ok());
+    served.signal("INT");
+    served
+        .wait_for_line("pre-drain cut short", WAIT)
+        .expect("the second signal ends the pre-drain");
+    let status = served
+        .wait_exit(WAIT)
+        .expect("the server exits long before its 600 s pre-drain is over");
+    assert!(status.success(), "{status}");
 }

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use http::HeaderMap;
 use kvgate_runtime::block_pool::{BlockPool, Occupancy, Reservation};
-use kvgate_runtime::engine::EngineStats;
+use kvgate_runtime::engine::{EngineStats, StepCost};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -40,12 +40,12 @@ use crate::auth::authenticate;
 use crate::metrics::QueueSource;
 use crate::policy::{KvPolicy, Policy, ReservationMode, TenantPolicy};
 use crate::queue::Lane;
-use crate::ratelimit::{Debit, RateLimitError, RateLimitHeaders, RateLimits};
+use crate::ratelimit::{Debit, RateLimitError, RateLimitHeaders, RateLimits, RequestCell};
 use crate::reload::PolicyStore;
 #[cfg(test)]
 use dispatcher::REFORECAST_EVERY;
 use dispatcher::{Command, Dispatcher, Pending};
-use ledger::Ledger;
+use ledger::{Footprint, Ledger};
 
 /// Commands waiting for the dispatcher; senders wait when it is full (backpressure).
 const COMMAND_CAPACITY: usize = 1024;
@@ -129,6 +129,16 @@ impl Admission {
 
     /// Waits until the request may start, or says why it may not.
     pub async fn admit(&self, ticket: AdmissionTicket) -> Result<Admitted, Rejection> {
+        self.admit_prepaid(ticket, None).await
+    }
+
+    /// [`Admission::admit`] for a request whose request cell was taken before its body
+    /// ([`Admission::reserve_request`]): only its tokens are debited here.
+    pub async fn admit_prepaid(
+        &self,
+        ticket: AdmissionTicket,
+        prepaid: Option<RequestCell>,
+    ) -> Result<Admitted, Rejection> {
         let policy = self.store.current();
         let tenant = Arc::clone(&ticket.tenant);
         let Some(pool) = self.pools.get(ticket.pool.0) else {
@@ -158,7 +168,7 @@ impl Admission {
             .saturating_add(ticket.max_output_tokens);
         let debit = self
             .limits
-            .try_debit(&tenant, budget_tokens)
+            .try_debit_prepaid(&tenant, budget_tokens, prepaid)
             .map_err(|error| {
                 let rejection = rate_rejection(&tenant.name, error);
                 rejection.count(&tenant.name);
@@ -257,12 +267,13 @@ impl Admission {
         &self.store
     }
 
-    /// Refuses a request of `tenant` whose request bucket is empty now, before its body is read
-    /// (see `intake.rs`). Spends nothing: [`Admission::admit`] debits the request as usual, so a
-    /// request that passes here can still be refused there by a burst that came in meanwhile.
-    /// A refusal is counted like admission's own.
-    pub fn check_request_rate(&self, tenant: &TenantPolicy) -> Result<(), Rejection> {
-        self.limits.check_request(tenant).map_err(|error| {
+    /// Takes one request from `tenant`'s request bucket before its body is read (see
+    /// `intake.rs`), or refuses it (429 with governor's wait; counted like admission's own
+    /// refusals). Pass the cell to [`Admission::admit_prepaid`]: the request is then not
+    /// charged a second time. Dropping it (the body or validation failed, the client left)
+    /// returns it, as any request refused before it ran is refunded.
+    pub fn reserve_request(&self, tenant: &TenantPolicy) -> Result<RequestCell, Rejection> {
+        self.limits.reserve_request(tenant).map_err(|error| {
             let rejection = rate_rejection(&tenant.name, error);
             rejection.count(&tenant.name);
             rejection
@@ -307,51 +318,28 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// The engine's per-token service time as of its last step: the step's wall time divided by
-/// the sequences in it (each running sequence gains one token per step). `None` before the
-/// first step, and for a step that was mostly prefill (more than twice as many tokens as
-/// sequences): such a step says little about decode speed and would make every forecast
-/// far too pessimistic, so admission keeps the last decode-dominated value instead.
-pub fn per_token_service_time(stats: &EngineStats) -> Option<Duration> {
-    if stats.last_batch_tokens > 2 * stats.last_batch_seqs {
-        return None;
-    }
-    let sequences = u32::try_from(stats.last_batch_seqs)
-        .ok()
-        .filter(|n| *n > 0)?;
-    let step = Duration::from_micros(stats.last_step_micros);
-    (!step.is_zero()).then(|| step / sequences)
-}
-
-/// The engine's time per generated token, and how it was measured.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How fast the engine serves, for forecasts made before completions have measured a drain
+/// rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ServiceTime {
-    /// From a decode-dominated step: [`per_token_service_time`].
-    Decode(Duration),
-    /// From a prefill-dominated step: its wall time per computed token. A batched prefill
-    /// token is cheaper than a decode token, so this is a lower bound on the decode time —
-    /// good enough to refuse what even an optimistic forecast says cannot start in time
-    /// before the first decode step is timed (a long prompt's prefill can take seconds).
-    PrefillBound(Duration),
+    /// A fixed wall time per generated token, all running sequences together.
+    PerToken(Duration),
+    /// The engine's step cost model ([`EngineStats::step_cost`]): admission prices the decode
+    /// steps and prefills of requests like the running ones with it. `Runtime::start` fits it
+    /// to the machine before serving and every step refits it, so it answers from the first
+    /// request of a burst on, before any real step has been timed.
+    Model(StepCost),
 }
 
 impl From<Duration> for ServiceTime {
     fn from(per_token: Duration) -> ServiceTime {
-        ServiceTime::Decode(per_token)
+        ServiceTime::PerToken(per_token)
     }
 }
 
-/// What the engine's last step says about its per-token service time: a decode time when the
-/// step was decode-dominated, else a lower bound from its prefill; `None` before any step.
+/// What the engine's stats say about its pace: its step cost model's current fit.
 pub fn engine_service_time(stats: &EngineStats) -> Option<ServiceTime> {
-    if let Some(decode) = per_token_service_time(stats) {
-        return Some(ServiceTime::Decode(decode));
-    }
-    let tokens = u32::try_from(stats.last_batch_tokens)
-        .ok()
-        .filter(|n| *n > 0)?;
-    let step = Duration::from_micros(stats.last_step_micros);
-    (!step.is_zero()).then(|| ServiceTime::PrefillBound(step / tokens))
+    Some(ServiceTime::Model(stats.step_cost))
 }
 
 /// How a request fits a pool under the KV policy.
@@ -523,8 +511,13 @@ impl Admitted {
             *generated = Some(generated.unwrap_or(0) + 1);
             // The forecasts' model of the engine learns how far its requests are.
             if self.reported_output < self.max_output_tokens {
+                let prefilled = if self.reported_output == 0 {
+                    self.prompt_tokens as u64
+                } else {
+                    0
+                };
                 self.reported_output += 1;
-                self.ledger.generated(self.pool);
+                self.ledger.generated(self.pool, prefilled);
             }
         }
     }
@@ -574,6 +567,15 @@ impl Admitted {
         self.reserved_blocks
     }
 
+    /// What it adds to its pool's in-flight totals while it runs.
+    fn footprint(&self) -> Footprint {
+        Footprint {
+            reserved_tokens: self.reserved_tokens,
+            prompt_tokens: self.prompt_tokens as u64,
+            output_tokens: self.max_output_tokens as u64,
+        }
+    }
+
     /// Tokens this request is charged for, by the stage it is in; `None` when it never ran.
     fn used_tokens(&self) -> Option<usize> {
         let used_output = match self.stage {
@@ -605,14 +607,19 @@ impl Drop for Admitted {
         }
         // Blocks first, then the slot: the dispatcher woken by the slot sees the blocks free.
         drop(self.reservation.take());
+        let unprefilled = if self.reported_output == 0 {
+            self.prompt_tokens as u64
+        } else {
+            0
+        };
         self.ledger.finish(
             &self.tenant.name,
             self.pool,
             self.lane,
-            self.reserved_tokens,
+            self.footprint(),
             (
-                self.max_output_tokens as u64,
                 (self.max_output_tokens - self.reported_output) as u64,
+                unprefilled,
             ),
         );
     }

@@ -21,6 +21,7 @@ use crate::error::GatewayError;
 use crate::intake::IntakePermit;
 use crate::metrics::{RejectReason, record_rejection, record_request};
 use crate::policy::TenantPolicy;
+use crate::ratelimit::RequestCell;
 use crate::state::AppState;
 
 /// A JSON body parsed into `T`, or a 400/408/413 OpenAI error.
@@ -162,15 +163,19 @@ impl FromRequestParts<AppState> for Tenant {
     }
 }
 
-/// The tenant of a generation request, let into intake: its key is valid, its request rate has
-/// room, and it has fewer than `max_validating` requests being read or validated. All three are
-/// decided from the headers, before the body is read, so a tenant over its limits costs no
-/// upload, parsing or tokenization (and cannot hold those resources from other tenants). The
-/// permit must be kept until validation ends (`Intake::validate` takes it).
+/// The tenant of a generation request, let into intake: its key is valid, one request of its
+/// request rate is taken, and it has fewer than `max_validating` requests being read or
+/// validated. All three are decided from the headers, before the body is read, so a tenant over
+/// its limits costs no upload, parsing or tokenization (and cannot hold those resources from
+/// other tenants); taking the request (not only checking the bucket) means a concurrent burst
+/// cannot all pass. The permit must be kept until validation ends (`Intake::validate` takes
+/// it); the request cell goes to admission with the request (or returns to the bucket when it
+/// drops: a request refused before it ran costs nothing).
 #[derive(Debug)]
 pub struct TenantIntake {
     pub tenant: Arc<TenantPolicy>,
     pub permit: IntakePermit,
+    pub request: RequestCell,
 }
 
 impl FromRequestParts<AppState> for TenantIntake {
@@ -189,16 +194,24 @@ impl FromRequestParts<AppState> for TenantIntake {
             }
         };
         // Admission counts its rate refusals under their reason itself.
-        if let Err(rejection) = state.admission().check_request_rate(&tenant) {
-            refused(None);
-            return Err(rejection.into());
-        }
+        let request = match state.admission().reserve_request(&tenant) {
+            Ok(request) => request,
+            Err(rejection) => {
+                refused(None);
+                return Err(rejection.into());
+            }
+        };
+        // Refused here, the request cell drops and returns to the bucket.
         let permit = state.intake().enter(&tenant).map_err(|full| {
             // The tenant's own bound on requests waiting for service, as its queue's is.
             refused(Some(RejectReason::QueueFull));
             GatewayError::IntakeFull(full)
         })?;
-        Ok(TenantIntake { tenant, permit })
+        Ok(TenantIntake {
+            tenant,
+            permit,
+            request,
+        })
     }
 }
 

@@ -26,7 +26,7 @@ use crate::metrics::{
 };
 use crate::openai::{ChatCompletionRequest, CompletionRequest};
 use crate::policy::TenantPolicy;
-use crate::ratelimit::RateLimitHeaders;
+use crate::ratelimit::{RateLimitHeaders, RequestCell};
 use crate::state::AppState;
 use crate::stream::{ResponseMeta, collect, full_response, sse_body};
 use crate::telemetry::GenerationTelemetry;
@@ -47,7 +47,11 @@ type Validator = Box<
 pub async fn chat_completions(
     State(state): State<AppState>,
     RequestId(request_id): RequestId,
-    TenantIntake { tenant, permit }: TenantIntake,
+    TenantIntake {
+        tenant,
+        permit,
+        request: cell,
+    }: TenantIntake,
     body: Result<OpenAiBody<ChatCompletionRequest>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
@@ -58,9 +62,28 @@ pub async fn chat_completions(
                 Box::new(move |limits, codec, model| validate_chat(&request, model, limits, codec));
             match upstream {
                 Some(route) => {
-                    proxy(&state, &tenant, permit, request_id, &route, validate, raw).await
+                    proxy(
+                        &state,
+                        &tenant,
+                        (permit, cell),
+                        request_id,
+                        &route,
+                        validate,
+                        raw,
+                    )
+                    .await
                 }
-                None => generate(&state, &tenant, permit, request_id, arrived, validate).await,
+                None => {
+                    generate(
+                        &state,
+                        &tenant,
+                        (permit, cell),
+                        request_id,
+                        arrived,
+                        validate,
+                    )
+                    .await
+                }
             }
         }
         Err(error) => Err(error),
@@ -72,7 +95,11 @@ pub async fn chat_completions(
 pub async fn completions(
     State(state): State<AppState>,
     RequestId(request_id): RequestId,
-    TenantIntake { tenant, permit }: TenantIntake,
+    TenantIntake {
+        tenant,
+        permit,
+        request: cell,
+    }: TenantIntake,
     body: Result<OpenAiBody<CompletionRequest>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
@@ -84,9 +111,28 @@ pub async fn completions(
             });
             match upstream {
                 Some(route) => {
-                    proxy(&state, &tenant, permit, request_id, &route, validate, raw).await
+                    proxy(
+                        &state,
+                        &tenant,
+                        (permit, cell),
+                        request_id,
+                        &route,
+                        validate,
+                        raw,
+                    )
+                    .await
                 }
-                None => generate(&state, &tenant, permit, request_id, arrived, validate).await,
+                None => {
+                    generate(
+                        &state,
+                        &tenant,
+                        (permit, cell),
+                        request_id,
+                        arrived,
+                        validate,
+                    )
+                    .await
+                }
             }
         }
         Err(error) => Err(error),
@@ -98,7 +144,7 @@ pub async fn completions(
 async fn generate(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
-    permit: IntakePermit,
+    (permit, cell): (IntakePermit, RequestCell),
     request_id: String,
     arrived: Instant,
     validate: Validator,
@@ -110,7 +156,7 @@ async fn generate(
     let codec = Arc::clone(&state.inner.codec);
     let model = state.inner.model_name.clone();
     let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
-    let mut admitted = admit(state, tenant, &valid, request_id, PoolId::LOCAL).await?;
+    let mut admitted = admit(state, tenant, &valid, cell, request_id, PoolId::LOCAL).await?;
     let meta = ResponseMeta::new(valid.endpoint, &state.inner.model_name, valid.include_usage);
     let telemetry = GenerationTelemetry::new(&tenant.name, arrived, valid.prompt_ids.len());
     let (stream, dropped) = (valid.stream, valid.dropped_messages);
@@ -149,7 +195,7 @@ async fn generate(
 async fn proxy(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
-    permit: IntakePermit,
+    (permit, cell): (IntakePermit, RequestCell),
     request_id: String,
     route: &UpstreamRoute,
     validate: Validator,
@@ -163,7 +209,15 @@ async fn proxy(
     let codec: Arc<dyn PromptCodec> = Arc::clone(upstream.counter()) as _;
     let model = upstream.name().to_owned();
     let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
-    let mut admitted = admit(state, tenant, &valid, request_id.clone(), route.pool()).await?;
+    let mut admitted = admit(
+        state,
+        tenant,
+        &valid,
+        cell,
+        request_id.clone(),
+        route.pool(),
+    )
+    .await?;
     let rate_headers = admitted.rate_headers();
     // Seeded by model and tenant: affinity never crosses tenants (see `upstream/prefix.rs`).
     let seed = format!("{}\u{0}{}", upstream.name(), tenant.name);
@@ -275,19 +329,18 @@ async fn admit(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
     valid: &ValidRequest,
+    cell: RequestCell,
     request_id: String,
     pool: PoolId,
 ) -> Result<Admitted, GatewayError> {
-    let admitted = state
-        .admission()
-        .admit(AdmissionTicket {
-            tenant: Arc::clone(tenant),
-            prompt_tokens: valid.prompt_ids.len(),
-            max_output_tokens: valid.max_tokens as usize,
-            request_id,
-            pool,
-        })
-        .await?;
+    let ticket = AdmissionTicket {
+        tenant: Arc::clone(tenant),
+        prompt_tokens: valid.prompt_ids.len(),
+        max_output_tokens: valid.max_tokens as usize,
+        request_id,
+        pool,
+    };
+    let admitted = state.admission().admit_prepaid(ticket, Some(cell)).await?;
     record_queue_wait(&tenant.name, admitted.queue_wait());
     Ok(admitted)
 }

@@ -10,17 +10,22 @@
 //!    from the headers alone, before a byte of its body is read. The [`IntakePermit`] is held
 //!    until validation ends (the blocking task returns, even if the client left meanwhile), so
 //!    the cap also bounds the CPU work a tenant has queued.
-//! 2. **Fair validation workers** ([`Intake::validate`]): the blocking threads that render and
-//!    tokenize are a small fixed pool (CPU bound; more would only slow each other). A worker that
-//!    frees up goes to the waiting tenant that holds the fewest workers, ties to the tenant
-//!    served longest ago, and within a tenant to its oldest waiter. A tenant with a backlog of
-//!    huge prompts therefore delays another tenant by at most one validation, not its backlog.
+//! 2. **Weighted fair validation workers** ([`Intake::validate`]): the blocking threads that
+//!    render and tokenize are a small fixed pool (CPU bound; more would only slow each other).
+//!    Workers are shared by the tenants' policy `weight`, as the fair queue and the engine share
+//!    their capacity: each tenant has a virtual clock that a grant advances by 1 / weight, and
+//!    a worker that frees up goes to the waiting tenant whose clock is furthest behind (ties to
+//!    the tenant served longest ago), within a tenant to its oldest waiter. A tenant that was
+//!    idle starts at the current virtual time, so idleness banks no credit. A tenant with a
+//!    backlog of huge prompts therefore delays another by at most one validation, and two
+//!    backlogged tenants of weights 3 and 1 get three validations to one.
 //!
-//! The request-rate check that also runs before the body is admission's
-//! ([`crate::admission::Admission::check_request_rate`]): the buckets are admission's.
+//! The request-rate debit that also runs before the body is admission's
+//! ([`crate::admission::Admission::reserve_request`]): the buckets are admission's.
 //! The HTTP side (the extractor that calls [`Intake::enter`]) is in `extract.rs`.
 
 use std::collections::{HashMap, VecDeque};
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -50,13 +55,23 @@ struct State {
     tenants: HashMap<Arc<str>, TenantWorkers>,
     /// Grants so far; orders tenants by when they were last served.
     grants: u64,
+    /// The virtual time of the last grant (see the module docs), in [`GRANT`] units.
+    virtual_time: u128,
 }
 
-#[derive(Default)]
+/// One grant in virtual-time units: a grant advances a tenant's clock by `GRANT / weight`.
+/// Divisible by every weight up to 16 (and by many more), so the usual weights share exactly
+/// (with a float, three grants of 1/3 can fall short of 1 and skew the turns).
+const GRANT: u128 = 720_720 * 1_000_000;
+
 struct TenantWorkers {
     held: usize,
     /// The grant number of this tenant's last worker (0: never served).
     last_served: u64,
+    /// Where this tenant's virtual clock stands: each grant advances it by GRANT / weight.
+    virtual_finish: u128,
+    /// The tenant's policy weight, as of its latest request.
+    weight: NonZeroU32,
     /// Oldest first. Bounded: every waiter holds one of the tenant's intake permits.
     waiters: VecDeque<oneshot::Sender<ValidationWorker>>,
 }
@@ -73,6 +88,19 @@ pub struct IntakeFull {
 pub struct IntakePermit {
     shared: Arc<Shared>,
     tenant: Arc<str>,
+    weight: NonZeroU32,
+}
+
+impl TenantWorkers {
+    fn new(weight: NonZeroU32) -> TenantWorkers {
+        TenantWorkers {
+            held: 0,
+            last_served: 0,
+            virtual_finish: 0,
+            weight,
+            waiters: VecDeque::new(),
+        }
+    }
 }
 
 /// One validation worker, held by a tenant; dropping it hands the worker on fairly.
@@ -111,6 +139,7 @@ impl Intake {
         Ok(IntakePermit {
             shared: Arc::clone(&self.shared),
             tenant: name,
+            weight: tenant.weight,
         })
     }
 
@@ -123,7 +152,7 @@ impl Intake {
         permit: IntakePermit,
         job: impl FnOnce() -> T + Send + 'static,
     ) -> Option<T> {
-        let worker = self.worker(&permit.tenant).await;
+        let worker = self.worker(&permit.tenant, permit.weight).await;
         tokio::task::spawn_blocking(move || {
             let _held = (permit, worker);
             job()
@@ -138,11 +167,17 @@ impl Intake {
         state.in_flight.get(tenant).copied().unwrap_or(0)
     }
 
-    /// Waits for a validation worker for `tenant` (see the module docs for the order).
-    async fn worker(&self, tenant: &Arc<str>) -> ValidationWorker {
+    /// Waits for a validation worker for `tenant` of policy `weight` (see the module docs for
+    /// the order).
+    async fn worker(&self, tenant: &Arc<str>, weight: NonZeroU32) -> ValidationWorker {
         loop {
             let receiver = {
                 let mut state = self.shared.state.lock();
+                state
+                    .tenants
+                    .entry(Arc::clone(tenant))
+                    .or_insert_with(|| TenantWorkers::new(weight))
+                    .weight = weight;
                 if state.busy < self.shared.workers {
                     // Free workers exist only while nobody waits: `release` hands a freed
                     // worker straight to a waiter.
@@ -153,7 +188,10 @@ impl Intake {
                     };
                 }
                 let (sender, receiver) = oneshot::channel();
-                let entry = state.tenants.entry(Arc::clone(tenant)).or_default();
+                let entry = state
+                    .tenants
+                    .entry(Arc::clone(tenant))
+                    .or_insert_with(|| TenantWorkers::new(weight));
                 entry.waiters.push_back(sender);
                 receiver
             };
@@ -167,22 +205,30 @@ impl Intake {
 }
 
 impl State {
-    /// Records a worker going to `tenant`.
+    /// Records a worker going to `tenant` (which has an entry: its caller made it) and
+    /// advances its virtual clock.
     fn grant(&mut self, tenant: &Arc<str>) {
         self.busy += 1;
         self.grants += 1;
-        let grants = self.grants;
-        let entry = self.tenants.entry(Arc::clone(tenant)).or_default();
+        let (grants, now) = (self.grants, self.virtual_time);
+        let Some(entry) = self.tenants.get_mut(tenant) else {
+            return;
+        };
         entry.held += 1;
         entry.last_served = grants;
+        let start = entry.virtual_finish.max(now);
+        entry.virtual_finish = start + GRANT / u128::from(entry.weight.get());
+        self.virtual_time = start;
     }
 
-    /// The waiting tenant that gets the next free worker: fewest held, then served longest ago.
+    /// The waiting tenant that gets the next free worker: the one whose virtual clock is
+    /// furthest behind (an idle tenant's counts as now), then the one served longest ago.
     fn next_tenant(&self) -> Option<Arc<str>> {
+        let now = self.virtual_time;
         self.tenants
             .iter()
             .filter(|(_, entry)| !entry.waiters.is_empty())
-            .min_by_key(|(_, entry)| (entry.held, entry.last_served))
+            .min_by_key(|(_, entry)| (entry.virtual_finish.max(now), entry.last_served))
             .map(|(name, _)| Arc::clone(name))
     }
 

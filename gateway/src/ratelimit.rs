@@ -80,6 +80,18 @@ impl RateLimits {
 
     /// Debits one request and `tokens` tokens from the tenant's buckets, all or nothing.
     pub fn try_debit(&self, tenant: &TenantPolicy, tokens: usize) -> Result<Debit, RateLimitError> {
+        self.try_debit_prepaid(tenant, tokens, None)
+    }
+
+    /// [`RateLimits::try_debit`] for a request whose request cell was taken before its body
+    /// ([`RateLimits::reserve_request`]): only the tokens are debited, and the [`Debit`] takes
+    /// the cell over (refunded with it). On a refusal the cell is returned too: all or nothing.
+    pub fn try_debit_prepaid(
+        &self,
+        tenant: &TenantPolicy,
+        tokens: usize,
+        prepaid: Option<RequestCell>,
+    ) -> Result<Debit, RateLimitError> {
         let slot = self.slot(tenant);
         let buckets = slot.current();
         let tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
@@ -106,6 +118,19 @@ impl RateLimits {
                 headers,
             });
         }
+        // A cell taken from this tenant's slot before the body stands for this request's; the
+        // debit takes it over (so the cell's own drop returns nothing).
+        let prepaid = prepaid
+            .filter(|cell| Arc::ptr_eq(&cell.slot, &slot))
+            .map(|mut cell| std::mem::take(&mut cell.taken));
+        if let Some(request_taken) = prepaid {
+            return Ok(Debit {
+                slot,
+                tokens,
+                request_taken,
+                settled: false,
+            });
+        }
         if let Some(bucket) = &buckets.requests
             && let Err(wait) = bucket.debit(1)
         {
@@ -124,34 +149,37 @@ impl RateLimits {
             });
         }
         Ok(Debit {
+            request_taken: buckets.requests.is_some(),
             slot,
             tokens,
             settled: false,
         })
     }
 
-    /// Whether the tenant's request bucket could take one request now, without taking it: a
-    /// request that would be refused anyway is refused before its body is read. Implemented as
-    /// a debit of one cell returned at once as credit, so the answer (and the wait of a
-    /// refusal) is governor's own, and the bucket's capacity is unchanged.
-    pub fn check_request(&self, tenant: &TenantPolicy) -> Result<(), RateLimitError> {
-        let buckets = self.slot(tenant).current();
-        let Some(bucket) = &buckets.requests else {
-            return Ok(());
+    /// Takes one request from the tenant's request bucket before the request's body is read,
+    /// so that a burst of concurrent requests cannot all pass a check and be refused only
+    /// after their bodies were read and tokenized: the excess is refused from the headers
+    /// (with governor's exact wait). The cell comes back when the [`RequestCell`] drops,
+    /// unless [`RateLimits::try_debit_prepaid`] took it over for the request's debit.
+    pub fn reserve_request(&self, tenant: &TenantPolicy) -> Result<RequestCell, RateLimitError> {
+        let slot = self.slot(tenant);
+        let buckets = slot.current();
+        let taken = match &buckets.requests {
+            Some(bucket) => match bucket.debit(1) {
+                Ok(()) => true,
+                Err(wait) => {
+                    return Err(RateLimitError::Limited {
+                        kind: LimitKind::Requests,
+                        limit: bucket.limit.get(),
+                        requested: 1,
+                        wait,
+                        headers: buckets.headers(),
+                    });
+                }
+            },
+            None => false,
         };
-        match bucket.debit(1) {
-            Ok(()) => {
-                bucket.refund(1);
-                Ok(())
-            }
-            Err(wait) => Err(RateLimitError::Limited {
-                kind: LimitKind::Requests,
-                limit: bucket.limit.get(),
-                requested: 1,
-                wait,
-                headers: buckets.headers(),
-            }),
-        }
+        Ok(RequestCell { slot, taken })
     }
 
     /// The tenant's current state, for responses that never reached a debit.
@@ -204,7 +232,28 @@ impl TenantSlot {
 pub struct Debit {
     slot: Arc<TenantSlot>,
     tokens: u32,
+    /// Whether a request cell was taken (the tenant had a request limit then).
+    request_taken: bool,
     settled: bool,
+}
+
+/// One request taken from a tenant's request bucket before its body was read
+/// ([`RateLimits::reserve_request`]). Returned when dropped, unless a [`Debit`] took it over.
+#[derive(Debug)]
+pub struct RequestCell {
+    slot: Arc<TenantSlot>,
+    /// A cell was taken (the tenant has a request limit) and is still this guard's to return.
+    taken: bool,
+}
+
+impl Drop for RequestCell {
+    fn drop(&mut self) {
+        if self.taken
+            && let Some(bucket) = &self.slot.current().requests
+        {
+            bucket.refund(1);
+        }
+    }
 }
 
 impl Debit {
@@ -237,7 +286,9 @@ impl Drop for Debit {
             return;
         }
         let buckets = self.slot.current();
-        if let Some(bucket) = &buckets.requests {
+        if self.request_taken
+            && let Some(bucket) = &buckets.requests
+        {
             bucket.refund(1);
         }
         if let Some(bucket) = &buckets.tokens {

@@ -181,8 +181,8 @@ pub async fn bind_on(
     let queues: Arc<dyn QueueSource> = Arc::new(admission.clone());
     let metrics = Metrics::new(metrics_config, engine.clone(), Some(queues))?;
     let rate_view = admission.clone();
-    // Until completions have measured a drain rate, Retry-After estimates use the engine's
-    // per-token service time.
+    // Until completions have measured a drain rate, forecasts and Retry-After estimates price
+    // the queued work with the engine's step cost model (fitted at start, refitted every step).
     let probed = engine.clone();
     admission.set_service_time_probe(move || engine_service_time(&probed.stats()));
     // Never more requests in the engine than its submit queue takes: no `QueueFull` 503s.
@@ -254,6 +254,17 @@ impl Server {
     /// in-flight requests drain within the grace period. The operator listener keeps serving
     /// (metrics of the drain included) until the drain is over.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        self.run_until(shutdown, std::future::pending()).await;
+    }
+
+    /// [`Server::run`] with a way to end the pre-drain early: once `hurry` resolves (after
+    /// `shutdown`, e.g. a second signal, [`shutdown::Signals::second`]) the listener closes at
+    /// once and the drain begins.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+        hurry: impl Future<Output = ()>,
+    ) {
         let state = self.state;
         let sampler = state.metrics().spawn_sampler(METRICS_SAMPLE_INTERVAL);
         if let Ok(addr) = self.listener.local_addr() {
@@ -285,7 +296,10 @@ impl Server {
             unready.begin_shutdown();
             if !pre_drain.is_zero() {
                 tracing::info!(?pre_drain, "shutting down: not ready; still serving");
-                tokio::time::sleep(pre_drain).await;
+                tokio::select! {
+                    () = tokio::time::sleep(pre_drain) => {}
+                    () = hurry => tracing::info!("pre-drain cut short"),
+                }
             }
         };
         shutdown::serve_until(

@@ -43,20 +43,75 @@ pub struct ConnectionLimits {
 
 /// Waits for SIGTERM or SIGINT (Ctrl-C).
 pub async fn signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut stream) => {
-                stream.recv().await;
-            }
+    Signals::listen().first().await;
+}
+
+/// SIGTERM and SIGINT, counted from when [`Signals::listen`] was called: the first starts the
+/// shutdown, a second one (an operator who does not want to wait, or an orchestrator's
+/// repeated TERM) cuts its pre-drain delay short, as servers stopped with Ctrl-C twice do.
+/// The drain of in-flight requests is not cut: it has its own grace period.
+#[derive(Clone)]
+pub struct Signals {
+    received: watch::Receiver<usize>,
+}
+
+impl Signals {
+    /// Starts listening (a task that lives as long as the runtime). Call it inside a tokio
+    /// runtime, before the first signal may come.
+    pub fn listen() -> Signals {
+        let (count, received) = watch::channel(0usize);
+        let mut terminate = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
+            Ok(stream) => Some(stream),
             Err(error) => {
                 tracing::warn!(%error, "cannot listen for SIGTERM; only Ctrl-C stops the server");
-                std::future::pending::<()>().await;
+                None
             }
+        };
+        tokio::spawn(async move {
+            loop {
+                let sigterm = async {
+                    match terminate.as_mut() {
+                        Some(stream) => stream.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let name = tokio::select! {
+                    Some(()) = sigterm => "SIGTERM",
+                    Ok(()) = tokio::signal::ctrl_c() => "SIGINT",
+                    else => return,
+                };
+                let mut seen = 0;
+                count.send_modify(|n| {
+                    *n += 1;
+                    seen = *n;
+                });
+                match seen {
+                    1 => tracing::info!("{name} received: draining"),
+                    _ => tracing::info!("{name} received again: ending the pre-drain now"),
+                }
+            }
+        });
+        Signals { received }
+    }
+
+    /// Resolves at the first signal.
+    pub async fn first(&self) {
+        self.nth(1).await;
+    }
+
+    /// Resolves at the second signal.
+    pub async fn second(&self) {
+        self.nth(2).await;
+    }
+
+    async fn nth(&self, n: usize) {
+        let mut received = self.received.clone();
+        if received.wait_for(|count| *count >= n).await.is_err() {
+            // The listener task is gone (the runtime is shutting down): no more signals.
+            std::future::pending::<()>().await;
         }
-    };
-    tokio::select! {
-        _ = terminate => tracing::info!("SIGTERM received: draining"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received: draining"),
     }
 }
 

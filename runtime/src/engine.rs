@@ -147,6 +147,9 @@ enum Command {
     Submit(Box<Sequence>),
     /// Look at the shutdown flag now.
     Wake,
+    /// Fit the step cost model with synthetic steps ([`Engine::calibrate`]) and answer with
+    /// the fit.
+    Calibrate(SyncSender<StepCost>),
 }
 
 /// State shared between handles and the engine thread.
@@ -349,6 +352,25 @@ impl Engine {
 
     pub fn stats(&self) -> EngineStats {
         self.inner.shared.stats.lock().clone()
+    }
+
+    /// Fits the step cost model to this machine before the first request: the engine thread
+    /// runs a few synthetic sequences through the real scheduler and backend (one warm-up
+    /// sequence first, whose timing is discarded: the first forward pages in the weights) and
+    /// times every step as it times real ones, without streaming or counting them in the
+    /// stats. Until then the model holds a generic prior, and everything priced from it is
+    /// off by the ratio between that guess and this machine: the prefill cap, and admission's
+    /// forecasts of how long queued requests wait (the gateway refuses at once what cannot
+    /// start in time, so the first burst after start needs a forecast before any real step).
+    ///
+    /// Blocks for those few steps; call it once after [`Engine::spawn`], before serving. An
+    /// engine that already has work, or a pool too small for the synthetic sequences, keeps
+    /// its model as it is. Returns the fit (the engine's current model in those cases), or
+    /// `None` when the engine thread is gone.
+    pub fn calibrate(&self) -> Option<StepCost> {
+        let (reply, fit) = mpsc::sync_channel(1);
+        self.inner.commands.send(Command::Calibrate(reply)).ok()?;
+        fit.recv().ok()
     }
 
     /// Every live sequence (waiting and running), as of the last step.

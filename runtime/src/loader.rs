@@ -1,7 +1,8 @@
 //! One call from a model path to a running runtime: open the GGUF file, read the model config,
 //! build the tokenizer, size the KV pool from a memory budget, start the CPU backend and the
-//! engine. The CLI, the gateway and the tests all start kvgate through [`Runtime::start`], so
-//! they cannot disagree about how the pool is sized.
+//! engine, and fit the engine's step cost model to this machine. The CLI, the gateway and the
+//! tests all start kvgate through [`Runtime::start`], so they cannot disagree about how the
+//! pool is sized.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -31,6 +32,9 @@ pub struct RuntimeOptions {
     /// Step-time target while sequences decode (`None`: no cap on prompt tokens per step).
     pub target_itl: Option<Duration>,
     pub prefill_order: PrefillOrder,
+    /// Capacity of the engine's submit queue and of its waiting list (the gateway admits no
+    /// more requests at once than this).
+    pub command_queue: usize,
     /// Reuse cached prompt prefixes (`EngineConfig::prefix_caching`).
     pub prefix_caching: bool,
 }
@@ -45,6 +49,7 @@ impl Default for RuntimeOptions {
             max_batched_tokens: 512,
             target_itl: Some(DEFAULT_TARGET_ITL),
             prefill_order: PrefillOrder::TenantFair,
+            command_queue: EngineConfig::default().command_queue,
             prefix_caching: true,
         }
     }
@@ -150,11 +155,23 @@ impl Runtime {
             max_model_len: config.context_length,
             target_itl: opts.target_itl,
             prefill_order: opts.prefill_order,
+            command_queue: opts.command_queue,
             prefix_caching: opts.prefix_caching,
             ..EngineConfig::default()
         };
         let decoder = Arc::clone(&tokenizer);
         let engine = Engine::spawn(Box::new(backend), decoder, engine_config)?;
+        // Admission forecasts queue waits from the step cost model from the first request on
+        // (see `Engine::calibrate`): fit it to this machine before anything is served.
+        if let Some(cost) = engine.calibrate() {
+            tracing::info!(
+                "step cost: {:.0} µs per step + {:.0} µs per prompt token + {:.0} µs per decoding sequence + {:.1} ns per attended token",
+                cost.per_step_us,
+                cost.per_prefill_token_us,
+                cost.per_decode_seq_us,
+                cost.per_attended_token_ns
+            );
+        }
         Ok(Runtime {
             engine,
             tokenizer,

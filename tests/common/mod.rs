@@ -72,6 +72,8 @@ pub struct Options {
     pub num_blocks: usize,
     pub block_size: usize,
     pub max_num_seqs: usize,
+    /// The engine's submit queue (and waiting list) capacity.
+    pub engine_queue: usize,
     pub serve: ServeConfig,
     /// Models proxied to other engines (`--upstream`); none by default.
     pub upstreams: Vec<UpstreamSpec>,
@@ -94,6 +96,7 @@ impl Default for Options {
             num_blocks: 512,
             block_size: 16,
             max_num_seqs: 32,
+            engine_queue: RuntimeOptions::default().command_queue,
             serve,
             upstreams: Vec::new(),
         }
@@ -224,6 +227,7 @@ fn start_runtime(options: &Options) -> Runtime {
             threads: None,
             max_num_seqs: options.max_num_seqs,
             max_batched_tokens: 256,
+            command_queue: options.engine_queue,
             ..RuntimeOptions::default()
         },
     )

@@ -125,15 +125,49 @@ pub fn ready_addr(line: &str) -> Option<SocketAddr> {
 }
 
 impl Served {
-    /// SIGTERM, then the exit status and the rest of stderr.
-    pub fn stop(mut self) -> (ExitStatus, Vec<String>) {
+    /// Sends `SIG<name>` (`"TERM"`, `"INT"`) to the server.
+    pub fn signal(&self, name: &str) {
         let pid = self.child.id().to_string();
         // The shell's builtin `kill`: no libc binding needed, and no procps package either.
         let sent = Command::new("sh")
-            .args(["-c", &format!("kill -TERM {pid}")])
+            .args(["-c", &format!("kill -{name} {pid}")])
             .status()
             .expect("sh runs");
-        assert!(sent.success(), "SIGTERM to {pid}");
+        assert!(sent.success(), "SIG{name} to {pid}");
+    }
+
+    /// Reads stderr until a line containing `text` (returned), or `None` after `limit` or
+    /// at EOF; the lines read are kept in `log`.
+    pub fn wait_for_line(&mut self, text: &str, limit: Duration) -> Option<String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self.lines.recv_timeout(left).ok()?;
+            self.log.push(line.clone());
+            if line.contains(text) {
+                return Some(line);
+            }
+        }
+    }
+
+    /// Waits up to `limit` for the server to exit by itself: its status, or `None` if it is
+    /// still running (it is killed when this drops).
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGTERM, then the exit status and the rest of stderr.
+    pub fn stop(mut self) -> (ExitStatus, Vec<String>) {
+        self.signal("TERM");
         let status = self.child.wait().expect("wait");
         // The reader thread ends at EOF, which the exit brings.
         let rest = self.lines.iter().collect();

@@ -44,9 +44,10 @@ use super::rejection::{Rejection, clamp_retry_after};
 use super::{AdmissionTicket, Admitted, MIN_CAPACITY_RETRY_AFTER, PoolId, Stage, watermark_limit};
 use crate::metrics::QUEUE_ABANDONED_TOTAL;
 use crate::policy::{Policy, TenantPolicy};
-use crate::queue::{EntryId, FairQueue, Lane, NewEntry, QueueEntry, QueueLimits};
+use crate::queue::{EntryId, FairQueue, Lane, NewEntry, QueueEntry, QueueFull, QueueLimits};
 use crate::ratelimit::{Debit, RateLimits};
 use crate::reload::PolicyStore;
+use crate::validate::ValidationError;
 
 /// How often queued requests are re-forecast when nothing else wakes the dispatcher: the drain
 /// rate and the engine's service time change with every step, not only on events.
@@ -192,35 +193,65 @@ impl Dispatcher {
     }
 
     /// After a reload: forgets the rate-limit state of removed tenants, and re-checks every
-    /// queued request under the new policy, as if it had just arrived. A removed tenant's
-    /// requests are refused (401); the others take the tenant's new policy (weight, concurrency,
-    /// max_queue_wait, hence deadline) and the new KV policy (blocks needed, lane), and those
-    /// that can no longer fit the pool are refused with the usual 400. The one O(N) step, taken
-    /// once per reload.
+    /// queued request under the new policy, as if it had just arrived, oldest first. A removed
+    /// tenant's requests are refused (401); the others take the tenant's new policy (weight,
+    /// concurrency, max_queue_wait, hence deadline) and the new KV policy (blocks needed,
+    /// lane). Those that no longer fit are refused with the error they would get now: over
+    /// the pool (400), over the tenant's lowered length limits (400, as validation says), or
+    /// beyond its lowered `queue_depth` / `queue_tokens` (429 `queue_full` for the youngest
+    /// ones, or `insufficient_quota` for one bigger than the whole token bound). The one O(N)
+    /// step, taken once per reload.
     fn apply_reload(&mut self) {
         let policy = self.store.current();
         self.limits.retain(|tenant| policy.tenant(tenant).is_some());
         let pools = Arc::clone(&self.pools);
         let ledger = Arc::clone(&self.ledger);
-        let mut refused = Vec::new();
-        let dropped =
-            self.queue
-                .rewrite(|entry| match requeue(&policy, &pools, &mut entry.payload) {
-                    Ok(tenant) => {
-                        entry.lane = entry.payload.lane;
-                        entry.deadline =
-                            entry.enqueued_at + ledger.max_queue_wait(tenant.max_queue_wait);
-                        true
-                    }
-                    Err(rejection) => {
-                        refused.push((entry.id, rejection));
-                        false
-                    }
-                });
+        let mut refused: HashMap<EntryId, Refusal> = HashMap::new();
+        // What each tenant keeps queued so far (requests, tokens), in arrival order.
+        let mut kept: HashMap<String, (usize, u64)> = HashMap::new();
+        let dropped = self.queue.rewrite(|entry| {
+            let tenant = match requeue(&policy, &pools, &mut entry.payload) {
+                Ok(tenant) => tenant,
+                Err(rejection) => {
+                    refused.insert(entry.id, Refusal::Now(rejection));
+                    return false;
+                }
+            };
+            let (requests, tokens) = kept.entry(tenant.name.clone()).or_default();
+            let limit = tenant.queue_tokens as u64;
+            let over = if entry.tokens > limit {
+                Some(Refusal::NeverQueues {
+                    requested: entry.tokens,
+                    limit,
+                })
+            } else if *requests >= tenant.queue_depth {
+                let (queued, limit) = (*requests, tenant.queue_depth);
+                Some(Refusal::QueueFull(QueueFull::Requests { queued, limit }))
+            } else if *tokens + entry.tokens > limit {
+                let (queued, requested) = (*tokens, entry.tokens);
+                Some(Refusal::QueueFull(QueueFull::Tokens {
+                    queued,
+                    requested,
+                    limit,
+                }))
+            } else {
+                None
+            };
+            if let Some(refusal) = over {
+                refused.insert(entry.id, refusal);
+                return false;
+            }
+            *requests += 1;
+            *tokens += entry.tokens;
+            entry.lane = entry.payload.lane;
+            entry.deadline = entry.enqueued_at + ledger.max_queue_wait(tenant.max_queue_wait);
+            true
+        });
         for tenant in policy.tenants() {
             self.queue.set_weight(&tenant.name, tenant.weight);
         }
-        let mut refusals: HashMap<EntryId, Rejection> = refused.into_iter().collect();
+        self.recount_backlog();
+        let now = Instant::now();
         for entry in dropped {
             self.keys.remove(&entry.payload.key);
             let Pending {
@@ -230,11 +261,25 @@ impl Dispatcher {
                 ..
             } = entry.payload;
             drop(debit);
-            if let Some(rejection) = refusals.remove(&entry.id) {
-                self.reject(reply, rejection, &ticket.tenant);
-            }
+            let tenant = Arc::clone(&ticket.tenant);
+            let rejection = match refused.remove(&entry.id) {
+                Some(Refusal::Now(rejection)) => rejection,
+                Some(Refusal::NeverQueues { requested, limit }) => Rejection::QueueNeverFits {
+                    tenant: tenant.name.clone(),
+                    requested,
+                    limit,
+                    headers: self.limits.headers(&tenant),
+                },
+                Some(Refusal::QueueFull(reason)) => Rejection::QueueFull {
+                    tenant: tenant.name.clone(),
+                    reason,
+                    retry_after: self.queue_slot_wait(&tenant, ticket.pool, now),
+                    headers: self.limits.headers(&tenant),
+                },
+                None => continue,
+            };
+            self.reject(reply, rejection, &tenant);
         }
-        self.recount_backlog();
     }
 
     /// Rebuilds the per-pool backlog counters from the queue (after a reload rewrote it).
@@ -488,13 +533,6 @@ impl Dispatcher {
             reply,
             ..
         } = payload;
-        self.ledger.start(
-            &ticket.tenant.name,
-            ticket.pool,
-            lane,
-            reserved_tokens,
-            ticket.max_output_tokens as u64,
-        );
         let admitted = Admitted {
             headers: debit.headers(),
             tenant: ticket.tenant,
@@ -512,6 +550,12 @@ impl Dispatcher {
             debit: Some(debit),
             ledger: Arc::clone(&self.ledger),
         };
+        self.ledger.start(
+            &admitted.tenant.name,
+            admitted.pool,
+            lane,
+            admitted.footprint(),
+        );
         // If the client left since the last purge, the guard comes back and drops here: it still
         // holds its reservation, so slot, blocks and the whole debit are returned, once.
         let _ = reply.send(Ok(admitted));
@@ -602,7 +646,7 @@ impl Dispatcher {
             if pool != PoolId::LOCAL {
                 return None;
             }
-            let per_token = self.ledger.per_token_service_time()?;
+            let per_token = self.ledger.per_token_service_time(pool)?;
             Some(per_token.mul_f64(average_output as f64))
         };
         let oldest_wait = || {
@@ -620,6 +664,19 @@ impl Dispatcher {
         };
         clamp_retry_after(estimate)
     }
+}
+
+/// Why a reload refuses a queued request: a rejection known at once, or one about the queue's
+/// bounds, whose headers and Retry-After are read once the queue has been rewritten (the
+/// rewrite holds the queue).
+enum Refusal {
+    Now(Rejection),
+    /// Bigger than the tenant's whole `queue_tokens`.
+    NeverQueues {
+        requested: u64,
+        limit: u64,
+    },
+    QueueFull(QueueFull),
 }
 
 /// What dispatch needs from the fair-queue candidate (copied so the queue can be mutated).
@@ -688,10 +745,44 @@ fn requeue(
         pending.ticket.prompt_tokens,
         pending.ticket.max_output_tokens,
     );
+    check_tenant_lengths(&tenant, prompt, output)?;
     let fit = super::check_fit(&policy.kv, &occupancy, prompt, output)?;
     pending.needed_blocks = fit.needed_blocks;
     pending.reserved_tokens = (fit.needed_blocks * occupancy.block_size) as u64;
     pending.lane = super::lane_of(policy, prompt);
     pending.ticket.tenant = Arc::clone(&tenant);
     Ok(tenant)
+}
+
+/// The tenant's input and total length limits, as validation applies them (a reload may have
+/// lowered them below a queued request). The ticket does not say which endpoint it came from,
+/// so the error names the prompt.
+fn check_tenant_lengths(
+    tenant: &TenantPolicy,
+    prompt: usize,
+    output: usize,
+) -> Result<(), Rejection> {
+    let clip = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    let (prompt_tokens, max_tokens) = (clip(prompt), clip(output));
+    let error = if prompt_tokens > clip(tenant.max_input_tokens) {
+        ValidationError::InputTooLong {
+            prompt_tokens,
+            limit: clip(tenant.max_input_tokens),
+            what: "prompt",
+        }
+    } else if u64::from(prompt_tokens) + u64::from(max_tokens) > tenant.max_total_tokens as u64 {
+        ValidationError::ContextLengthExceeded {
+            prompt_tokens,
+            max_tokens,
+            limit: clip(tenant.max_total_tokens),
+            limit_name: "tenant's maximum total length",
+            what: "prompt",
+        }
+    } else {
+        return Ok(());
+    };
+    Err(Rejection::OverTenantLimit {
+        tenant: tenant.name.clone(),
+        error,
+    })
 }

@@ -15,6 +15,8 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use kvgate_runtime::scheduler::StepShape;
+
 use super::{PoolId, ServiceTime};
 use crate::metrics::TenantQueueSnapshot;
 use crate::queue::{Lane, TenantBacklog};
@@ -32,20 +34,38 @@ pub(super) struct Ledger {
     pub released: Notify,
 }
 
-/// Reads the engine's current per-token service time (wall time per generated token, all
-/// running sequences together); `None` while it has none (no step yet).
+/// Reads how fast the engine serves (see [`ServiceTime`]); `None` while it cannot say.
 pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<ServiceTime> + Send + Sync>;
 
-/// Where the [`ServiceTimeProbe`] lives (empty until the server wires the engine in), and the
-/// last decode time it gave: kept through prefill-dominated steps, which only bound it.
+/// Where the [`ServiceTimeProbe`] lives (empty until the server wires the engine in).
 #[derive(Default)]
-struct ServiceTimeSlot(Mutex<Option<ServiceTimeProbe>>, Mutex<Option<Duration>>);
+struct ServiceTimeSlot(Mutex<Option<ServiceTimeProbe>>);
 
 impl std::fmt::Debug for ServiceTimeSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let set = self.0.lock().is_some();
         f.debug_tuple("ServiceTimeSlot").field(&set).finish()
     }
+}
+
+/// The engine's pace for the requests running in one pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Pace {
+    /// Wall time per generated token, all running sequences together.
+    pub per_output_token: Duration,
+    /// Wall time of the prompts of one generation of requests like the running ones (zero
+    /// when the probe gives only a per-token time).
+    pub per_generation_prefill: Duration,
+}
+
+/// What a running request adds to its pool's in-flight totals.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Footprint {
+    /// KV capacity (in tokens) it holds.
+    pub reserved_tokens: u64,
+    pub prompt_tokens: u64,
+    /// Its max_tokens.
+    pub output_tokens: u64,
 }
 
 /// Running requests. A tenant's concurrency counts its requests in every pool; the long lane
@@ -65,6 +85,11 @@ struct PoolInFlight {
     long_lane: usize,
     /// KV capacity (in tokens) held by running requests.
     reserved_tokens: u64,
+    /// Prompt tokens of the running requests.
+    prompt_tokens: u64,
+    /// Prompt tokens of the running requests that have not reported a token yet: prefill
+    /// the engine still has to do.
+    unprefilled_prompt_tokens: u64,
     /// Output tokens (max_tokens) of the running requests.
     max_output_tokens: u64,
     /// Output tokens the running requests may still generate: max_tokens less what they
@@ -100,14 +125,7 @@ impl Ledger {
         self.in_flight.lock()
     }
 
-    pub fn start(
-        &self,
-        tenant: &str,
-        pool: PoolId,
-        lane: Lane,
-        reserved_tokens: u64,
-        output_tokens: u64,
-    ) {
+    pub fn start(&self, tenant: &str, pool: PoolId, lane: Lane, footprint: Footprint) {
         let mut in_flight = self.in_flight.lock();
         *in_flight.per_tenant.entry(tenant.to_string()).or_default() += 1;
         let pool = in_flight.per_pool.entry(pool).or_default();
@@ -115,15 +133,21 @@ impl Ledger {
             pool.long_lane += 1;
         }
         pool.requests += 1;
-        pool.reserved_tokens += reserved_tokens;
-        pool.max_output_tokens += output_tokens;
-        pool.remaining_output_tokens += output_tokens;
+        pool.reserved_tokens += footprint.reserved_tokens;
+        pool.prompt_tokens += footprint.prompt_tokens;
+        pool.unprefilled_prompt_tokens += footprint.prompt_tokens;
+        pool.max_output_tokens += footprint.output_tokens;
+        pool.remaining_output_tokens += footprint.output_tokens;
     }
 
-    /// A running request of `pool` generated one more token.
-    pub fn generated(&self, pool: PoolId) {
+    /// A running request of `pool` generated one more token; `prefilled_prompt` is its prompt
+    /// length with its first token (its prefill is done), else 0.
+    pub fn generated(&self, pool: PoolId, prefilled_prompt: u64) {
         if let Some(pool) = self.in_flight.lock().per_pool.get_mut(&pool) {
             pool.remaining_output_tokens = pool.remaining_output_tokens.saturating_sub(1);
+            pool.unprefilled_prompt_tokens = pool
+                .unprefilled_prompt_tokens
+                .saturating_sub(prefilled_prompt);
         }
     }
 
@@ -133,15 +157,15 @@ impl Ledger {
         in_flight.per_pool.entry(pool).or_default().max_requests = Some(max_requests);
     }
 
-    /// A running request ends: `output_tokens` is its max_tokens and `unreported_output` what
-    /// of it was not reported through [`Ledger::generated`].
+    /// A running request ends: it gives back its `footprint`, and `unreported` is what of its
+    /// (output, prompt) tokens [`Ledger::generated`] did not take off the totals.
     pub fn finish(
         &self,
         tenant: &str,
         pool: PoolId,
         lane: Lane,
-        reserved_tokens: u64,
-        (output_tokens, unreported_output): (u64, u64),
+        footprint: Footprint,
+        (unreported_output, unprefilled_prompt): (u64, u64),
     ) {
         {
             let mut in_flight = self.in_flight.lock();
@@ -156,8 +180,16 @@ impl Ledger {
                     pool.long_lane = pool.long_lane.saturating_sub(1);
                 }
                 pool.requests = pool.requests.saturating_sub(1);
-                pool.reserved_tokens = pool.reserved_tokens.saturating_sub(reserved_tokens);
-                pool.max_output_tokens = pool.max_output_tokens.saturating_sub(output_tokens);
+                pool.reserved_tokens = pool
+                    .reserved_tokens
+                    .saturating_sub(footprint.reserved_tokens);
+                pool.prompt_tokens = pool.prompt_tokens.saturating_sub(footprint.prompt_tokens);
+                pool.unprefilled_prompt_tokens = pool
+                    .unprefilled_prompt_tokens
+                    .saturating_sub(unprefilled_prompt);
+                pool.max_output_tokens = pool
+                    .max_output_tokens
+                    .saturating_sub(footprint.output_tokens);
                 pool.remaining_output_tokens = pool
                     .remaining_output_tokens
                     .saturating_sub(unreported_output);
@@ -181,13 +213,14 @@ impl Ledger {
 
     /// Estimated time for `tokens` of `pool`'s capacity to be returned, for forecasts: the
     /// measured drain rate, or before there is one (the first completions take seconds), for
-    /// the embedded engine, a model of its running requests. They hold R tokens of capacity and
-    /// generate one token per per-token service time s (all sequences together): R comes back
-    /// once the tokens they still may generate (G) are done, at G·s — in a lump, since a
+    /// the embedded engine, a model of its running requests priced at the engine's [`Pace`].
+    /// They hold R tokens of capacity; R comes back once they have finished their prefill
+    /// (P₀ prompt tokens left) and generated the G tokens they still may — in a lump, since a
     /// request frees its blocks only when it ends; each further R needs a whole generation of
-    /// requests like them (max_tokens M in all), M·s. So `tokens` take
-    /// G·s + M·s·(⌈tokens / R⌉ − 1): never the optimistic fluid R/(G·s) rate, which would
-    /// promise capacity before any request ends. `None` without either.
+    /// requests like them (their prompts, then max_tokens M in all). So `tokens` take
+    /// prefill(P₀) + G·s + (⌈tokens / R⌉ − 1)·(prefill(generation) + M·s) for a per-token
+    /// time s: never the optimistic fluid R/(G·s) rate, which would promise capacity before
+    /// any request ends. `None` without either.
     pub fn kv_drain_time(&self, pool: PoolId, tokens: u64) -> Option<Duration> {
         if let Some(measured) = self.time_to_drain(pool, tokens) {
             return Some(measured);
@@ -195,7 +228,6 @@ impl Ledger {
         if pool != PoolId::LOCAL {
             return None;
         }
-        let per_token = self.per_token_service_time()?;
         let running = {
             let in_flight = self.in_flight.lock();
             in_flight.per_pool.get(&pool).copied().unwrap_or_default()
@@ -203,12 +235,65 @@ impl Ledger {
         if running.reserved_tokens == 0 || running.max_output_tokens == 0 {
             return None;
         }
+        let pace = self.pace(&running)?;
         let rounds = tokens.div_ceil(running.reserved_tokens).max(1);
-        let steps = running.remaining_output_tokens as f64
-            + running.max_output_tokens as f64 * (rounds - 1) as f64;
-        Some(Duration::from_secs_f64(
-            (per_token.as_secs_f64() * steps).min(1e6),
-        ))
+        let s = pace.per_output_token.as_secs_f64();
+        let generation = pace.per_generation_prefill.as_secs_f64();
+        let pending_prefill = if running.prompt_tokens == 0 {
+            0.0
+        } else {
+            generation * running.unprefilled_prompt_tokens as f64 / running.prompt_tokens as f64
+        };
+        let seconds = pending_prefill
+            + s * running.remaining_output_tokens as f64
+            + (rounds - 1) as f64 * (generation + s * running.max_output_tokens as f64);
+        Some(Duration::from_secs_f64(seconds.min(1e6)))
+    }
+
+    /// The engine's per-token service time for `pool`'s running requests (one when none runs);
+    /// `None` without a probe or an answer.
+    pub fn per_token_service_time(&self, pool: PoolId) -> Option<Duration> {
+        let running = {
+            let in_flight = self.in_flight.lock();
+            in_flight.per_pool.get(&pool).copied().unwrap_or_default()
+        };
+        Some(self.pace(&running)?.per_output_token)
+    }
+
+    /// How fast the engine serves requests like `running`'s. With its step cost model: a
+    /// decode step of all N of them (one when none runs) at their average reserved context,
+    /// divided by N; and their prompts prefilled one request at a time, each costing its
+    /// tokens and their attention beyond the fixed per-step cost.
+    fn pace(&self, running: &PoolInFlight) -> Option<Pace> {
+        // Called outside the slot's lock: the probe takes the engine's stats lock.
+        let probe = self.service_time.0.lock().clone()?;
+        match probe()? {
+            ServiceTime::PerToken(per_token) => Some(Pace {
+                per_output_token: per_token,
+                per_generation_prefill: Duration::ZERO,
+            }),
+            ServiceTime::Model(cost) => {
+                let n = running.requests.max(1);
+                let context = usize::try_from(running.reserved_tokens / n as u64)
+                    .unwrap_or(usize::MAX)
+                    .max(1);
+                let mut decode = StepShape::default();
+                for _ in 0..n {
+                    decode.add_decode(context - 1);
+                }
+                let per_output_token = cost.predict(&decode) / u32::try_from(n).ok()?;
+                let prompt = usize::try_from(running.prompt_tokens / n as u64).unwrap_or(0);
+                let mut prefill = StepShape::default();
+                prefill.add_prefill(0, prompt);
+                let fixed = cost.predict(&StepShape::default());
+                let per_request = cost.predict(&prefill).saturating_sub(fixed);
+                let per_generation_prefill = per_request * u32::try_from(n).ok()?;
+                (!per_output_token.is_zero()).then_some(Pace {
+                    per_output_token,
+                    per_generation_prefill,
+                })
+            }
+        }
     }
 
     pub fn set_queue_wait_cap(&self, cap: Duration) {
@@ -224,24 +309,6 @@ impl Ledger {
 
     pub fn set_service_time_probe(&self, probe: ServiceTimeProbe) {
         *self.service_time.0.lock() = Some(probe);
-    }
-
-    /// The engine's per-token service time now: its latest decode time, or while none has
-    /// been timed yet, the lower bound its prefill steps give; `None` without a probe or a step.
-    pub fn per_token_service_time(&self) -> Option<Duration> {
-        // Called outside the slot's lock: the probe takes the engine's stats lock.
-        let probe = self.service_time.0.lock().clone()?;
-        let mut last_decode = self.service_time.1.lock();
-        match probe() {
-            Some(ServiceTime::Decode(per_token)) if !per_token.is_zero() => {
-                *last_decode = Some(per_token);
-                Some(per_token)
-            }
-            Some(ServiceTime::PrefillBound(bound)) if !bound.is_zero() => {
-                Some(last_decode.unwrap_or(bound))
-            }
-            _ => *last_decode,
-        }
     }
 
     pub fn publish(&self, backlogs: Vec<TenantBacklog>) {
@@ -361,7 +428,12 @@ mod tests {
     fn in_flight_caps_per_tenant_and_long_lane() {
         let ledger = Ledger::default();
         let (local, upstream) = (PoolId::LOCAL, PoolId(1));
-        ledger.start("a", local, Lane::Long, 10, 5);
+        let footprint = Footprint {
+            reserved_tokens: 10,
+            prompt_tokens: 5,
+            output_tokens: 5,
+        };
+        ledger.start("a", local, Lane::Long, footprint);
         assert!(!ledger.in_flight().may_start("a", 1, local, Lane::Short, 5));
         assert!(
             !ledger
@@ -379,7 +451,7 @@ mod tests {
         );
         assert_eq!(ledger.in_flight().reserved_tokens(local), 10);
         assert_eq!(ledger.in_flight().reserved_tokens(upstream), 0);
-        ledger.finish("a", local, Lane::Long, 10, (5, 5));
+        ledger.finish("a", local, Lane::Long, footprint, (5, 5));
         assert!(ledger.in_flight().may_start("a", 1, local, Lane::Long, 1));
         assert_eq!(ledger.in_flight().reserved_tokens(local), 0);
         assert!(ledger.snapshot().is_empty());

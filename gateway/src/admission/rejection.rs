@@ -9,6 +9,7 @@ use http::{HeaderMap, HeaderValue};
 use crate::metrics::RejectReason;
 use crate::queue::QueueFull;
 use crate::ratelimit::{LimitKind, RateLimitHeaders, format_reset};
+use crate::validate::ValidationError;
 
 /// openai-python ignores a Retry-After above 120 s and does not retry at all; never send one.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(120);
@@ -73,6 +74,12 @@ pub enum Rejection {
     },
     /// The tenant's key was removed by a policy reload while the request was queued.
     KeyRevoked { tenant: String },
+    /// A policy reload lowered the tenant's length limits below this queued request: the
+    /// error validation would give it now (`context_length_exceeded`).
+    OverTenantLimit {
+        tenant: String,
+        error: ValidationError,
+    },
     /// The admission dispatcher is gone (shutting down).
     Unavailable,
 }
@@ -87,7 +94,7 @@ impl Rejection {
             | Rejection::QueueFull { .. }
             | Rejection::KvSaturated { .. } => 429,
             Rejection::QueueTimeout { .. } | Rejection::Unavailable => 503,
-            Rejection::NeverFits { .. } => 400,
+            Rejection::NeverFits { .. } | Rejection::OverTenantLimit { .. } => 400,
             Rejection::KeyRevoked { .. } => 401,
         }
     }
@@ -102,7 +109,9 @@ impl Rejection {
             Rejection::QueueFull { .. } => "queue_full",
             Rejection::QueueTimeout { .. } => "queue_timeout",
             Rejection::KvSaturated { .. } => "kv_cache_saturated",
-            Rejection::NeverFits { .. } => "context_length_exceeded",
+            Rejection::NeverFits { .. } | Rejection::OverTenantLimit { .. } => {
+                "context_length_exceeded"
+            }
             Rejection::KeyRevoked { .. } => "invalid_api_key",
             Rejection::Unavailable => "service_unavailable",
         }
@@ -118,7 +127,9 @@ impl Rejection {
             Rejection::QueueFull { .. } => "requests",
             Rejection::KvSaturated { .. } => "tokens",
             Rejection::QueueTimeout { .. } | Rejection::Unavailable => "server_error",
-            Rejection::NeverFits { .. } | Rejection::KeyRevoked { .. } => "invalid_request_error",
+            Rejection::NeverFits { .. }
+            | Rejection::KeyRevoked { .. }
+            | Rejection::OverTenantLimit { .. } => "invalid_request_error",
         }
     }
 
@@ -126,6 +137,12 @@ impl Rejection {
     pub fn param(&self) -> Option<&'static str> {
         match self {
             Rejection::NeverFits { .. } => Some("messages"),
+            Rejection::OverTenantLimit {
+                error:
+                    ValidationError::InputTooLong { what, .. }
+                    | ValidationError::ContextLengthExceeded { what, .. },
+                ..
+            } => Some(what),
             _ => None,
         }
     }
@@ -210,6 +227,7 @@ impl Rejection {
             Rejection::KeyRevoked { .. } => {
                 "The API key was revoked while the request was queued.".to_string()
             }
+            Rejection::OverTenantLimit { error, .. } => error.to_string(),
             Rejection::Unavailable => "The server is shutting down. Please retry.".to_string(),
         }
     }
@@ -225,6 +243,7 @@ impl Rejection {
             Rejection::InsufficientQuota { .. }
             | Rejection::QueueNeverFits { .. }
             | Rejection::NeverFits { .. }
+            | Rejection::OverTenantLimit { .. }
             | Rejection::KeyRevoked { .. } => return None,
         };
         Some(after.min(MAX_RETRY_AFTER))
@@ -246,9 +265,10 @@ impl Rejection {
             | Rejection::QueueFull { headers, .. }
             | Rejection::QueueTimeout { headers, .. }
             | Rejection::KvSaturated { headers, .. } => Some(headers.clone()),
-            Rejection::NeverFits { .. } | Rejection::KeyRevoked { .. } | Rejection::Unavailable => {
-                None
-            }
+            Rejection::NeverFits { .. }
+            | Rejection::OverTenantLimit { .. }
+            | Rejection::KeyRevoked { .. }
+            | Rejection::Unavailable => None,
         }
     }
 
@@ -280,7 +300,7 @@ impl Rejection {
             Rejection::QueueFull { .. } => RejectReason::QueueFull,
             Rejection::QueueTimeout { .. } => RejectReason::QueueTimeout,
             Rejection::KvSaturated { .. } => RejectReason::KvSaturation,
-            Rejection::NeverFits { .. } => RejectReason::Length,
+            Rejection::NeverFits { .. } | Rejection::OverTenantLimit { .. } => RejectReason::Length,
             Rejection::KeyRevoked { .. } => RejectReason::Auth,
             Rejection::Unavailable => RejectReason::Unavailable,
         }

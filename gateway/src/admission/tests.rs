@@ -379,67 +379,103 @@ async fn a_measured_drain_rate_wins_over_the_service_time_prior() {
     assert_eq!(rejection.retry_after(), Some(Duration::from_secs(2)));
 }
 
+/// A machine of 10 ms per step, 1 ms per prompt token and 5 ms per decoding sequence.
+const MODEL_COST: StepCost = StepCost {
+    per_step_us: 10_000.0,
+    per_prefill_token_us: 1_000.0,
+    per_decode_seq_us: 5_000.0,
+    per_attended_token_ns: 0.0,
+};
+
 #[test]
-fn the_engine_service_time_is_step_time_per_running_sequence() {
-    use kvgate_runtime::engine::EngineStats;
-    let stats = |seqs: usize, micros: u64| EngineStats {
-        last_batch_seqs: seqs,
-        last_step_micros: micros,
-        ..EngineStats::default()
+fn the_step_cost_model_prices_the_running_requests_prefill_and_decodes() {
+    let ledger = ledger::Ledger::default();
+    ledger.set_service_time_probe(Arc::new(|| Some(ServiceTime::Model(MODEL_COST))));
+    let footprint = ledger::Footprint {
+        reserved_tokens: 160,
+        prompt_tokens: 100,
+        output_tokens: 60,
     };
-    assert_eq!(per_token_service_time(&EngineStats::default()), None);
-    assert_eq!(per_token_service_time(&stats(0, 20_000)), None);
-    assert_eq!(per_token_service_time(&stats(4, 0)), None);
     assert_eq!(
-        per_token_service_time(&stats(4, 20_000)),
-        Some(Duration::from_millis(5))
+        ledger.per_token_service_time(PoolId::LOCAL),
+        Some(Duration::from_millis(15)),
+        "nothing runs: one sequence's step, 10 + 5 ms"
+    );
+    ledger.start("a", PoolId::LOCAL, Lane::Short, footprint);
+    ledger.start("a", PoolId::LOCAL, Lane::Short, footprint);
+    let millis = |tokens| {
+        ledger
+            .kv_drain_time(PoolId::LOCAL, tokens)
+            .map(|t| t.as_secs_f64() * 1e3)
+            .map(f64::round)
+    };
+    // Two running: a step of 10 + 2 × 5 ms serves two tokens, 10 ms each. Their capacity (320
+    // tokens) comes back after both prompts (2 × 100 ms) and 120 tokens (1.2 s).
+    assert_eq!(
+        ledger.per_token_service_time(PoolId::LOCAL),
+        Some(Duration::from_millis(10))
+    );
+    assert_eq!(millis(320), Some(1400.0));
+    // More than that needs another generation like them: prompts again, then 120 tokens.
+    assert_eq!(millis(321), Some(2800.0));
+    // Their first tokens: the prefills are done and 118 tokens are left.
+    ledger.generated(PoolId::LOCAL, 100);
+    ledger.generated(PoolId::LOCAL, 100);
+    assert_eq!(millis(320), Some(1180.0));
+    // One ends without reporting (an opaque stream): the totals lose exactly its share.
+    ledger.finish("a", PoolId::LOCAL, Lane::Short, footprint, (59, 0));
+    // One running, 59 tokens left at 15 ms.
+    assert_eq!(millis(160), Some(885.0));
+    let stats = kvgate_runtime::engine::EngineStats {
+        step_cost: MODEL_COST,
+        ..Default::default()
+    };
+    assert_eq!(
+        engine_service_time(&stats),
+        Some(ServiceTime::Model(MODEL_COST)),
+        "the engine's published fit"
     );
 }
 
-#[test]
-fn a_prefill_step_only_bounds_the_service_time_from_below() {
-    use kvgate_runtime::engine::EngineStats;
-    let prefill = EngineStats {
-        last_batch_seqs: 1,
-        last_batch_tokens: 500,
-        last_step_micros: 1_000_000,
-        ..EngineStats::default()
+/// The 48 MiB scenario in miniature: with the engine's cost model wired in, the forecast
+/// exists before any step has been timed, so what cannot start in time is refused when it is
+/// enqueued (no time passes), not at the first re-forecast after a measurement.
+#[tokio::test(start_paused = true)]
+async fn with_the_cost_model_a_burst_is_refused_at_enqueue_before_any_step() {
+    let policy = "[tenants.a]\nmax_queue_wait = \"3500ms\"\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, _pool, store) = setup(20, policy);
+    // 25 ms per step and nothing else: one sequence decodes at 25 ms per token and prompts
+    // cost nothing, so the forecasts are those of the re-forecast test below.
+    let cost = StepCost {
+        per_step_us: 25_000.0,
+        per_prefill_token_us: 0.0,
+        per_decode_seq_us: 0.0,
+        per_attended_token_ns: 0.0,
     };
-    assert_eq!(per_token_service_time(&prefill), None);
-    assert_eq!(
-        engine_service_time(&prefill),
-        Some(ServiceTime::PrefillBound(Duration::from_millis(2)))
-    );
-    let decode = EngineStats {
-        last_batch_tokens: 1,
-        last_step_micros: 30_000,
-        ..prefill
-    };
-    assert_eq!(
-        engine_service_time(&decode),
-        Some(ServiceTime::Decode(Duration::from_millis(30)))
-    );
-    // The ledger uses the bound only until a decode time is known, then keeps that.
-    let ledger = ledger::Ledger::default();
-    let latest = Arc::new(parking_lot::Mutex::new(ServiceTime::PrefillBound(
-        Duration::from_millis(2),
-    )));
-    let probe = Arc::clone(&latest);
-    ledger.set_service_time_probe(Arc::new(move || Some(*probe.lock())));
-    assert_eq!(
-        ledger.per_token_service_time(),
-        Some(Duration::from_millis(2))
-    );
-    *latest.lock() = ServiceTime::Decode(Duration::from_millis(30));
-    assert_eq!(
-        ledger.per_token_service_time(),
-        Some(Duration::from_millis(30))
-    );
-    *latest.lock() = ServiceTime::PrefillBound(Duration::from_millis(2));
-    assert_eq!(
-        ledger.per_token_service_time(),
-        Some(Duration::from_millis(30))
-    );
+    admission.set_service_time_probe(move || Some(ServiceTime::Model(cost)));
+    let start = tokio::time::Instant::now();
+    let holder = admission.admit(ticket(&store, "a", 240, 80)).await.unwrap();
+    // The k-th request needs 10·k blocks back: 2 s for the first two, 4 s for the third. A
+    // refused request adds nothing to the backlog, so the fourth and fifth are forecast 4 s too.
+    let waiting: Vec<_> = (0..5)
+        .map(|_| spawn_admit(&admission, ticket(&store, "a", 80, 80)))
+        .collect();
+    let mut waiting = waiting.into_iter();
+    let (fits, late): (Vec<_>, Vec<_>) = (waiting.by_ref().take(2).collect(), waiting.collect());
+    for handle in late {
+        match handle.await.unwrap() {
+            Err(Rejection::KvSaturated { estimated_wait, .. }) => {
+                assert_eq!(estimated_wait.as_millis(), 4000);
+            }
+            other => panic!("expected KvSaturated, got {other:?}"),
+        }
+    }
+    assert_eq!(start.elapsed(), Duration::ZERO, "refused at enqueue");
+    assert_eq!(queued(&admission), 2, "2 s of backlog fits 3.5 s");
+    drop(holder);
+    for handle in fits {
+        drop(admitted(handle).await);
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -826,6 +862,59 @@ async fn a_reload_refuses_the_queued_requests_of_a_removed_key_and_applies_new_l
         "{waited:?}"
     );
     drop(blocker);
+    let _ = std::fs::remove_file(store.path());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reload_that_lowers_queue_and_length_limits_refuses_the_queued_requests_over_them() {
+    let (admission, pool, store) = setup_reloadable(10, "[tenants.a]\n");
+    let blocker = pool.try_reserve(10).unwrap();
+    // Queued in this order: 32, 80, 32 and 32 tokens.
+    let first = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 1).await;
+    let long_prompt = spawn_admit(&admission, ticket(&store, "a", 64, 16));
+    until(|| queued(&admission) == 2).await;
+    let third = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 3).await;
+    let fourth = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 4).await;
+
+    reload(
+        &store,
+        "[tenants.a]\nqueue_depth = 2\nmax_input_tokens = 32\n",
+    );
+    // Over the new input limit: validation's own error.
+    let rejection = long_prompt.await.unwrap().unwrap_err();
+    assert_eq!(
+        (rejection.status(), rejection.code(), rejection.param()),
+        (400, "context_length_exceeded", Some("prompt"))
+    );
+    assert!(
+        rejection.message().contains("maximum input length is 32"),
+        "{}",
+        rejection.message()
+    );
+    // Of the three left, the oldest two fit the new depth; the youngest is refused.
+    let rejection = fourth.await.unwrap().unwrap_err();
+    assert_eq!((rejection.status(), rejection.code()), (429, "queue_full"));
+    assert!(rejection.retry_after().is_some());
+    assert_eq!(queued(&admission), 2);
+
+    // A token bound of 40 holds one of the two 32-token requests: the younger goes.
+    reload(
+        &store,
+        "[tenants.a]\nqueue_depth = 2\nmax_input_tokens = 32\nqueue_tokens = 40\n",
+    );
+    let rejection = third.await.unwrap().unwrap_err();
+    assert_eq!(rejection.code(), "queue_full");
+    assert!(
+        rejection.message().contains("tokens"),
+        "{}",
+        rejection.message()
+    );
+    assert_eq!(queued(&admission), 1);
+    drop(blocker);
+    assert_eq!(admitted(first).await.reserved_blocks(), 2);
     let _ = std::fs::remove_file(store.path());
 }
 

@@ -1,6 +1,8 @@
 use std::time::Duration;
 
 use super::*;
+
+const ONE: NonZeroU32 = NonZeroU32::MIN;
 use crate::policy::parse_policy;
 
 fn tenant(name: &str, max_validating: usize) -> TenantPolicy {
@@ -45,18 +47,18 @@ async fn settle() {
 async fn a_freed_worker_goes_to_the_tenant_holding_fewest_not_the_longest_queue() {
     let intake = Intake::new(1);
     let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
-    let held = intake.worker(&a).await;
+    let held = intake.worker(&a, ONE).await;
     // a queues three more, then b queues one.
     let mut a_waiters: Vec<_> = (0..3)
         .map(|_| {
             let (intake, a) = (intake.clone(), Arc::clone(&a));
-            tokio::spawn(async move { intake.worker(&a).await })
+            tokio::spawn(async move { intake.worker(&a, ONE).await })
         })
         .collect();
     settle().await;
     let mut b_waiter = {
         let (intake, b) = (intake.clone(), Arc::clone(&b));
-        tokio::spawn(async move { intake.worker(&b).await })
+        tokio::spawn(async move { intake.worker(&b, ONE).await })
     };
     settle().await;
     assert!(!granted(&mut b_waiter) && a_waiters.iter_mut().all(|w| !granted(w)));
@@ -88,20 +90,61 @@ async fn a_freed_worker_goes_to_the_tenant_holding_fewest_not_the_longest_queue(
 }
 
 #[tokio::test]
+async fn workers_are_shared_by_tenant_weight() {
+    let intake = Intake::new(1);
+    let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+    let three = NonZeroU32::new(3).unwrap();
+    let held = intake.worker(&a, three).await;
+    // Both tenants keep a backlog of 12: a of weight 3, b of weight 1. Each waiter reports
+    // its tenant once served; the test then frees the worker for the next.
+    let (served_tx, mut served) = tokio::sync::mpsc::unbounded_channel();
+    for (tenant, weight) in [(&a, three), (&b, ONE)] {
+        for _ in 0..12 {
+            let (intake, tenant, served_tx) =
+                (intake.clone(), Arc::clone(tenant), served_tx.clone());
+            tokio::spawn(async move {
+                let worker = intake.worker(&tenant, weight).await;
+                let _ = served_tx.send((tenant, worker));
+            });
+        }
+    }
+    settle().await;
+    drop(held);
+    let mut order = String::new();
+    for _ in 0..16 {
+        let (tenant, worker) = tokio::time::timeout(Duration::from_secs(5), served.recv())
+            .await
+            .expect("the worker is handed on")
+            .expect("a waiter");
+        order.push_str(&tenant);
+        drop(worker);
+    }
+    // b first (a already had the worker), then three to one once both clocks run.
+    assert!(order.starts_with("baab"), "order {order}");
+    let steady = &order[4..];
+    let count = |t: char| steady.chars().filter(|&c| c == t).count();
+    assert_eq!((count('a'), count('b')), (9, 3), "order {order}");
+    assert!(
+        !order.contains("aaaa"),
+        "b is never passed over more than three times: {order}"
+    );
+}
+
+#[tokio::test]
 async fn a_waiter_that_left_does_not_keep_the_worker() {
     let intake = Intake::new(1);
     let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
-    let held = intake.worker(&a).await;
+    let held = intake.worker(&a, ONE).await;
     let gone = {
         let (intake, b) = (intake.clone(), Arc::clone(&b));
-        tokio::spawn(async move { intake.worker(&b).await })
+        tokio::spawn(async move { intake.worker(&b, ONE).await })
     };
     settle().await;
     gone.abort();
     settle().await;
     let mut next = {
         let (intake, a) = (intake.clone(), Arc::clone(&a));
-        tokio::spawn(async move { intake.worker(&a).await })
+        tokio::spawn(async move { intake.worker(&a, ONE).await })
     };
     settle().await;
     drop(held);

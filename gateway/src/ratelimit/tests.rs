@@ -198,34 +198,67 @@ fn tenant_without_limits() -> TenantPolicy {
     tenant(None, None)
 }
 
+fn remaining_requests(limits: &RateLimits, tenant: &TenantPolicy) -> Option<u32> {
+    limits.headers(tenant).requests.map(|s| s.remaining)
+}
+
 #[tokio::test(start_paused = true)]
-async fn checking_the_request_rate_spends_nothing_and_refuses_with_governors_wait() {
+async fn a_reserved_request_cell_is_spent_so_a_burst_cannot_pass_it() {
     let limits = RateLimits::new();
-    let tenant = tenant(Some(2), None);
-    // Checks alone never empty the bucket.
-    for _ in 0..10 {
-        assert!(limits.check_request(&tenant).is_ok());
-    }
-    assert_eq!(
-        limits.headers(&tenant).requests.map(|s| s.remaining),
-        Some(2)
-    );
-    limits.try_debit(&tenant, 1).unwrap().settle(1);
-    limits.try_debit(&tenant, 1).unwrap().settle(1);
-    // Empty: the check refuses with the same wait a debit would get.
-    let (kind, wait) = match limits.check_request(&tenant) {
+    let tenant = tenant(Some(2), Some(100));
+    // A burst of three before any body is read: the third is refused with governor's wait.
+    let first = limits.reserve_request(&tenant).expect("room for one");
+    let second = limits.reserve_request(&tenant).expect("room for two");
+    let (kind, wait) = match limits.reserve_request(&tenant) {
         Err(RateLimitError::Limited { kind, wait, .. }) => (kind, wait),
         other => panic!("expected Limited, got {other:?}"),
     };
     assert_eq!(kind, LimitKind::Requests);
-    assert_eq!(wait_of(limits.try_debit(&tenant, 1)), (kind, wait));
     assert!(
         wait > Duration::ZERO && wait <= Duration::from_secs(30),
         "{wait:?}"
     );
-    tokio::time::advance(wait).await;
-    assert!(limits.check_request(&tenant).is_ok());
-    assert!(limits.try_debit(&tenant, 1).is_ok());
-    // A tenant without a request limit always passes.
-    assert!(limits.check_request(&tenant_without_limits()).is_ok());
+    assert_eq!(remaining_requests(&limits, &tenant), Some(0));
+    // The first is refused before admission (say its body was invalid): its cell comes back.
+    drop(first);
+    assert_eq!(remaining_requests(&limits, &tenant), Some(1));
+    // The second's debit takes its cell over: no second request is charged.
+    let debit = limits
+        .try_debit_prepaid(&tenant, 10, Some(second))
+        .expect("the tokens fit");
+    assert_eq!(remaining_requests(&limits, &tenant), Some(1));
+    assert_eq!(remaining_tokens(&limits, &tenant), 90);
+    // The request ran: the cell stays spent, the unused tokens come back.
+    debit.settle(4);
+    assert_eq!(remaining_requests(&limits, &tenant), Some(1));
+    assert_eq!(remaining_tokens(&limits, &tenant), 96);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_prepaid_request_refused_for_tokens_gets_its_cell_back() {
+    let limits = RateLimits::new();
+    let tenant = tenant(Some(2), Some(100));
+    let cell = limits.reserve_request(&tenant).unwrap();
+    assert!(matches!(
+        limits.try_debit_prepaid(&tenant, 500, Some(cell)),
+        Err(RateLimitError::ExceedsBucket { .. })
+    ));
+    assert_eq!(
+        remaining_requests(&limits, &tenant),
+        Some(2),
+        "all or nothing"
+    );
+    // A refused debit after a reserve: the debit is dropped unsettled, everything returns.
+    let cell = limits.reserve_request(&tenant).unwrap();
+    drop(limits.try_debit_prepaid(&tenant, 50, Some(cell)).unwrap());
+    assert_eq!(remaining_requests(&limits, &tenant), Some(2));
+    assert_eq!(remaining_tokens(&limits, &tenant), 100);
+    // A tenant without a request limit: the cell is empty and returns nothing.
+    let free = tenant_without_limits();
+    let cell = limits.reserve_request(&free).expect("no limit");
+    limits
+        .try_debit_prepaid(&free, 1, Some(cell))
+        .unwrap()
+        .settle(1);
+    assert_eq!(remaining_requests(&limits, &free), None);
 }

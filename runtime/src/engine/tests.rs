@@ -530,6 +530,46 @@ fn step_times_and_the_prefill_cap_are_published() {
 }
 
 #[test]
+fn calibration_fits_the_cost_model_and_leaves_no_other_trace() {
+    let engine = start(Mode::Hash, FakeDecoder::letters(), config(16, 32, 256, 0));
+    let prior = crate::scheduler::StepCostModel::default().cost();
+    assert_eq!(engine.stats().step_cost, prior);
+    let fit = engine.calibrate().expect("the engine runs");
+    // The fake backend takes microseconds, the prior says milliseconds: the fit moved.
+    assert!(fit.per_step_us < prior.per_step_us, "{fit:?}");
+    let stats = engine.stats();
+    assert_eq!(stats.step_cost, fit, "the fit is published");
+    assert_eq!(
+        (
+            stats.steps,
+            stats.finished_total,
+            stats.prompt_tokens_total,
+            stats.generation_tokens_total,
+            stats.running,
+        ),
+        (0, 0, 0, 0, 0),
+        "synthetic steps are not counted"
+    );
+    assert!(engine.inspect().is_empty());
+    let pool = engine.pool().snapshot();
+    assert_eq!(pool.free_blocks, pool.total_blocks, "every block is back");
+    // Requests run as before, from a fresh scheduler that keeps the fit.
+    let p = prompt(3, 20);
+    let mut handle = engine.submit(request(p.clone(), 5)).expect("accepted");
+    assert_eq!(tokens_of(&collect(&mut handle)), reference_greedy(&p, 5));
+    assert_eq!(engine.stats().finished_total, 1);
+}
+
+#[test]
+fn calibration_keeps_the_prior_when_the_pool_cannot_hold_it() {
+    // 8 blocks of 4 tokens: the synthetic sequences need far more.
+    let engine = start(Mode::Hash, FakeDecoder::letters(), config(4, 8, 32, 0));
+    let prior = crate::scheduler::StepCostModel::default().cost();
+    assert_eq!(engine.calibrate(), Some(prior));
+    assert_eq!(engine.stats().steps, 0);
+}
+
+#[test]
 fn step_histogram_buckets_are_cumulative_and_bounded() {
     let mut h = StepHistogram::default();
     for value in [0, 1, 3, 4, 5, 8192, 8193, u64::MAX / 2] {

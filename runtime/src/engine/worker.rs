@@ -8,23 +8,42 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
+use tokio::sync::mpsc as tokio_mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 
 use super::{Command, EngineStats, SeqSnapshot, Shared, TokenDecoder};
 use crate::backend::{Backend, BatchInputs};
 use crate::batch::build_inputs;
 use crate::block_pool::BlockPool;
+use crate::kv_math::blocks_for_tokens;
 use crate::sampler::Sampler;
-use crate::scheduler::{ScheduledBatch, Scheduler, SchedulerConfig};
-use crate::sequence::{FinishReason, SeqStatus, Sequence, TokenEvent};
+use crate::scheduler::{ScheduledBatch, Scheduler, SchedulerConfig, StepCost, StepCostModel};
+use crate::sequence::{
+    FinishReason, SamplingParams, SeqId, SeqStatus, Sequence, StopParams, TokenEvent,
+};
 
 /// How long a stalled engine (work queued, nothing schedulable: every free block is reserved
 /// elsewhere) waits for a command before looking at the pool and cancellations again.
 const STALL_POLL: Duration = Duration::from_millis(5);
 
+/// The synthetic sequences [`Worker::calibrate`] times, as (prompt tokens, max_tokens). Their
+/// steps differ in every term the cost model prices: one prefill of 136 tokens whose
+/// attention reaches 96 deep, then decodes by three, two and one sequences at different
+/// depths (each finishes at its max_tokens): 15 decode steps, enough that one descheduled
+/// step on a busy machine does not decide the split between per-step and per-sequence cost.
+/// Small enough for a 12-block pool of 16-token blocks and well under a second on a small
+/// idle CPU.
+const CALIBRATION: [(usize, usize); 3] = [(96, 4), (32, 8), (8, 16)];
+/// Runs first and is forgotten: the first forwards page in the weights and grow buffers,
+/// which would read as a slow machine.
+const CALIBRATION_WARMUP: [(usize, usize); 1] = [(8, 2)];
+/// More steps than the calibration sequences can take; a stalled run stops here.
+const CALIBRATION_MAX_STEPS: usize = 64;
+
 pub(super) struct Worker {
     backend: Box<dyn Backend>,
     decoder: Arc<dyn TokenDecoder + Send + Sync>,
+    pool: Arc<BlockPool>,
     scheduler: Scheduler,
     sampler: Sampler,
     commands: Receiver<Command>,
@@ -55,7 +74,8 @@ impl Worker {
         Worker {
             backend,
             decoder,
-            scheduler: Scheduler::new(config, pool),
+            scheduler: Scheduler::new(config, Arc::clone(&pool)),
+            pool,
             sampler: Sampler::new(),
             commands,
             max_waiting,
@@ -126,7 +146,79 @@ impl Worker {
                 self.scheduler.add(*seq);
             }
             Command::Wake => {}
+            Command::Calibrate(reply) => {
+                let fit = self.calibrate();
+                let _ = reply.send(fit);
+            }
         }
+    }
+
+    /// See [`super::Engine::calibrate`]. Runs only while idle, so no request ever waits for
+    /// it. Afterwards the scheduler starts afresh with the fitted cost model (no fairness
+    /// state or step clock left over from the synthetic sequences) and the stats are as
+    /// before, but for the fit.
+    fn calibrate(&mut self) -> StepCost {
+        let block_size = self.scheduler.config().block_size;
+        let blocks: usize = CALIBRATION
+            .iter()
+            .map(|&(prompt, max_tokens)| blocks_for_tokens(prompt + max_tokens, block_size))
+            .sum();
+        if self.scheduler.has_work() || blocks > self.pool.snapshot().free_blocks {
+            tracing::debug!("step cost model not calibrated: engine busy or pool too small");
+            return self.scheduler.cost_model().cost();
+        }
+        let saved = self.stats.clone();
+        self.run_synthetic(&CALIBRATION_WARMUP);
+        self.scheduler.set_cost_model(StepCostModel::default());
+        self.run_synthetic(&CALIBRATION);
+        let model = self.scheduler.cost_model().clone();
+        self.scheduler = Scheduler::new(*self.scheduler.config(), Arc::clone(&self.pool));
+        self.scheduler.set_cost_model(model);
+        self.stats = EngineStats {
+            step_cost: self.scheduler.cost_model().cost(),
+            memory: self.stats.memory,
+            peak_memory_bytes: self.stats.peak_memory_bytes,
+            ..saved
+        };
+        self.publish();
+        self.stats.step_cost
+    }
+
+    /// Runs `seqs` (prompt tokens, max_tokens) of arbitrary in-vocabulary tokens to the end,
+    /// ignoring end-of-generation, and drops their events.
+    fn run_synthetic(&mut self, seqs: &[(usize, usize)]) {
+        let vocab = self.backend.vocab_size().max(1);
+        let mut streams = Vec::with_capacity(seqs.len());
+        for (i, &(prompt_len, max_tokens)) in seqs.iter().enumerate() {
+            // Spread over the vocabulary; the ids only need to be valid.
+            let prompt = (0..prompt_len)
+                .map(|t| ((t * 7919 + i * 104_729 + 1) % vocab) as u32)
+                .collect();
+            let (sender, events) = tokio_mpsc::channel(max_tokens + 4);
+            let stop = StopParams {
+                max_tokens,
+                ignore_eos: true,
+                ..StopParams::default()
+            };
+            self.scheduler.add(Sequence::new(
+                SeqId(u64::MAX - i as u64),
+                Arc::from("calibration"),
+                prompt,
+                SamplingParams::default(),
+                stop,
+                self.pool.empty_reservation(),
+                sender,
+            ));
+            streams.push(events);
+        }
+        for _ in 0..CALIBRATION_MAX_STEPS {
+            if !self.scheduler.has_work() || !self.step() {
+                break;
+            }
+            self.removed.clear();
+        }
+        self.scheduler.remove_where(|_| true, &mut self.removed);
+        self.removed.clear();
     }
 
     /// A closed event channel means the caller went away: free the sequence now.

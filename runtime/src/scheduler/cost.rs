@@ -106,6 +106,14 @@ pub struct StepCost {
     pub per_attended_token_ns: f64,
 }
 
+impl StepCost {
+    /// Predicted wall time of a step of this shape under these coefficients (how admission
+    /// prices queued work with the engine's published fit).
+    pub fn predict(&self, shape: &StepShape) -> Duration {
+        StepCostModel::with_cost(*self).predict(shape)
+    }
+}
+
 impl StepCostModel {
     /// A model whose fit is `cost` until steps are observed (tests, and callers that know their
     /// machine).
