@@ -157,7 +157,6 @@ impl Runtime {
             prefill_order: opts.prefill_order,
             command_queue: opts.command_queue,
             prefix_caching: opts.prefix_caching,
-            ..EngineConfig::default()
         };
         let decoder = Arc::clone(&tokenizer);
         let engine = Engine::spawn(Box::new(backend), decoder, engine_config)?;
