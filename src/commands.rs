@@ -9,11 +9,11 @@ use kvgate_gateway::{auth, policy};
 use kvgate_kernels::cuda::probe::DeviceProbe;
 use kvgate_runtime::bench::{BenchOptions, KvWasteOptions, measure_kv_waste};
 use kvgate_runtime::chat_template::ChatMessage;
-use kvgate_runtime::device::select_device;
+use kvgate_runtime::device::{Device, select_device};
 use kvgate_runtime::engine::{GenerationRequest, TokenEvent};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::kv_math::{HumanSize, parse_size};
-use kvgate_runtime::loader::{LoadError, Runtime, RuntimeOptions};
+use kvgate_runtime::loader::{BackendChoice, CudaChoice, LoadError, Runtime, RuntimeOptions};
 use kvgate_runtime::plan::{PlanArgs, PlanReport};
 use kvgate_runtime::provision;
 use kvgate_runtime::sequence::{SamplingParams, StopParams};
@@ -41,7 +41,15 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
         target_itl: args.target_itl.0,
         prefill_order: args.prefill_order.into(),
     };
-    Runtime::start(&path, opts).map_err(|error| match error {
+    let backend = match choice.device {
+        Device::Cpu => BackendChoice::Cpu,
+        Device::Cuda(ordinal) => BackendChoice::Cuda(CudaChoice {
+            ordinal,
+            gpu_memory_utilization: args.gpu_memory_utilization,
+            cubin_cache: provision::cache_dir()?.join("cubin"),
+        }),
+    };
+    Runtime::start_on(&path, opts, backend).map_err(|error| match error {
         // Its message names the file and what is wrong with it.
         LoadError::Gguf(_) => anyhow::Error::new(error),
         other => anyhow::Error::new(other).context(format!("loading {}", path.display())),
