@@ -195,7 +195,7 @@ impl DeviceOps for EmuDevice {
         };
         let threads = dims.threads;
         // The emulator aborts the process on a block it cannot run; refuse it here instead.
-        if threads == 0 || threads % 32 != 0 || threads > 1024 {
+        if threads == 0 || !threads.is_multiple_of(32) || threads > 1024 {
             return Err(launch_error(format!(
                 "{dims}: blocks must be 32..=1024 threads, a multiple of 32"
             )));

@@ -182,8 +182,10 @@ impl<D: DeviceOps> Backend for CudaBackend<D> {
             &self.model,
             &self.kv,
             &self.ws,
-            inputs,
-            &self.plan,
+            step::StepInputs {
+                inputs,
+                plan: &self.plan,
+            },
             &mut self.staging,
             logits,
         )

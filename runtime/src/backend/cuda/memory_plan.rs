@@ -77,11 +77,9 @@ impl MemoryPlan {
         let block_bytes = i.kv_shape.bytes_per_block(i.block_size) as u64;
         let fixed = i.weights_bytes.saturating_add(i.workspace_bytes);
         let left = budget.saturating_sub(fixed);
-        let num_blocks = if block_bytes == 0 {
-            0
-        } else {
-            usize::try_from(left / block_bytes).unwrap_or(usize::MAX)
-        };
+        let num_blocks = left
+            .checked_div(block_bytes)
+            .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX));
         if num_blocks == 0 {
             return Err(MemoryPlanError::TooSmall {
                 budget: human(budget),

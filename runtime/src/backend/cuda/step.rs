@@ -239,17 +239,23 @@ fn upload_inputs<D: DeviceOps>(
     Ok((max_blocks, max_ctx))
 }
 
+/// A step's inputs and what validating them derived.
+pub struct StepInputs<'a> {
+    pub inputs: &'a BatchInputs,
+    pub plan: &'a StepPlan,
+}
+
 /// Runs the step (validated by `plan`); writes `plan.logit_rows.len() × vocab` logits.
 pub fn run<D: DeviceOps>(
     dev: &mut D,
     model: &DeviceModel,
     kv: &[LayerKv],
     ws: &DeviceWorkspace,
-    inputs: &BatchInputs,
-    plan: &StepPlan,
+    step: StepInputs,
     staging: &mut Vec<u8>,
     logits: &mut Vec<f32>,
 ) -> Result<(), BackendError> {
+    let StepInputs { inputs, plan } = step;
     let cfg = &model.config;
     let (d, ff, hd) = (cfg.hidden_size, cfg.ffn_size, cfg.head_dim);
     let (heads, kv_heads) = (cfg.num_heads, cfg.num_kv_heads);

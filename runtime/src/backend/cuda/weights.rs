@@ -114,7 +114,7 @@ impl<D: DeviceOps> Uploader<'_, D> {
         if ggml_type_id(ty).is_none() {
             return refuse("no CUDA kernel reads this type");
         }
-        if t.cols % 32 != 0 {
+        if !t.cols.is_multiple_of(32) {
             return refuse("rows must be a multiple of 32 values (Q8_1 activation blocks)");
         }
         let data = t.data(self.gguf);
