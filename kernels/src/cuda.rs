@@ -8,6 +8,9 @@
 //! on any warning or register spill ([`nvrtc_check`]), and the same sources run on the CPU
 //! under a small C++ emulation of the CUDA execution model (`kernels/cuda/emu/`), compared with
 //! this crate's CPU kernels ([`emu`]).
+//!
+//! [`device::DeviceOps`] is what the CUDA backend (in `kvgate-runtime`) launches through:
+//! [`cudarc_device`] on a GPU, `emu_device` (feature `cuda-emu`) on the CPU emulator.
 
 /// Included at the top of every program (integer types, f16 and dp4a through inline PTX, warp
 /// reductions, GGML block sizes).

@@ -5,7 +5,9 @@
 //! goes to one stream with cudarc's event tracking off (a single-stream engine needs none).
 //!
 //! cudarc panics when the driver library is missing, so [`CudarcDevice::open`] runs kvgate's
-//! own probe first and returns the probe's one-line reason instead.
+//! own probe first and returns the probe's one-line reason instead. (cudarc opens the driver by
+//! its standard names, `libcuda.so`/`libcuda.so.1`; a driver found only through
+//! `KVGATE_CUDA_DRIVER_LIB` at another path must also be on the loader's path.)
 
 use std::collections::HashMap;
 use std::path::Path;
