@@ -378,4 +378,16 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn gpu_memory_utilization_is_a_fraction_in_zero_to_one() {
+        assert_eq!(parse_utilization("0.9"), Ok(0.9));
+        assert_eq!(parse_utilization("1"), Ok(1.0));
+        for bad in ["0", "-0.5", "1.5", "NaN"] {
+            let error = parse_utilization(bad).expect_err(bad);
+            assert!(error.starts_with("must be in (0, 1]"), "{bad}: {error}");
+        }
+        let error = parse_utilization("90%").expect_err("percent");
+        assert!(error.contains("such as 0.9"), "{error}");
+    }
 }
