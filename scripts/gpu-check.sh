@@ -79,7 +79,7 @@ run() {
     if [ "$dry" = --dry-run ]; then
         echo "dry run: would write: $bin/kvgate synth-model --shape llama2-13b --dtype q4_0 --seed 7 $big"
     else
-        timeout 120 "$bin/kvgate" synth-model --shape llama2-13b --dtype q4_0 --seed 7 "$big"
+        timeout 240 "$bin/kvgate" synth-model --shape llama2-13b --dtype q4_0 --seed 7 "$big"
     fi
     export KVGATE_GPU_MODEL_TINY_Q4_0=$tiny KVGATE_GPU_MODEL_SMOLLM2_135M_Q4_0=$smol
     export KVGATE_GPU_MODEL_LLAMA2_13B_Q4_0=$big KVGATE_REQUIRE_GPU=1

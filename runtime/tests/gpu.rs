@@ -201,9 +201,17 @@ fn smollm2_shaped_model_logits_match_the_cpu_backend() {
     let mut cpu = cpu_backend(&gguf, &config, 64);
     let prompt = tokens(600, 3, config.vocab_size); // two attention partitions
     let blocks: Vec<u32> = (0..40).rev().collect();
-    let prefill = batch(&[Part {
-        tokens: &prompt[..599],
+    // Two chunks (a step holds at most 512 tokens); the second reads the first from the cache.
+    let chunk = batch(&[Part {
+        tokens: &prompt[..400],
         start: 0,
+        blocks: &blocks,
+    }]);
+    forward(&mut gpu, &chunk);
+    forward(&mut cpu, &chunk);
+    let prefill = batch(&[Part {
+        tokens: &prompt[400..599],
+        start: 400,
         blocks: &blocks,
     }]);
     assert_close(
