@@ -199,6 +199,3 @@ impl<D: DeviceOps> Backend for CudaBackend<D> {
         }
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -1,4 +1,4 @@
-//! The whole-step emulated check (no GPU): a tiny synthetic GGUF loaded once per weight type,
+//! The CUDA backend's whole-step emulated check (no GPU): a tiny synthetic GGUF loaded once per weight type,
 //! run through the CUDA backend's launch sequence on the CUDA emulator (the real `.cu` kernels
 //! compiled for the CPU) and through [`CpuBackend`], step by step — chunked prefill that reads
 //! its earlier chunk from the cache, prefill next to decodes, partial last blocks, scattered
@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use kvgate_kernels::cuda::emu_device::EmuDevice;
 
-use super::{CudaBackend, CudaBackendOptions};
-use crate::backend::cpu::{CpuBackend, CpuBackendOptions};
-use crate::backend::{Backend, BackendError, BatchInputs, SeqInputs};
-use crate::gguf::GgufFile;
-use crate::model::ModelConfig;
-use crate::synth::{SynthDtype, SynthModel, SynthShape, SynthSpec};
+use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
+use kvgate_runtime::backend::cuda::{CudaBackend, CudaBackendOptions};
+use kvgate_runtime::backend::{Backend, BackendError, BatchInputs, SeqInputs};
+use kvgate_runtime::gguf::GgufFile;
+use kvgate_runtime::model::ModelConfig;
+use kvgate_runtime::synth::{SynthDtype, SynthModel, SynthShape, SynthSpec};
 
 const BLOCK: usize = 16;
 const NUM_BLOCKS: usize = 12;
