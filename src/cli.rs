@@ -54,9 +54,13 @@ pub struct ModelArgs {
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Compute device: auto (a usable NVIDIA GPU, else the CPU; the log says which and why),
-    /// cpu, cuda or cuda:N. This version runs on the CPU only (see README, Devices).
+    /// cpu, cuda or cuda:N (see README, Devices).
     #[arg(long, value_name = "DEVICE", default_value = "auto")]
     pub device: DeviceRequest,
+    /// On a GPU: the share of device memory for weights, workspace and KV blocks (the KV cache
+    /// gets the rest of it; --kv-memory applies to the CPU only).
+    #[arg(long, value_name = "F", default_value_t = 0.90, value_parser = parse_utilization)]
+    pub gpu_memory_utilization: f64,
     /// Compute threads (default: all cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
@@ -108,6 +112,16 @@ pub enum BenchWorkload {
     SharedPrompt,
     /// Chats resending the whole conversation each turn, prefix cache off then on.
     MultiTurn,
+}
+
+fn parse_utilization(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        Ok(f) => Err(format!("must be in (0, 1], got {f}")),
+        Err(_) => Err(format!(
+            "expected a fraction in (0, 1] such as 0.9, got `{text}`"
+        )),
+    }
 }
 
 /// `--target-itl`: a duration, or `None` for `off`.
@@ -406,5 +420,17 @@ mod tests {
                 "{bad}: {error}"
             );
         }
+    }
+
+    #[test]
+    fn gpu_memory_utilization_is_a_fraction_in_zero_to_one() {
+        assert_eq!(parse_utilization("0.9"), Ok(0.9));
+        assert_eq!(parse_utilization("1"), Ok(1.0));
+        for bad in ["0", "-0.5", "1.5", "NaN"] {
+            let error = parse_utilization(bad).expect_err(bad);
+            assert!(error.starts_with("must be in (0, 1]"), "{bad}: {error}");
+        }
+        let error = parse_utilization("90%").expect_err("percent");
+        assert!(error.contains("such as 0.9"), "{error}");
     }
 }

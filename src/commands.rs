@@ -12,11 +12,11 @@ use kvgate_runtime::bench::{
     run_prefix_bench,
 };
 use kvgate_runtime::chat_template::ChatMessage;
-use kvgate_runtime::device::select_device;
+use kvgate_runtime::device::{Device, select_device};
 use kvgate_runtime::engine::{GenerationRequest, TokenEvent};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::kv_math::{HumanSize, parse_size};
-use kvgate_runtime::loader::{LoadError, Runtime, RuntimeOptions};
+use kvgate_runtime::loader::{BackendChoice, CudaChoice, LoadError, Runtime, RuntimeOptions};
 use kvgate_runtime::plan::{PlanArgs, PlanReport};
 use kvgate_runtime::provision;
 use kvgate_runtime::sequence::{SamplingParams, StopParams};
@@ -46,7 +46,15 @@ pub fn start_runtime(args: &ModelArgs) -> Result<Runtime> {
         prefix_caching: args.prefix_cache == Switch::On,
         command_queue: args.engine_queue as usize,
     };
-    Runtime::start(&path, opts).map_err(|error| match error {
+    let backend = match choice.device {
+        Device::Cpu => BackendChoice::Cpu,
+        Device::Cuda(ordinal) => BackendChoice::Cuda(CudaChoice {
+            ordinal,
+            gpu_memory_utilization: args.gpu_memory_utilization,
+            cubin_cache: provision::cache_dir()?.join("cubin"),
+        }),
+    };
+    Runtime::start_on(&path, opts, backend).map_err(|error| match error {
         // Its message names the file and what is wrong with it.
         LoadError::Gguf(_) => anyhow::Error::new(error),
         other => anyhow::Error::new(other).context(format!("loading {}", path.display())),

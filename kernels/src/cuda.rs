@@ -8,6 +8,9 @@
 //! on any warning or register spill ([`nvrtc_check`]), and the same sources run on the CPU
 //! under a small C++ emulation of the CUDA execution model (`kernels/cuda/emu/`), compared with
 //! this crate's CPU kernels ([`emu`]).
+//!
+//! [`device::DeviceOps`] is what the CUDA backend (in `kvgate-runtime`) launches through:
+//! [`cudarc_device`] on a GPU, `emu_device` (feature `cuda-emu`) on the CPU emulator.
 
 /// Included at the top of every program (integer types, f16 and dp4a through inline PTX, warp
 /// reductions, GGML block sizes).
@@ -102,6 +105,21 @@ pub const NORM_THREADS: u32 = 256;
 /// Threads of an argmax block (`ARGMAX_THREADS`).
 pub const ARGMAX_THREADS: u32 = 256;
 
+/// The GGML type id the kernels take for a weight type (`GGML_*` in prelude.cuh), `None` for
+/// types no CUDA kernel reads.
+#[allow(unreachable_patterns)] // new CPU-only weight types must not break this build
+pub fn ggml_type_id(ty: crate::quant::WeightType) -> Option<i32> {
+    use crate::quant::WeightType;
+    match ty {
+        WeightType::F32 => Some(0),
+        WeightType::F16 => Some(1),
+        WeightType::Q4_0 => Some(2),
+        WeightType::Q4_1 => Some(3),
+        WeightType::Q8_0 => Some(8),
+        _ => None,
+    }
+}
+
 /// Dynamic shared memory of one paged-attention block for a query group of `group` heads of
 /// `head_dim`: queries, one partition of scores, per-warp partial outputs, max and sum.
 pub fn attention_smem_bytes(group: usize, head_dim: usize) -> usize {
@@ -114,8 +132,13 @@ pub fn attention_partitions(max_context: usize) -> usize {
     max_context.div_ceil(ATTN_PARTITION).max(1)
 }
 
+pub mod cudarc_device;
+pub mod device;
 pub mod nvrtc;
 pub mod probe;
+
+#[cfg(any(test, feature = "cuda-emu"))]
+pub mod emu_device;
 
 #[cfg(test)]
 mod emu;

@@ -7,6 +7,8 @@
 //! means the scheduler can be tested with a fake backend and no model.
 
 pub mod cpu;
+pub mod cuda;
+pub(crate) mod step_plan;
 
 /// One scheduler step: the tokens of every scheduled sequence, back to back.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -1,6 +1,7 @@
 //! `--device`: which backend runs the model, decided once at start from what the host offers
-//! ([`DeviceProbe`]). Only the CPU backend exists in this version, so `auto` always runs on the
-//! CPU and says why, and an explicit `cuda` request fails with the reason instead of pretending.
+//! ([`DeviceProbe`]). `auto` takes GPU 0 when the driver, a GPU and the NVRTC and cuBLAS
+//! libraries are all usable, else the CPU, and says why; an explicit `cuda[:N]` request that
+//! cannot be served fails with one line naming what is missing.
 
 use std::fmt;
 use std::str::FromStr;
@@ -52,7 +53,6 @@ impl fmt::Display for DeviceRequest {
 /// The device the runtime will use and why, for the start-up log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceChoice {
-    /// Always the CPU until the CUDA backend exists; a field so callers do not change then.
     pub device: Device,
     pub reason: String,
 }
@@ -60,12 +60,15 @@ pub struct DeviceChoice {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
     Cpu,
+    /// The GPU of this ordinal, through the CUDA backend.
+    Cuda(usize),
 }
 
 impl fmt::Display for DeviceChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.device {
             Device::Cpu => write!(f, "device: cpu ({})", self.reason),
+            Device::Cuda(n) => write!(f, "device: cuda:{n} ({})", self.reason),
         }
     }
 }
@@ -78,11 +81,6 @@ pub enum DeviceError {
         request: DeviceRequest,
         cause: String,
     },
-    #[error(
-        "--device {request}: {gpu} and the NVRTC and cuBLAS libraries are present, but this \
-         version of kvgate has no CUDA backend yet; use --device cpu or auto"
-    )]
-    NoCudaBackend { request: DeviceRequest, gpu: String },
 }
 
 /// Decides the device for `request`; `probe` runs only when a GPU is in question, so `cpu`
@@ -104,17 +102,13 @@ pub fn select_device(
     let probe = probe();
     let gpu = probe.usable_gpu(ordinal);
     match (request, gpu) {
-        (DeviceRequest::Auto, Ok(gpu)) => Ok(DeviceChoice {
-            device: Device::Cpu,
-            reason: format!("{gpu} is usable, but this version has no CUDA backend yet"),
+        (_, Ok(gpu)) => Ok(DeviceChoice {
+            device: Device::Cuda(ordinal),
+            reason: format!("{gpu}; driver, NVRTC and cuBLAS usable"),
         }),
         (DeviceRequest::Auto, Err(cause)) => Ok(DeviceChoice {
             device: Device::Cpu,
             reason: cause.to_string(),
-        }),
-        (_, Ok(gpu)) => Err(DeviceError::NoCudaBackend {
-            request,
-            gpu: gpu.to_string(),
         }),
         (_, Err(cause)) => Err(DeviceError::Unavailable {
             request,
@@ -204,20 +198,15 @@ mod tests {
             "{line}"
         );
         let with_gpu = select_device(DeviceRequest::Auto, complete).unwrap();
-        assert_eq!(
-            with_gpu.device,
-            Device::Cpu,
-            "no CUDA backend to choose yet"
-        );
+        assert_eq!(with_gpu.device, Device::Cuda(0), "a usable GPU is chosen");
         assert_eq!(
             with_gpu.to_string(),
-            "device: cpu (cuda:0 NVIDIA H200 (sm_90) is usable, but this version has no CUDA \
-             backend yet)"
+            "device: cuda:0 (cuda:0 NVIDIA H200 (sm_90); driver, NVRTC and cuBLAS usable)"
         );
     }
 
     #[test]
-    fn cuda_fails_with_the_missing_piece_or_the_missing_backend() {
+    fn cuda_is_chosen_when_usable_and_otherwise_fails_with_the_missing_piece() {
         let err = select_device(DeviceRequest::Cuda(0), absent).unwrap_err();
         let line = err.to_string();
         assert!(
@@ -227,12 +216,8 @@ mod tests {
         assert!(line.ends_with("; use --device cpu or auto"), "{line}");
         assert!(!line.contains('\n'), "{line}");
 
-        let err = select_device(DeviceRequest::Cuda(0), complete).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "--device cuda:0: cuda:0 NVIDIA H200 (sm_90) and the NVRTC and cuBLAS libraries are \
-             present, but this version of kvgate has no CUDA backend yet; use --device cpu or auto"
-        );
+        let choice = select_device(DeviceRequest::Cuda(0), complete).unwrap();
+        assert_eq!(choice.device, Device::Cuda(0));
 
         let err = select_device(DeviceRequest::Cuda(1), complete).unwrap_err();
         assert_eq!(

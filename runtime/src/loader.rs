@@ -9,12 +9,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::cpu::{CpuBackend, CpuBackendOptions, default_threads};
+use crate::backend::cuda::{
+    CudaBackend, CudaBackendOptions, MemoryPlan, MemoryPlanError, MemoryPlanInputs, workspace_bytes,
+};
 use crate::backend::{Backend, BackendError, MemoryUsage};
 use crate::engine::{DEFAULT_TARGET_ITL, Engine, EngineConfig, EngineError, PrefillOrder};
 use crate::gguf::{GgufError, GgufFile};
 use crate::kv_math::HumanSize;
 use crate::model::{ModelConfig, ModelError};
 use crate::tokenizer::{Tokenizer, TokenizerError};
+use kvgate_kernels::cuda::KV_BLOCK;
+use kvgate_kernels::cuda::cudarc_device::CudarcDevice;
+use kvgate_kernels::cuda::device::DeviceOps;
 
 /// How to size and run the runtime. `Default` gives 256 MiB of KV, blocks of 16 tokens, all
 /// cores, 64 sequences, 512 tokens per step, the default step-time target and tenant-fair
@@ -65,8 +71,10 @@ pub enum LoadError {
     Model(#[from] ModelError),
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] TokenizerError),
-    #[error("CPU backend: {0}")]
+    #[error("backend: {0}")]
     Backend(#[from] BackendError),
+    #[error("GPU memory plan: {0}")]
+    MemoryPlan(#[from] MemoryPlanError),
     #[error("engine: {0}")]
     Engine(#[from] EngineError),
     #[error(
@@ -97,32 +105,52 @@ pub struct Runtime {
 impl Runtime {
     /// Opens `model_path` and starts the engine on a CPU backend sized by `opts`.
     pub fn start(model_path: &Path, opts: RuntimeOptions) -> Result<Runtime, LoadError> {
+        Self::start_on(model_path, opts, BackendChoice::Cpu)
+    }
+
+    /// As [`Runtime::start`], on the chosen backend. On a GPU the KV cache is sized by the
+    /// device memory plan (`--gpu-memory-utilization`), not `opts.kv_memory_bytes`.
+    pub fn start_on(
+        model_path: &Path,
+        opts: RuntimeOptions,
+        backend: BackendChoice,
+    ) -> Result<Runtime, LoadError> {
         let gguf = Arc::new(GgufFile::open(model_path)?);
         let config = ModelConfig::from_gguf(&gguf)?;
         let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf)?);
 
         let kv_shape = config.kv_shape();
         let block_size = opts.block_size.max(1);
-        let budget = usize::try_from(opts.kv_memory_bytes).unwrap_or(usize::MAX);
-        let num_blocks = kv_shape.blocks_for_budget(budget, block_size);
-        if num_blocks == 0 {
-            return Err(LoadError::KvBudgetTooSmall {
-                budget: HumanSize(budget),
-                block_bytes: kv_shape.bytes_per_block(block_size),
-                block_size,
-            });
-        }
         let threads = opts.threads.unwrap_or_else(default_threads).max(1);
-        let backend = CpuBackend::new(
-            Arc::clone(&gguf),
-            config.clone(),
-            CpuBackendOptions {
-                num_blocks,
-                block_size,
-                max_batched_tokens: opts.max_batched_tokens,
-                threads: Some(threads),
-            },
-        )?;
+        let (backend, num_blocks): (Box<dyn Backend>, usize) = match backend {
+            BackendChoice::Cpu => {
+                let budget = usize::try_from(opts.kv_memory_bytes).unwrap_or(usize::MAX);
+                let num_blocks = kv_shape.blocks_for_budget(budget, block_size);
+                if num_blocks == 0 {
+                    return Err(LoadError::KvBudgetTooSmall {
+                        budget: HumanSize(budget),
+                        block_bytes: kv_shape.bytes_per_block(block_size),
+                        block_size,
+                    });
+                }
+                let backend = CpuBackend::new(
+                    Arc::clone(&gguf),
+                    config.clone(),
+                    CpuBackendOptions {
+                        num_blocks,
+                        block_size,
+                        max_batched_tokens: opts.max_batched_tokens,
+                        threads: Some(threads),
+                    },
+                )?;
+                (Box::new(backend), num_blocks)
+            }
+            BackendChoice::Cuda(cuda) => {
+                let backend = start_cuda(&gguf, &config, &opts, cuda)?;
+                let blocks = backend.num_blocks();
+                (Box::new(backend), blocks)
+            }
+        };
         let memory = backend.memory();
         let tokens = num_blocks * block_size;
         tracing::info!(
@@ -132,7 +160,7 @@ impl Runtime {
             tokens as f64 / config.context_length as f64
         );
         tracing::info!(
-            "model {}: {} layers, d={}, {} heads / {} KV heads, vocab {}, weights {}, {} threads",
+            "model {}: {} layers, d={}, {} heads / {} KV heads, vocab {}, weights {}, {} backend, {} threads",
             config.architecture,
             config.num_layers,
             config.hidden_size,
@@ -140,6 +168,7 @@ impl Runtime {
             config.num_kv_heads,
             config.vocab_size,
             HumanSize(memory.weights_bytes as usize),
+            backend.name(),
             threads
         );
 
@@ -159,7 +188,7 @@ impl Runtime {
             prefix_caching: opts.prefix_caching,
         };
         let decoder = Arc::clone(&tokenizer);
-        let engine = Engine::spawn(Box::new(backend), decoder, engine_config)?;
+        let engine = Engine::spawn(backend, decoder, engine_config)?;
         // Admission forecasts queue waits from the step cost model from the first request on
         // (see `Engine::calibrate`): fit it to this machine before anything is served.
         if let Some(cost) = engine.calibrate() {
@@ -183,6 +212,66 @@ impl Runtime {
             memory,
         })
     }
+}
+
+/// Which backend [`Runtime::start_on`] runs the model on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BackendChoice {
+    Cpu,
+    Cuda(CudaChoice),
+}
+
+/// A GPU and how much of its memory kvgate may plan for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaChoice {
+    pub ordinal: usize,
+    /// `--gpu-memory-utilization`: the share of device memory for weights, workspace and KV.
+    pub gpu_memory_utilization: f64,
+    /// Where compiled kernels (CUBINs) are cached between runs.
+    pub cubin_cache: std::path::PathBuf,
+}
+
+/// Opens the GPU, plans its memory (weights, the largest step's workspace, the rest up to the
+/// utilization share as KV blocks), logs the plan and loads the model.
+fn start_cuda(
+    gguf: &Arc<GgufFile>,
+    config: &ModelConfig,
+    opts: &RuntimeOptions,
+    cuda: CudaChoice,
+) -> Result<CudaBackend<CudarcDevice>, LoadError> {
+    let device_error = |e: kvgate_kernels::cuda::device::DeviceError| {
+        LoadError::Backend(BackendError::Other(e.to_string()))
+    };
+    let dev = CudarcDevice::open(cuda.ordinal, &cuda.cubin_cache).map_err(device_error)?;
+    let (free, total) = dev
+        .memory()
+        .driver_free_total
+        .ok_or_else(|| LoadError::Backend(BackendError::Other("cuMemGetInfo failed".into())))?;
+    let mut options = CudaBackendOptions {
+        num_blocks: 1,
+        // Anything but the kernels' KV_BLOCK is refused by CudaBackend::new with the reason.
+        block_size: opts.block_size,
+        max_batched_tokens: opts.max_batched_tokens,
+        max_num_seqs: opts.max_num_seqs,
+    };
+    let plan = MemoryPlan::compute(&MemoryPlanInputs {
+        device_total: total,
+        device_free: free,
+        utilization: cuda.gpu_memory_utilization,
+        weights_bytes: gguf.tensor_bytes(),
+        workspace_bytes: workspace_bytes(config, &options) as u64,
+        kv_shape: config.kv_shape(),
+        block_size: KV_BLOCK,
+        context_length: config.context_length,
+    })?;
+    tracing::info!("{} on {}", plan, dev.describe());
+    options.num_blocks = plan.num_blocks;
+    Ok(CudaBackend::new(
+        dev,
+        Arc::clone(gguf),
+        config.clone(),
+        options,
+    )?)
 }
 
 /// `…/SmolLM2-135M-Instruct.Q4_1.gguf` → `SmolLM2-135M-Instruct.Q4_1`.

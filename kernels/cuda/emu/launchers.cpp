@@ -56,3 +56,58 @@ EMU_MATVEC(matvec_q8_0, uint8_t)
 EMU_LAUNCHER(matvec_f16,
              (float* out, const uint16_t* w, const float* x, int rows, int cols, int batch),
              (out, w, x, rows, cols, batch))
+
+// Launch by kernel name with a cuLaunchKernel-style parameter array (params[i] points at the
+// i-th argument's value), so one piece of Rust launch code drives both a real device and this
+// emulator (kvgate_kernels::cuda::device::DeviceOps). Returns 0, or -1 for an unknown name.
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+namespace emu {
+
+template <class... A, std::size_t... I>
+void call_with(void (*kernel)(A...), void** params, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_cv_t<A>*>(params[I])...);
+}
+
+template <class... A>
+void launch_params(const Launch& l, void (*kernel)(A...), void** params) {
+    launch(l, [&] { call_with(kernel, params, std::index_sequence_for<A...>{}); });
+}
+
+struct Entry {
+    const char* name;
+    void (*run)(const Launch&, void**);
+};
+
+#define EMU_ENTRY(k) Entry{#k, [](const Launch& l, void** p) { launch_params(l, &::k, p); }}
+
+inline const Entry ENTRIES[] = {
+    EMU_ENTRY(embed_rows),     EMU_ENTRY(dequantize_f16),      EMU_ENTRY(rms_norm),
+    EMU_ENTRY(rope_norm),      EMU_ENTRY(swiglu),              EMU_ENTRY(add_inplace),
+    EMU_ENTRY(argmax_rows),    EMU_ENTRY(write_kv),            EMU_ENTRY(paged_attention_d32),
+    EMU_ENTRY(paged_attention_d64), EMU_ENTRY(paged_attention_d128), EMU_ENTRY(attention_reduce),
+    EMU_ENTRY(quantize_q8_1),  EMU_ENTRY(matvec_q4_0),         EMU_ENTRY(matvec_q4_1),
+    EMU_ENTRY(matvec_q8_0),    EMU_ENTRY(matvec_f16),
+};
+
+}  // namespace emu
+
+extern "C" int emu_launch(const char* name, const emu::Launch* l, void** params) {
+    for (const emu::Entry& e : emu::ENTRIES) {
+        if (std::strcmp(e.name, name) == 0) {
+            e.run(*l, params);
+            return 0;
+        }
+    }
+    return -1;
+}
+
+// 1 when emu_launch knows kernel `name` (the Rust tests check every kernel of every program).
+extern "C" int emu_has_kernel(const char* name) {
+    for (const emu::Entry& e : emu::ENTRIES) {
+        if (std::strcmp(e.name, name) == 0) return 1;
+    }
+    return 0;
+}

@@ -17,8 +17,6 @@ use crate::quant::{WeightType, dequantize_row, quantize_row_q8_1};
 use half::f16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 mod kernels;
@@ -46,59 +44,9 @@ impl Launch {
 /// The emulated kernels, built once per test process (and cached on disk by source hash).
 fn emu() -> &'static Emu {
     static EMU: OnceLock<Emu> = OnceLock::new();
-    EMU.get_or_init(|| Emu::load(&build_library()))
-}
-
-fn build_library() -> PathBuf {
-    use std::hash::{Hash, Hasher};
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
-    let files = [
-        "prelude.cuh",
-        "elementwise.cu",
-        "attention.cu",
-        "matvec.cu",
-        "emu/emu.h",
-        "emu/launchers.cpp",
-    ];
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    for f in files {
-        std::fs::read(dir.join(f))
-            .unwrap_or_else(|e| panic!("{f}: {e}"))
-            .hash(&mut hasher);
-    }
-    let out_dir = std::env::temp_dir().join("kvgate-cuda-emu");
-    std::fs::create_dir_all(&out_dir).expect("temp dir");
-    let lib = out_dir.join(format!("emu-{:016x}.so", hasher.finish()));
-    if lib.exists() {
-        return lib;
-    }
-    let partial = out_dir.join(format!("emu-{}.so.partial", std::process::id()));
-    let output = Command::new("g++")
-        .args([
-            "-std=c++20",
-            "-O2",
-            "-fPIC",
-            "-shared",
-            "-pthread",
-            "-Wall",
-            "-Wextra",
-            "-Wno-unknown-pragmas",
-            "-Wno-unused-function",
-            "-o",
-        ])
-        .arg(&partial)
-        .arg(dir.join("emu/launchers.cpp"))
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run g++ ({e}): the CUDA emulation tests need a C++20 compiler (Debian: apt-get install g++)")
-        });
-    assert!(
-        output.status.success(),
-        "g++ failed to build the CUDA emulator:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    std::fs::rename(&partial, &lib).expect("rename the emulator library");
-    lib
+    EMU.get_or_init(|| {
+        Emu::load(&super::emu_device::build_library().unwrap_or_else(|e| panic!("{e}")))
+    })
 }
 
 /// A 16-byte aligned buffer (device allocations are 256-byte aligned; the kernels' 16-byte
@@ -246,18 +194,7 @@ fn swiglu_and_residual_add_match_cpu() {
 }
 
 fn ggml_id(ty: WeightType) -> i32 {
-    match ty {
-        WeightType::F32 => 0,
-        WeightType::F16 => 1,
-        WeightType::Q4_0 => 2,
-        WeightType::Q4_1 => 3,
-        WeightType::Q5_0 => 6,
-        WeightType::Q5_1 => 7,
-        WeightType::Q8_0 => 8,
-        WeightType::Q4_K => 12,
-        WeightType::Q5_K => 13,
-        WeightType::Q6_K => 14,
-    }
+    super::ggml_type_id(ty).expect("a type the kernels read")
 }
 
 const ALL_TYPES: [WeightType; 5] = [

@@ -9,7 +9,6 @@
 
 mod forward;
 mod kv_cache;
-mod step_plan;
 mod weights;
 mod workspace;
 
@@ -17,12 +16,12 @@ use std::sync::Arc;
 
 use kvgate_kernels::KvLayout;
 
+use crate::backend::step_plan::{StepLimits, StepPlan};
 use crate::backend::{Backend, BackendError, BatchInputs, MemoryUsage};
 use crate::gguf::GgufFile;
 use crate::model::ModelConfig;
 use forward::Step;
 use kv_cache::PagedKvCache;
-use step_plan::{StepLimits, StepPlan};
 use weights::CpuModel;
 use workspace::Workspace;
 

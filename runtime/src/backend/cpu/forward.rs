@@ -14,9 +14,9 @@ use kvgate_kernels::{
 };
 
 use super::kv_cache::LayerKv;
-use super::step_plan::StepPlan;
 use super::weights::{CpuModel, LayerMats};
 use super::workspace::Workspace;
+use crate::backend::step_plan::StepPlan;
 use crate::backend::{BackendError, BatchInputs};
 
 /// Everything a layer reads that stays fixed for the step.

@@ -1,0 +1,278 @@
+//! The CUDA backend's whole-step emulated check (no GPU): a tiny synthetic GGUF loaded once per weight type,
+//! run through the CUDA backend's launch sequence on the CUDA emulator (the real `.cu` kernels
+//! compiled for the CPU) and through [`CpuBackend`], step by step — chunked prefill that reads
+//! its earlier chunk from the cache, prefill next to decodes, partial last blocks, scattered
+//! block ids — comparing every logits row.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvgate_kernels::cuda::emu_device::EmuDevice;
+
+use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
+use kvgate_runtime::backend::cuda::{CudaBackend, CudaBackendOptions};
+use kvgate_runtime::backend::{Backend, BackendError, BatchInputs, SeqInputs};
+use kvgate_runtime::gguf::GgufFile;
+use kvgate_runtime::model::ModelConfig;
+use kvgate_runtime::synth::{SynthDtype, SynthModel, SynthShape, SynthSpec};
+
+const BLOCK: usize = 16;
+const NUM_BLOCKS: usize = 12;
+
+fn tiny_model(dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
+    let dir = std::env::temp_dir().join(format!("kvgate-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path: PathBuf = dir.join(format!("tiny-{dtype}.gguf"));
+    let spec = SynthSpec {
+        shape: SynthShape::Tiny,
+        dtype,
+        seed: 12,
+    };
+    SynthModel::new(spec)
+        .write_to(&path, &mut |_| {})
+        .expect("synthetic model is written");
+    let gguf = Arc::new(GgufFile::open(&path).expect("opens"));
+    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    (gguf, config)
+}
+
+fn options() -> CudaBackendOptions {
+    CudaBackendOptions {
+        num_blocks: NUM_BLOCKS,
+        block_size: BLOCK,
+        max_batched_tokens: 40,
+        max_num_seqs: 4,
+    }
+}
+
+fn emulated(gguf: &Arc<GgufFile>, config: &ModelConfig) -> CudaBackend<EmuDevice> {
+    let dev = EmuDevice::new().expect("the CUDA emulator builds (needs g++)");
+    CudaBackend::new(dev, Arc::clone(gguf), config.clone(), options()).expect("backend starts")
+}
+
+/// One sequence's share of a step: `tokens` at positions `start..`, stored via `blocks`.
+struct Part<'a> {
+    tokens: &'a [u32],
+    start: usize,
+    blocks: &'a [u32],
+    needs_logits: bool,
+}
+
+fn batch(parts: &[Part]) -> BatchInputs {
+    let mut b = BatchInputs::default();
+    for p in parts {
+        let token_start = b.token_ids.len();
+        for (i, &t) in p.tokens.iter().enumerate() {
+            let pos = p.start + i;
+            b.token_ids.push(t);
+            b.positions.push(pos as u32);
+            b.slot_mapping
+                .push(p.blocks[pos / BLOCK] * BLOCK as u32 + (pos % BLOCK) as u32);
+        }
+        b.seqs.push(SeqInputs {
+            token_start,
+            num_tokens: p.tokens.len(),
+            context_len: p.start + p.tokens.len(),
+            block_table: p.blocks.to_vec(),
+            needs_logits: p.needs_logits,
+        });
+    }
+    b
+}
+
+/// Asserts |a - b| <= tol * max(1, max|b|) element-wise, naming the first bad index.
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{what}: element {i}: got {g}, want {w} (tolerance {})",
+            tol * scale
+        );
+    }
+}
+
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + seed * 101 + 5) % 512)
+        .collect()
+}
+
+fn whole_steps_match_the_cpu_backend(dtype: SynthDtype) {
+    let (gguf, config) = tiny_model(dtype);
+    let mut cpu = CpuBackend::new(
+        Arc::clone(&gguf),
+        config.clone(),
+        CpuBackendOptions {
+            num_blocks: NUM_BLOCKS,
+            block_size: BLOCK,
+            max_batched_tokens: 40,
+            threads: Some(1),
+        },
+    )
+    .expect("cpu backend");
+    let mut gpu = emulated(&gguf, &config);
+    let (a, b) = (tokens(34, 1), tokens(9, 2));
+    // Scattered, out-of-order block ids; A's prompt is chunked at 20 (mid-block).
+    let (blocks_a, blocks_b): (&[u32], &[u32]) = (&[9, 2, 6], &[4]);
+    let steps: Vec<Vec<Part>> = vec![
+        vec![
+            Part {
+                tokens: &a[..20],
+                start: 0,
+                blocks: blocks_a,
+                needs_logits: false,
+            },
+            Part {
+                tokens: &b[..8],
+                start: 0,
+                blocks: blocks_b,
+                needs_logits: true,
+            },
+        ],
+        vec![
+            Part {
+                tokens: &b[8..9],
+                start: 8,
+                blocks: blocks_b,
+                needs_logits: true,
+            },
+            Part {
+                tokens: &a[20..33],
+                start: 20,
+                blocks: blocks_a,
+                needs_logits: true,
+            },
+        ],
+        vec![Part {
+            tokens: &a[33..34],
+            start: 33,
+            blocks: blocks_a,
+            needs_logits: true,
+        }],
+    ];
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    for (i, parts) in steps.iter().enumerate() {
+        let inputs = batch(parts);
+        for v in [&mut want, &mut got] {
+            // Poisoned: every value the backend returns must be written this step.
+            v.clear();
+            v.resize(3 * config.vocab_size, f32::NAN);
+        }
+        cpu.forward(&inputs, &mut want).expect("cpu step");
+        gpu.forward(&inputs, &mut got).expect("emulated step");
+        assert_eq!(
+            got.len(),
+            inputs.num_logits_rows() * config.vocab_size,
+            "step {i}"
+        );
+        // Activations are requantized to 8 bits at every matmul (both sides, summed in other
+        // orders) and K/V, q and probabilities are f16: logits agree to about one quantization
+        // step of the largest logit.
+        assert_close(&format!("{dtype} step {i}"), &got, &want, 2e-2);
+    }
+}
+
+#[test]
+fn emulated_steps_match_the_cpu_backend_q4_0() {
+    whole_steps_match_the_cpu_backend(SynthDtype::Q4_0);
+}
+
+#[test]
+fn emulated_steps_match_the_cpu_backend_f16() {
+    whole_steps_match_the_cpu_backend(SynthDtype::F16);
+}
+
+#[test]
+fn allocates_everything_once_and_reports_it() {
+    let (gguf, config) = tiny_model(SynthDtype::Q8_0);
+    let mut gpu = emulated(&gguf, &config);
+    let at_start = gpu.device_memory();
+    let mem = gpu.memory();
+    assert_eq!(
+        at_start.allocated,
+        mem.total_bytes(),
+        "weights + KV + workspace"
+    );
+    assert_eq!(
+        mem.kv_bytes,
+        (2 * config.num_layers * NUM_BLOCKS * BLOCK * config.kv_dim() * 2) as u64
+    );
+    let a = tokens(5, 3);
+    let inputs = batch(&[Part {
+        tokens: &a,
+        start: 0,
+        blocks: &[3],
+        needs_logits: true,
+    }]);
+    let mut logits = Vec::new();
+    gpu.forward(&inputs, &mut logits).expect("step");
+    assert_eq!(
+        gpu.device_memory().peak,
+        at_start.allocated,
+        "a step allocates nothing"
+    );
+}
+
+#[test]
+fn refuses_what_the_kernels_cannot_run_and_invalid_steps() {
+    let (gguf, config) = tiny_model(SynthDtype::Q4_1);
+    let dev = EmuDevice::new().expect("emulator");
+    let eight = CudaBackendOptions {
+        block_size: 8,
+        ..options()
+    };
+    let err = CudaBackend::new(dev, Arc::clone(&gguf), config.clone(), eight)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("16-token KV blocks"), "{err}");
+
+    let mut gpu = emulated(&gguf, &config);
+    let a = tokens(3, 4);
+    let mut inputs = batch(&[Part {
+        tokens: &a,
+        start: 0,
+        blocks: &[NUM_BLOCKS as u32],
+        needs_logits: true,
+    }]);
+    let mut logits = Vec::new();
+    let err = gpu.forward(&inputs, &mut logits).unwrap_err();
+    assert!(matches!(err, BackendError::InvalidInputs(_)), "{err}");
+    inputs = batch(&[
+        Part {
+            tokens: &a[..1],
+            start: 0,
+            blocks: &[0],
+            needs_logits: true,
+        },
+        Part {
+            tokens: &a[..1],
+            start: 0,
+            blocks: &[1],
+            needs_logits: true,
+        },
+        Part {
+            tokens: &a[..1],
+            start: 0,
+            blocks: &[2],
+            needs_logits: true,
+        },
+        Part {
+            tokens: &a[..1],
+            start: 0,
+            blocks: &[3],
+            needs_logits: true,
+        },
+        Part {
+            tokens: &a[..1],
+            start: 0,
+            blocks: &[4],
+            needs_logits: true,
+        },
+    ]);
+    let err = gpu.forward(&inputs, &mut logits).unwrap_err();
+    assert!(err.to_string().contains("max_num_seqs"), "{err}");
+    assert!(gpu.device_memory().allocated > 0);
+}

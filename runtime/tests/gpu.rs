@@ -1,0 +1,560 @@
+//! GPU tests: the CUDA backend on a real device against the CPU backend. Ignored by default
+//! (`#[ignore = "requires a CUDA device"]`; run with `cargo test --test gpu -- --ignored`, as
+//! `scripts/gpu-check.sh` does on a lent GPU). Without a usable GPU each test skips with the
+//! probe's reason; `KVGATE_REQUIRE_GPU=1` turns that skip into a failure, so a GPU run cannot
+//! pass by skipping.
+//!
+//! Lines starting `GPU-CHECK ` are the measurements gpu-check.sh collects.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use common::{Part, batch};
+use kvgate_kernels::cuda::cudarc_device::CudarcDevice;
+use kvgate_kernels::cuda::device::{DeviceOps, KernelArg, LaunchDims};
+use kvgate_kernels::cuda::probe::DeviceProbe;
+use kvgate_kernels::cuda::{ATTN_THREADS, KV_BLOCK, attention_partitions, attention_smem_bytes};
+use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
+use kvgate_runtime::backend::cuda::{
+    CudaBackend, CudaBackendOptions, MemoryPlan, MemoryPlanInputs, workspace_bytes,
+};
+use kvgate_runtime::backend::{Backend, BatchInputs};
+use kvgate_runtime::gguf::GgufFile;
+use kvgate_runtime::model::ModelConfig;
+use kvgate_runtime::synth::{SynthDtype, SynthModel, SynthShape, SynthSpec};
+
+/// The device for a GPU test, or `None` (skip) with the reason printed; a failure instead
+/// when `KVGATE_REQUIRE_GPU=1`.
+fn gpu_or_skip(test: &str) -> Option<CudarcDevice> {
+    let required = std::env::var("KVGATE_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let reason = match DeviceProbe::run().usable_gpu(0) {
+        Ok(_) => match CudarcDevice::open(0, &cubin_cache()) {
+            Ok(dev) => return Some(dev),
+            Err(e) => e.to_string(),
+        },
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        !required,
+        "{test}: KVGATE_REQUIRE_GPU=1 but no usable GPU: {reason}"
+    );
+    eprintln!("{test}: skipped, no usable GPU: {reason}");
+    None
+}
+
+fn cubin_cache() -> PathBuf {
+    std::env::temp_dir().join("kvgate-gpu-tests-cubin")
+}
+
+/// A synthetic model: `KVGATE_GPU_MODEL_<SHAPE>` when the script made one, else written here.
+fn synth(shape: SynthShape, dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
+    let var = format!(
+        "KVGATE_GPU_MODEL_{}_{}",
+        shape.name().replace('-', "_").to_uppercase(),
+        dtype.name().to_uppercase()
+    );
+    let path = match std::env::var_os(&var) {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let dir = std::env::temp_dir().join("kvgate-gpu-tests");
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let path = dir.join(format!("{}-{}.gguf", shape.name(), dtype.name()));
+            if !path.exists() {
+                let spec = SynthSpec {
+                    shape,
+                    dtype,
+                    seed: 7,
+                };
+                SynthModel::new(spec)
+                    .write_to(&path, &mut |_| {})
+                    .expect("synthetic model is written");
+            }
+            path
+        }
+    };
+    open(&path)
+}
+
+fn open(path: &Path) -> (Arc<GgufFile>, ModelConfig) {
+    let gguf = Arc::new(GgufFile::open(path).expect("model opens"));
+    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    (gguf, config)
+}
+
+fn cuda_backend(
+    dev: CudarcDevice,
+    gguf: &Arc<GgufFile>,
+    config: &ModelConfig,
+    num_blocks: usize,
+    max_num_seqs: usize,
+) -> CudaBackend<CudarcDevice> {
+    let options = CudaBackendOptions {
+        num_blocks,
+        block_size: KV_BLOCK,
+        max_batched_tokens: 512,
+        max_num_seqs,
+    };
+    CudaBackend::new(dev, Arc::clone(gguf), config.clone(), options).expect("CUDA backend starts")
+}
+
+fn cpu_backend(gguf: &Arc<GgufFile>, config: &ModelConfig, num_blocks: usize) -> CpuBackend {
+    let options = CpuBackendOptions {
+        num_blocks,
+        block_size: KV_BLOCK,
+        max_batched_tokens: 512,
+        threads: None,
+    };
+    CpuBackend::new(Arc::clone(gguf), config.clone(), options).expect("CPU backend starts")
+}
+
+fn tokens(n: usize, seed: u32, vocab: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 7919 + seed * 104_729 + 11) % vocab as u32)
+        .collect()
+}
+
+fn forward(backend: &mut dyn Backend, inputs: &BatchInputs) -> Vec<f32> {
+    let mut logits = Vec::new();
+    backend.forward(inputs, &mut logits).expect("step runs");
+    logits
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst <= tol * scale,
+        "{what}: largest difference {worst} > {}",
+        tol * scale
+    );
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+#[test]
+#[ignore = "requires a CUDA device"]
+fn every_weight_type_runs_whole_steps_like_the_cpu_backend() {
+    // Every kernel on the device: a prefill, then a mixed step, per weight type.
+    for dtype in SynthDtype::ALL {
+        let Some(dev) = gpu_or_skip("every_weight_type") else {
+            return;
+        };
+        let (gguf, config) = synth(SynthShape::Tiny, dtype);
+        let mut gpu = cuda_backend(dev, &gguf, &config, 16, 8);
+        let mut cpu = cpu_backend(&gguf, &config, 16);
+        let (a, b) = (
+            tokens(40, 1, config.vocab_size),
+            tokens(9, 2, config.vocab_size),
+        );
+        let steps = [
+            batch(&[Part {
+                tokens: &a[..37],
+                start: 0,
+                blocks: &[9, 2, 6],
+            }]),
+            batch(&[
+                Part {
+                    tokens: &b,
+                    start: 0,
+                    blocks: &[4],
+                },
+                Part {
+                    tokens: &a[37..38],
+                    start: 37,
+                    blocks: &[9, 2, 6],
+                },
+            ]),
+        ];
+        for (i, step) in steps.iter().enumerate() {
+            let (got, want) = (forward(&mut gpu, step), forward(&mut cpu, step));
+            assert_close(&format!("{dtype} step {i}"), &got, &want, 2e-2);
+        }
+        println!("GPU-CHECK kernels_{dtype}=passed");
+    }
+}
+
+#[test]
+#[ignore = "requires a CUDA device"]
+fn smollm2_shaped_model_logits_match_the_cpu_backend() {
+    let Some(dev) = gpu_or_skip("smollm2_logits") else {
+        return;
+    };
+    let (gguf, config) = synth(SynthShape::Smollm2_135m, SynthDtype::Q4_0);
+    let mut gpu = cuda_backend(dev, &gguf, &config, 64, 8);
+    let mut cpu = cpu_backend(&gguf, &config, 64);
+    let prompt = tokens(600, 3, config.vocab_size); // two attention partitions
+    let blocks: Vec<u32> = (0..40).rev().collect();
+    // Two chunks (a step holds at most 512 tokens); the second reads the first from the cache.
+    let chunk = batch(&[Part {
+        tokens: &prompt[..400],
+        start: 0,
+        blocks: &blocks,
+    }]);
+    forward(&mut gpu, &chunk);
+    forward(&mut cpu, &chunk);
+    let prefill = batch(&[Part {
+        tokens: &prompt[400..599],
+        start: 400,
+        blocks: &blocks,
+    }]);
+    assert_close(
+        "prefill",
+        &forward(&mut gpu, &prefill),
+        &forward(&mut cpu, &prefill),
+        3e-2,
+    );
+    let decode = batch(&[Part {
+        tokens: &prompt[599..],
+        start: 599,
+        blocks: &blocks,
+    }]);
+    assert_close(
+        "decode",
+        &forward(&mut gpu, &decode),
+        &forward(&mut cpu, &decode),
+        3e-2,
+    );
+}
+
+#[test]
+#[ignore = "requires a CUDA device"]
+fn greedy_tokens_do_not_depend_on_the_batch() {
+    let Some(dev) = gpu_or_skip("batch_invariance") else {
+        return;
+    };
+    let (gguf, config) = synth(SynthShape::Smollm2_135m, SynthDtype::Q4_0);
+    let vocab = config.vocab_size;
+    let mut gpu = cuda_backend(dev, &gguf, &config, 17 * 4, 16);
+    let prompts: Vec<Vec<u32>> = (0..16).map(|s| tokens(20 + s, s as u32, vocab)).collect();
+    let tables: Vec<Vec<u32>> = (0..16u32).map(|s| (4 * s..4 * s + 4).collect()).collect();
+    // Alone: sequence 0 prefilled and decoded 8 tokens in blocks 64..68.
+    let alone_table: Vec<u32> = (64..68).collect();
+    let mut alone = Vec::new();
+    let mut ctx = prompts[0].clone();
+    let mut logits = forward(
+        &mut gpu,
+        &batch(&[Part {
+            tokens: &ctx,
+            start: 0,
+            blocks: &alone_table,
+        }]),
+    );
+    for _ in 0..8 {
+        let next = argmax(&logits) as u32;
+        alone.push(next);
+        ctx.push(next);
+        let pos = ctx.len() - 1;
+        logits = forward(
+            &mut gpu,
+            &batch(&[Part {
+                tokens: &ctx[pos..],
+                start: pos,
+                blocks: &alone_table,
+            }]),
+        );
+    }
+    // In a batch of 16 (prefills together, then 8 decode steps of 16 rows).
+    let parts: Vec<Part> = (0..16)
+        .map(|s| Part {
+            tokens: &prompts[s],
+            start: 0,
+            blocks: &tables[s],
+        })
+        .collect();
+    let mut ctxs = prompts.clone();
+    let mut all = forward(&mut gpu, &batch(&parts));
+    let mut batched = Vec::new();
+    for _ in 0..8 {
+        for (s, c) in ctxs.iter_mut().enumerate() {
+            c.push(argmax(&all[s * vocab..(s + 1) * vocab]) as u32);
+        }
+        batched.push(*ctxs[0].last().expect("token"));
+        let parts: Vec<Part> = (0..16)
+            .map(|s| Part {
+                tokens: &ctxs[s][ctxs[s].len() - 1..],
+                start: ctxs[s].len() - 1,
+                blocks: &tables[s],
+            })
+            .collect();
+        all = forward(&mut gpu, &batch(&parts));
+    }
+    assert_eq!(alone, batched, "greedy tokens alone vs in a batch of 16");
+    assert_eq!(
+        &all[..vocab],
+        &logits[..],
+        "logits bit-identical alone and batched"
+    );
+}
+
+#[test]
+#[ignore = "requires a CUDA device"]
+fn blocks_reused_after_a_cancelled_sequence_give_fresh_results() {
+    let Some(dev) = gpu_or_skip("block_reuse") else {
+        return;
+    };
+    let (gguf, config) = synth(SynthShape::Tiny, SynthDtype::Q4_0);
+    let mut gpu = cuda_backend(dev, &gguf, &config, 8, 4);
+    let (a, b) = (
+        tokens(30, 5, config.vocab_size),
+        tokens(25, 6, config.vocab_size),
+    );
+    let fresh = forward(
+        &mut gpu,
+        &batch(&[Part {
+            tokens: &b,
+            start: 0,
+            blocks: &[6, 7],
+        }]),
+    );
+    // A fills blocks 0 and 1 and is cancelled mid-prompt; B then gets those blocks.
+    forward(
+        &mut gpu,
+        &batch(&[Part {
+            tokens: &a,
+            start: 0,
+            blocks: &[0, 1],
+        }]),
+    );
+    let reused = forward(
+        &mut gpu,
+        &batch(&[Part {
+            tokens: &b,
+            start: 0,
+            blocks: &[1, 0],
+        }]),
+    );
+    assert_eq!(
+        reused, fresh,
+        "stale K/V of the cancelled sequence leaked into the reuse"
+    );
+}
+
+#[test]
+#[ignore = "requires a CUDA device"]
+fn memory_plan_is_honoured_and_reported() {
+    let Some(dev) = gpu_or_skip("memory_plan") else {
+        return;
+    };
+    let (gguf, config) = synth(SynthShape::Llama2_13b, SynthDtype::Q4_0);
+    let (free, total) = dev.memory().driver_free_total.expect("driver memory info");
+    let mut options = CudaBackendOptions {
+        num_blocks: 1,
+        block_size: KV_BLOCK,
+        max_batched_tokens: 512,
+        max_num_seqs: 256,
+    };
+    let plan = MemoryPlan::compute(&MemoryPlanInputs {
+        device_total: total,
+        device_free: free,
+        utilization: 0.9,
+        weights_bytes: gguf.tensor_bytes(),
+        workspace_bytes: workspace_bytes(&config, &options) as u64,
+        kv_shape: config.kv_shape(),
+        block_size: KV_BLOCK,
+        context_length: config.context_length,
+    })
+    .expect("13B fits an H200");
+    options.num_blocks = plan.num_blocks;
+    let mut gpu =
+        CudaBackend::new(dev, Arc::clone(&gguf), config.clone(), options).expect("starts");
+    let prompt = tokens(100, 1, config.vocab_size);
+    forward(
+        &mut gpu,
+        &batch(&[Part {
+            tokens: &prompt,
+            start: 0,
+            blocks: &[3, 900, 5, 77, 12, 4, 8],
+        }]),
+    );
+    let mem = gpu.device_memory();
+    println!("GPU-CHECK {plan}");
+    println!(
+        "GPU-CHECK memory_plan blocks={} budget={} peak_allocated={} driver_used={}",
+        plan.num_blocks,
+        plan.budget,
+        mem.peak,
+        mem.driver_free_total.map_or(0, |(f, t)| t - f)
+    );
+    assert!(
+        mem.peak <= plan.budget,
+        "peak {} > budget {}",
+        mem.peak,
+        plan.budget
+    );
+}
+
+/// Decode tok/s of the CUDA backend at 1, 16, 64 and 256 sequences (128-token contexts) on a
+/// Llama-2-13B-shaped Q4_0 model, and single-stream decode against the weight-bandwidth bound.
+#[test]
+#[ignore = "requires a CUDA device"]
+fn bench_decode_throughput_llama2_13b_q4_0() {
+    let Some(mut dev) = gpu_or_skip("bench_decode") else {
+        return;
+    };
+    let copy_bw = dev
+        .measure_copy_bandwidth(1 << 30, 20)
+        .expect("copy bandwidth");
+    println!("GPU-CHECK copy_bandwidth_gbs={:.0}", copy_bw / 1e9);
+    let (gguf, config) = synth(SynthShape::Llama2_13b, SynthDtype::Q4_0);
+    let ctx = 128;
+    let blocks_per_seq = ctx / KV_BLOCK + 1;
+    let mut gpu = cuda_backend(dev, &gguf, &config, 256 * blocks_per_seq, 256);
+    let weights = gguf.tensor_bytes() as f64;
+    let mut single = 0.0;
+    for seqs in [1usize, 16, 64, 256] {
+        let tables: Vec<Vec<u32>> = (0..seqs)
+            .map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect())
+            .collect();
+        let prompts: Vec<Vec<u32>> = (0..seqs)
+            .map(|s| tokens(ctx, s as u32, config.vocab_size))
+            .collect();
+        // Prefill in chunks that fit the 512-token step.
+        for first in (0..seqs).step_by(4) {
+            let parts: Vec<Part> = (first..seqs.min(first + 4))
+                .map(|s| Part {
+                    tokens: &prompts[s],
+                    start: 0,
+                    blocks: &tables[s],
+                })
+                .collect();
+            forward(&mut gpu, &batch(&parts));
+        }
+        let steps = 16;
+        let start = Instant::now();
+        for step in 0..steps {
+            let next: Vec<[u32; 1]> = (0..seqs).map(|s| [((s + step) % 1000) as u32]).collect();
+            let parts: Vec<Part> = (0..seqs)
+                .map(|s| Part {
+                    tokens: &next[s],
+                    start: ctx + step,
+                    blocks: &tables[s],
+                })
+                .collect();
+            forward(&mut gpu, &batch(&parts));
+        }
+        let tok_s = (seqs * steps) as f64 / start.elapsed().as_secs_f64();
+        if seqs == 1 {
+            single = tok_s;
+            let bound = copy_bw / weights;
+            println!(
+                "GPU-CHECK decode_1_tok_s={tok_s:.1} weight_bound_tok_s={bound:.1} fraction={:.2}",
+                tok_s / bound
+            );
+        } else {
+            println!(
+                "GPU-CHECK decode_{seqs}_tok_s={tok_s:.1} vs_single={:.1}x",
+                tok_s / single
+            );
+        }
+    }
+}
+
+/// Achieved bandwidth of the paged-attention kernel alone (K+V bytes read ÷ time) at 16 and
+/// 64 sequences × 2048 tokens with Llama-2-13B's attention (40 KV heads × 128).
+#[test]
+#[ignore = "requires a CUDA device"]
+fn bench_paged_attention_bandwidth() {
+    let Some(mut dev) = gpu_or_skip("bench_attention") else {
+        return;
+    };
+    let copy_bw = dev
+        .measure_copy_bandwidth(1 << 30, 20)
+        .expect("copy bandwidth");
+    let (kv_heads, hd, ctx) = (40usize, 128usize, 2048usize);
+    for seqs in [16usize, 64] {
+        let blocks = seqs * ctx / KV_BLOCK;
+        let cache_bytes = blocks * kv_heads * KV_BLOCK * hd * 2;
+        let k = dev.alloc(cache_bytes).expect("K");
+        let v = dev.alloc(cache_bytes).expect("V");
+        let q = dev.alloc(seqs * kv_heads * hd * 4).expect("q");
+        let out = dev.alloc(seqs * kv_heads * hd * 4).expect("out");
+        let parts = attention_partitions(ctx);
+        let part_out = dev
+            .alloc(seqs * kv_heads * parts * hd * 4)
+            .expect("part_out");
+        let part_stats = dev
+            .alloc(seqs * kv_heads * parts * 2 * 4)
+            .expect("part_stats");
+        let per_seq = ctx / KV_BLOCK;
+        let mut ints: Vec<i32> = Vec::new();
+        ints.extend((0..seqs).map(|s| s as i32)); // row → seq
+        ints.extend((0..seqs).map(|_| ctx as i32)); // row → context
+        // Block tables, interleaved across sequences so reads are scattered.
+        for s in 0..seqs {
+            ints.extend((0..per_seq).map(|b| (b * seqs + s) as i32));
+        }
+        let meta = dev.alloc(ints.len() * 4).expect("meta");
+        let bytes: Vec<u8> = ints.iter().flat_map(|i| i.to_le_bytes()).collect();
+        dev.upload(meta, 0, &bytes).expect("upload");
+        let args = [
+            out.arg(),
+            part_out.arg(),
+            part_stats.arg(),
+            q.arg(),
+            k.arg(),
+            v.arg(),
+            meta.at(8 * seqs),
+            meta.arg(),
+            meta.at(4 * seqs),
+            KernelArg::I32(per_seq as i32),
+            KernelArg::I32(kv_heads as i32),
+            KernelArg::I32(1),
+            KernelArg::I32(parts as i32),
+            KernelArg::F32(1.0 / (hd as f32).sqrt()),
+        ];
+        let dims = LaunchDims::new(
+            [kv_heads as u32, seqs as u32, parts as u32],
+            ATTN_THREADS,
+            attention_smem_bytes(1, hd),
+        );
+        let reduce = [
+            out.arg(),
+            part_out.arg(),
+            part_stats.arg(),
+            meta.at(4 * seqs),
+            KernelArg::I32(kv_heads as i32),
+            KernelArg::I32(hd as i32),
+            KernelArg::I32(parts as i32),
+        ];
+        let reduce_dims = LaunchDims::new([kv_heads as u32, seqs as u32, 1], 64, 0);
+        let run = |dev: &mut CudarcDevice| {
+            dev.launch("paged_attention_d128", dims, &args)
+                .expect("attention");
+            dev.launch("attention_reduce", reduce_dims, &reduce)
+                .expect("reduce");
+        };
+        run(&mut dev);
+        dev.synchronize().expect("sync");
+        let iterations = 20;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            run(&mut dev);
+        }
+        dev.synchronize().expect("sync");
+        let seconds = start.elapsed().as_secs_f64() / f64::from(iterations);
+        let bw = 2.0 * (seqs * ctx * kv_heads * hd * 2) as f64 / seconds;
+        println!(
+            "GPU-CHECK attention_{seqs}x{ctx}_gbs={:.0} copy_gbs={:.0} fraction={:.2}",
+            bw / 1e9,
+            copy_bw / 1e9,
+            bw / copy_bw
+        );
+    }
+}
