@@ -228,6 +228,20 @@ fn refuses_what_the_kernels_cannot_run_and_invalid_steps() {
         .err()
         .expect("refused");
     assert!(err.to_string().contains("16-token KV blocks"), "{err}");
+    // qwen2's half-split RoPE has no kernel yet: refused, not run wrong.
+    let neox = ModelConfig {
+        rope_mode: kvgate_kernels::RopeMode::Neox,
+        ..config.clone()
+    };
+    let err = CudaBackend::new(
+        EmuDevice::new().expect("emulator"),
+        Arc::clone(&gguf),
+        neox,
+        options(),
+    )
+    .err()
+    .expect("refused");
+    assert!(err.to_string().contains("RoPE"), "{err}");
 
     let mut gpu = emulated(&gguf, &config);
     let a = tokens(3, 4);

@@ -3,9 +3,9 @@
 //! as f32. Shapes and types the kernels cannot run are refused here, at load, with the tensor
 //! named, never discovered mid-step.
 
-use kvgate_kernels::WeightType;
 use kvgate_kernels::cuda::device::{DevBuf, DeviceOps};
 use kvgate_kernels::cuda::{ATTN_HEAD_DIMS, ATTN_MAX_GROUP, ggml_type_id};
+use kvgate_kernels::{RopeMode, WeightType};
 
 use super::device_error;
 use crate::backend::BackendError;
@@ -58,6 +58,14 @@ pub struct DeviceModel {
 /// Refuses model geometry the attention kernels have no instance for.
 pub fn check_geometry(config: &ModelConfig) -> Result<(), BackendError> {
     let unsupported = |what: String| Err(BackendError::Other(format!("CUDA backend: {what}")));
+    // The RoPE kernel rotates adjacent pairs (ggml NORM mode, llama); qwen2's half-split pairs
+    // would run silently wrong.
+    if config.rope_mode != RopeMode::Norm {
+        return unsupported(format!(
+            "{:?} RoPE (architecture {}) is not supported yet; use --device cpu",
+            config.rope_mode, config.architecture
+        ));
+    }
     if config.rope_dim != config.head_dim {
         return unsupported(format!(
             "partial RoPE (rope dimension {} < head dim {}) is not supported",
@@ -136,6 +144,27 @@ impl<D: DeviceOps> Uploader<'_, D> {
     }
 }
 
+/// Refuses tensors the step does not apply (Q/K/V biases of qwen2, Llama 3.1's RoPE frequency
+/// factors): ignoring them would compute silently wrong logits.
+fn check_extras(weights: &ModelWeights) -> Result<(), BackendError> {
+    let unsupported = |what: &str| {
+        Err(BackendError::Other(format!(
+            "CUDA backend: {what} are not supported yet; use --device cpu"
+        )))
+    };
+    if weights.rope_freqs.is_some() {
+        return unsupported("RoPE frequency factors (rope_freqs.weight)");
+    }
+    if weights
+        .layers
+        .iter()
+        .any(|l| l.bq.is_some() || l.bk.is_some() || l.bv.is_some())
+    {
+        return unsupported("Q/K/V biases");
+    }
+    Ok(())
+}
+
 impl DeviceModel {
     /// Binds every tensor of `config` in `gguf` and copies it to `dev`.
     pub fn upload<D: DeviceOps>(
@@ -146,6 +175,7 @@ impl DeviceModel {
         check_geometry(&config)?;
         let weights = ModelWeights::bind(gguf, &config)
             .map_err(|e| BackendError::Other(format!("model weights: {e}")))?;
+        check_extras(&weights)?;
         let mut up = Uploader {
             dev,
             gguf,
