@@ -41,8 +41,7 @@ use crate::metrics::QueueSource;
 use crate::policy::{KvPolicy, OnStoreError, Policy, ReservationMode, TenantPolicy};
 use crate::queue::Lane;
 use crate::ratelimit::{
-    Debit, RateLimitError, RateLimitHeaders, RateLimits, RequestCell, SharedDecision,
-    SharedLimiter,
+    Debit, RateLimitError, RateLimitHeaders, RateLimits, RequestCell, SharedDecision, SharedLimiter,
 };
 use crate::reload::PolicyStore;
 #[cfg(test)]
@@ -236,7 +235,9 @@ impl Admission {
         drop(prepaid);
         let charged = u32::try_from(tokens).unwrap_or(u32::MAX);
         match shared.acquire(tenant, request_id, charged).await {
-            SharedDecision::Admitted(charge) => Ok(self.limits.debit_elsewhere(tenant, Some(charge))),
+            SharedDecision::Admitted(charge) => {
+                Ok(self.limits.debit_elsewhere(tenant, Some(charge)))
+            }
             SharedDecision::Refused(error) => Err(rate_rejection(&tenant.name, error)),
             SharedDecision::StoreError(error) => {
                 let behaviour = shared.policy().on_store_error;
@@ -509,7 +510,10 @@ fn watermark_limit(total_blocks: usize, high_watermark: f64) -> usize {
 /// says `on_store_error = "local"`: each limit ÷ `replicas`, at least 1.
 fn local_share(tenant: &TenantPolicy, replicas: u32) -> TenantPolicy {
     let share = |limit: Option<std::num::NonZeroU32>| {
-        limit.map(|l| std::num::NonZeroU32::new(l.get() / replicas.max(1)).unwrap_or(std::num::NonZeroU32::MIN))
+        limit.map(|l| {
+            std::num::NonZeroU32::new(l.get() / replicas.max(1))
+                .unwrap_or(std::num::NonZeroU32::MIN)
+        })
     };
     TenantPolicy {
         requests_per_minute: share(tenant.requests_per_minute),

@@ -250,9 +250,7 @@ impl Rejection {
             | Rejection::QueueFull { retry_after, .. }
             | Rejection::QueueTimeout { retry_after, .. }
             | Rejection::KvSaturated { retry_after, .. } => *retry_after,
-            Rejection::Unavailable | Rejection::StoreUnavailable { .. } => {
-                MIN_CAPACITY_RETRY_AFTER
-            }
+            Rejection::Unavailable | Rejection::StoreUnavailable { .. } => MIN_CAPACITY_RETRY_AFTER,
             Rejection::InsufficientQuota { .. }
             | Rejection::QueueNeverFits { .. }
             | Rejection::NeverFits { .. }

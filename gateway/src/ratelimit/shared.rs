@@ -26,8 +26,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -161,7 +161,10 @@ impl SharedLimiter {
     }
 
     /// [`SharedLimiter::new`] with a shorter lease (tests of crashed replicas).
-    pub fn with_lease_ttl(policy: &SharedPolicy, lease_ttl: Duration) -> Result<SharedLimiter, String> {
+    pub fn with_lease_ttl(
+        policy: &SharedPolicy,
+        lease_ttl: Duration,
+    ) -> Result<SharedLimiter, String> {
         let client = redis::Client::open(policy.redis_url.as_str()).map_err(|e| e.to_string())?;
         // The manager's own timeouts match the policy's, so a dead store fails each call fast
         // instead of queueing calls behind a hung connection.
@@ -193,7 +196,12 @@ impl SharedLimiter {
 
     /// Charges one request and `tokens` tokens to `tenant` and takes a concurrency lease, all
     /// or nothing, within the policy's timeout.
-    pub async fn acquire(&self, tenant: &TenantPolicy, request_id: &str, tokens: u32) -> SharedDecision {
+    pub async fn acquire(
+        &self,
+        tenant: &TenantPolicy,
+        request_id: &str,
+        tokens: u32,
+    ) -> SharedDecision {
         let rpm = tenant.requests_per_minute.map_or(0, |n| n.get());
         let tpm = tenant.tokens_per_minute.map_or(0, |n| n.get());
         if tpm > 0 && tokens > tpm {
@@ -224,7 +232,9 @@ impl SharedLimiter {
         let call = invocation.invoke_async::<Vec<i64>>(&mut connection);
         let reply = match tokio::time::timeout(self.inner.policy.timeout, call).await {
             Ok(Ok(reply)) if reply.len() == 6 => reply,
-            Ok(Ok(reply)) => return SharedDecision::StoreError(format!("unexpected reply {reply:?}")),
+            Ok(Ok(reply)) => {
+                return SharedDecision::StoreError(format!("unexpected reply {reply:?}"));
+            }
             Ok(Err(error)) => return SharedDecision::StoreError(error.to_string()),
             Err(_) => {
                 let after = self.inner.policy.timeout;
@@ -243,7 +253,8 @@ impl SharedLimiter {
         };
         let (kind, limit, requested, wait) = match reply[0] {
             0 => {
-                let renewer = (leases > 0).then(|| self.spawn_renewer(keys.leases.clone(), member.clone()));
+                let renewer =
+                    (leases > 0).then(|| self.spawn_renewer(keys.leases.clone(), member.clone()));
                 return SharedDecision::Admitted(SharedCharge {
                     limiter: self.clone(),
                     keys,
@@ -315,7 +326,9 @@ impl SharedLimiter {
                     .arg(&member)
                     .arg(ttl.as_millis() as u64);
                 let call = invocation.invoke_async::<i64>(&mut connection);
-                if let Ok(Err(error)) = tokio::time::timeout(limiter.inner.policy.timeout, call).await {
+                if let Ok(Err(error)) =
+                    tokio::time::timeout(limiter.inner.policy.timeout, call).await
+                {
                     tracing::debug!(%error, "renewing a shared concurrency lease failed");
                 }
             }
