@@ -175,10 +175,7 @@ impl Admission {
         let debit = self
             .debit(&policy, &tenant, &ticket.request_id, budget_tokens, prepaid)
             .await
-            .map_err(|rejection| {
-                rejection.count(&tenant.name);
-                rejection
-            })?;
+            .inspect_err(|rejection| rejection.count(&tenant.name))?;
 
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let lane = lane_of(&policy, ticket.prompt_tokens);

@@ -171,7 +171,7 @@ impl RateLimits {
             tokens: 0,
             request_taken: false,
             settled: false,
-            shared,
+            shared: shared.map(Box::new),
         }
     }
 
@@ -265,7 +265,8 @@ pub struct Debit {
     settled: bool,
     /// The charge in the shared store, when that decided instead of the local buckets (then
     /// `tokens` is 0 and no local cell was taken). Its own drop refunds and releases.
-    shared: Option<SharedCharge>,
+    /// Boxed: a `Debit` travels inside every queued request, and most have no shared charge.
+    shared: Option<Box<SharedCharge>>,
 }
 
 /// One request taken from a tenant's request bucket before its body was read

@@ -302,7 +302,10 @@ fn prefix_cache_defaults_to_the_tenant_inherits_and_rejects_unknown_scopes() {
 #[test]
 fn shared_section_parses_with_defaults_and_is_absent_by_default() {
     let policy = parse_policy("p.toml", "[tenants.a]\n").unwrap();
-    assert_eq!(policy.shared, None, "without [shared] the local limiter decides");
+    assert_eq!(
+        policy.shared, None,
+        "without [shared] the local limiter decides"
+    );
     let policy = parse_policy(
         "p.toml",
         "[shared]\nredis = \"redis://127.0.0.1:6379/2\"\n[tenants.a]\n",
@@ -330,8 +333,7 @@ fn shared_section_parses_with_defaults_and_is_absent_by_default() {
 
 #[test]
 fn shared_section_errors_name_line_column_and_field() {
-    let (line, column, field, message) =
-        error_of("[tenants.a]\n[shared]\nredis = \"http://x\"\n");
+    let (line, column, field, message) = error_of("[tenants.a]\n[shared]\nredis = \"http://x\"\n");
     assert_eq!((line, column, field.as_str()), (3, 9, "shared.redis"));
     assert!(message.contains("not a Redis URL"), "{message}");
 
