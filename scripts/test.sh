@@ -2,6 +2,8 @@
 # kvgate's whole test suite, exactly as CI runs it (.ci/run calls this script).
 # It installs what the tests need on a fresh machine, then runs every test:
 #   1. promtool (Debian's `prometheus` package) and curl for the alert-rule and metrics-format checks;
+#      Debian's `redis-server` for the shared tenant limits ([shared] in the policy), started
+#      per test on an ephemeral loopback port by gateway/tests/shared_limits.rs;
 #   2. a Python venv with the official `openai` client for the client-compatibility test;
 #      NVRTC from PyPI (nvidia-cuda-nvrtc-cu12, in its own venv) and g++ for the CUDA kernel
 #      checks that need no GPU (compile for sm_80/sm_90; run on the CPU through an emulator);
@@ -29,6 +31,13 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v curl >/dev/null 2>&1; t
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus curl >/dev/null
 fi
 promtool --version | head -n 1
+
+step "tools: redis-server for the shared tenant limits"
+if ! command -v redis-server >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+fi
+redis-server --version
 
 step "tools: python venv with the openai client"
 PYENV=.cache/kvgate/pyenv

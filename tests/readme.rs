@@ -13,7 +13,7 @@ use common::readme::{commands, console_output, readme, the_block};
 use common::{Client, MODEL};
 use kvgate_gateway::metrics::KV_BLOCKS;
 use kvgate_gateway::metrics::exposition::Scrape;
-use kvgate_gateway::policy::{UnknownKeys, parse_policy};
+use kvgate_gateway::policy::{OnStoreError, UnknownKeys, parse_policy};
 use kvgate_gateway::upstream::file::parse_upstreams_file;
 use serde_json::Value;
 
@@ -179,5 +179,11 @@ fn the_readme_policy_snippets_load_and_mean_what_the_readme_says() {
             panic!("{name}: the snippet must say `# unknown keys: anonymous|reject`");
         };
         assert_eq!(policy.unknown_keys(), expected, "{name}");
+        // The "Scaling out" snippet shares limits between two gateway replicas.
+        if block.body.contains("[shared]") {
+            let shared = policy.shared.as_ref().expect("[shared] parsed");
+            assert_eq!(shared.replicas, 2, "{name}");
+            assert_eq!(shared.on_store_error, OnStoreError::Local, "{name}");
+        }
     }
 }

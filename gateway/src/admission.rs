@@ -38,9 +38,11 @@ pub use rejection::{MAX_RETRY_AFTER, MIN_CAPACITY_RETRY_AFTER, Rejection};
 
 use crate::auth::authenticate;
 use crate::metrics::QueueSource;
-use crate::policy::{KvPolicy, Policy, ReservationMode, TenantPolicy};
+use crate::policy::{KvPolicy, OnStoreError, Policy, ReservationMode, TenantPolicy};
 use crate::queue::Lane;
-use crate::ratelimit::{Debit, RateLimitError, RateLimitHeaders, RateLimits, RequestCell};
+use crate::ratelimit::{
+    Debit, RateLimitError, RateLimitHeaders, RateLimits, RequestCell, SharedDecision, SharedLimiter,
+};
 use crate::reload::PolicyStore;
 #[cfg(test)]
 use dispatcher::REFORECAST_EVERY;
@@ -67,6 +69,9 @@ pub struct Admission {
     /// Indexed by [`PoolId`]; the first is [`PoolId::LOCAL`].
     pools: Arc<[Arc<BlockPool>]>,
     limits: Arc<RateLimits>,
+    /// The shared-store limiter for the policy's `[shared]` section, rebuilt when a reload
+    /// changes that section (`None` while the policy has none).
+    shared: Arc<parking_lot::Mutex<Option<SharedLimiter>>>,
     ledger: Arc<Ledger>,
     next_key: Arc<AtomicU64>,
 }
@@ -114,6 +119,7 @@ impl Admission {
             store,
             pools,
             limits,
+            shared: Arc::default(),
             ledger,
             next_key: Arc::new(AtomicU64::new(0)),
         }
@@ -167,13 +173,9 @@ impl Admission {
             .prompt_tokens
             .saturating_add(ticket.max_output_tokens);
         let debit = self
-            .limits
-            .try_debit_prepaid(&tenant, budget_tokens, prepaid)
-            .map_err(|error| {
-                let rejection = rate_rejection(&tenant.name, error);
-                rejection.count(&tenant.name);
-                rejection
-            })?;
+            .debit(&policy, &tenant, &ticket.request_id, budget_tokens, prepaid)
+            .await
+            .inspect_err(|rejection| rejection.count(&tenant.name))?;
 
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let lane = lane_of(&policy, ticket.prompt_tokens);
@@ -201,6 +203,96 @@ impl Admission {
         let answer = answer.await;
         cancel.armed = false;
         answer.unwrap_or(Err(Rejection::Unavailable))
+    }
+
+    /// Charges the request to its tenant's rate limits: the local buckets, or with `[shared]`
+    /// the shared store, whose failure `on_store_error` answers (the local buckets at the
+    /// limits ÷ replicas, no limit, or a 503), so a dead store never hangs a request.
+    async fn debit(
+        &self,
+        policy: &Policy,
+        tenant: &TenantPolicy,
+        request_id: &str,
+        tokens: usize,
+        prepaid: Option<RequestCell>,
+    ) -> Result<Debit, Rejection> {
+        let local = |tenant: &TenantPolicy, prepaid| {
+            self.limits
+                .try_debit_prepaid(tenant, tokens, prepaid)
+                .map_err(|error| rate_rejection(&tenant.name, error))
+        };
+        let shared = match self.shared_limiter(policy) {
+            Ok(Some(shared)) => shared,
+            Ok(None) => return local(tenant, prepaid),
+            Err((behaviour, error)) => {
+                return self.on_store_error(policy, behaviour, tenant, tokens, None, &error);
+            }
+        };
+        // With a shared store nothing was taken before the body (`reserve_request`).
+        drop(prepaid);
+        let charged = u32::try_from(tokens).unwrap_or(u32::MAX);
+        match shared.acquire(tenant, request_id, charged).await {
+            SharedDecision::Admitted(charge) => {
+                Ok(self.limits.debit_elsewhere(tenant, Some(charge)))
+            }
+            SharedDecision::Refused(error) => Err(rate_rejection(&tenant.name, error)),
+            SharedDecision::StoreError(error) => {
+                let behaviour = shared.policy().on_store_error;
+                self.on_store_error(policy, behaviour, tenant, tokens, Some(&shared), &error)
+            }
+        }
+    }
+
+    /// What `on_store_error` makes of a failed shared-store call; logged and counted.
+    fn on_store_error(
+        &self,
+        policy: &Policy,
+        behaviour: OnStoreError,
+        tenant: &TenantPolicy,
+        tokens: usize,
+        shared: Option<&SharedLimiter>,
+        error: &str,
+    ) -> Result<Debit, Rejection> {
+        match shared {
+            Some(shared) => shared.record_store_error(&tenant.name, behaviour.as_str(), error),
+            None => {
+                crate::metrics::record_shared_store_error(&tenant.name, behaviour.as_str());
+                tracing::warn!(tenant = %tenant.name, error, "no shared rate-limit store");
+            }
+        }
+        match behaviour {
+            OnStoreError::Local => {
+                let replicas = policy.shared.as_ref().map_or(1, |s| s.replicas);
+                let share = local_share(tenant, replicas);
+                self.limits
+                    .try_debit_prepaid(&share, tokens, None)
+                    .map_err(|error| rate_rejection(&tenant.name, error))
+            }
+            OnStoreError::Allow => Ok(self.limits.debit_elsewhere(tenant, None)),
+            OnStoreError::Deny => Err(Rejection::StoreUnavailable {
+                tenant: tenant.name.clone(),
+            }),
+        }
+    }
+
+    /// The limiter for `policy.shared`, built on first use and rebuilt when a reload changed
+    /// the section. `Err` carries the behaviour to apply when it cannot be built.
+    fn shared_limiter(
+        &self,
+        policy: &Policy,
+    ) -> Result<Option<SharedLimiter>, (OnStoreError, String)> {
+        let Some(config) = &policy.shared else {
+            return Ok(None);
+        };
+        let mut current = self.shared.lock();
+        if let Some(limiter) = current.as_ref()
+            && limiter.policy() == config
+        {
+            return Ok(Some(limiter.clone()));
+        }
+        let limiter = SharedLimiter::new(config).map_err(|e| (config.on_store_error, e))?;
+        *current = Some(limiter.clone());
+        Ok(Some(limiter))
     }
 
     /// Gives admission the engine's per-token service time (see [`engine_service_time`]; a
@@ -273,6 +365,11 @@ impl Admission {
     /// charged a second time. Dropping it (the body or validation failed, the client left)
     /// returns it, as any request refused before it ran is refunded.
     pub fn reserve_request(&self, tenant: &TenantPolicy) -> Result<RequestCell, Rejection> {
+        if self.store.current().shared.is_some() {
+            // The shared store decides at admission, in one round trip with the tokens; a
+            // local early check here would spend this replica's buckets for nothing.
+            return Ok(self.limits.untaken_request(tenant));
+        }
         self.limits.reserve_request(tenant).map_err(|error| {
             let rejection = rate_rejection(&tenant.name, error);
             rejection.count(&tenant.name);
@@ -404,6 +501,22 @@ fn blocks_needed(
 /// Most blocks admission may have committed: ⌊total × watermark⌋.
 fn watermark_limit(total_blocks: usize, high_watermark: f64) -> usize {
     ((total_blocks as f64) * high_watermark).floor() as usize
+}
+
+/// This replica's share of `tenant`'s rate limits when the shared store is down and the policy
+/// says `on_store_error = "local"`: each limit ÷ `replicas`, at least 1.
+fn local_share(tenant: &TenantPolicy, replicas: u32) -> TenantPolicy {
+    let share = |limit: Option<std::num::NonZeroU32>| {
+        limit.map(|l| {
+            std::num::NonZeroU32::new(l.get() / replicas.max(1))
+                .unwrap_or(std::num::NonZeroU32::MIN)
+        })
+    };
+    TenantPolicy {
+        requests_per_minute: share(tenant.requests_per_minute),
+        tokens_per_minute: share(tenant.tokens_per_minute),
+        ..tenant.clone()
+    }
 }
 
 fn rate_rejection(tenant: &str, error: RateLimitError) -> Rejection {

@@ -183,6 +183,14 @@ pub fn record_rejection(tenant: &str, reason: RejectReason) {
         .increment(1);
 }
 
+/// Counts one failed or timed-out call to the shared rate-limit store in
+/// [`SHARED_STORE_ERRORS_TOTAL`], labelled with the `on_store_error` behaviour that decided
+/// the request instead.
+pub fn record_shared_store_error(tenant: &str, behaviour: &'static str) {
+    metrics::counter!(SHARED_STORE_ERRORS_TOTAL, "tenant" => tenant.to_string(), "behaviour" => behaviour)
+        .increment(1);
+}
+
 /// Counts one request in [`REQUESTS_TOTAL`] with its final admission outcome. Call it exactly
 /// once per request that reached a handler; `route` is a static route name ("chat", ...).
 pub fn record_request(tenant: &str, route: &'static str, admitted: bool) {

@@ -44,6 +44,43 @@ pub struct Policy {
     pub kv: KvPolicy,
     /// The long-prompt lane.
     pub lanes: LanePolicy,
+    /// `[shared]`: tenant limits kept in Redis across gateway replicas (`None`: local only).
+    pub shared: Option<SharedPolicy>,
+}
+
+/// `[shared]`: where the tenant limits shared by every gateway replica live, and what to do
+/// when that store fails.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedPolicy {
+    /// `redis://HOST:PORT/DB` (checked to parse; not dialled at load).
+    pub redis_url: String,
+    /// Longest one store call may take before `on_store_error` decides.
+    pub timeout: Duration,
+    pub on_store_error: OnStoreError,
+    /// Gateway replicas sharing the limits: the `local` fallback admits limit ÷ this each.
+    pub replicas: u32,
+}
+
+/// `on_store_error`: what admission does when the shared store errs or times out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnStoreError {
+    /// Each replica enforces its share (limit ÷ `replicas`) with its own local limiter.
+    Local,
+    /// Admit without a rate limit (fail open, as Envoy's global limiter does by default).
+    Allow,
+    /// Refuse with 503 (fail closed).
+    Deny,
+}
+
+impl OnStoreError {
+    /// The `behaviour` label of `kvgate_shared_store_errors_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnStoreError::Local => "local",
+            OnStoreError::Allow => "allow",
+            OnStoreError::Deny => "deny",
+        }
+    }
 }
 
 /// One tenant's effective limits (its overrides on top of `[defaults]` on top of built-ins).

@@ -13,6 +13,7 @@
 
 mod clock;
 mod headers;
+pub mod shared;
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -27,6 +28,7 @@ use tokio::time::Instant;
 
 pub use clock::{TokioClock, TokioInstant};
 pub use headers::{BucketStatus, HEADER_NAMES, RateLimitHeaders, UNLIMITED, format_reset};
+pub use shared::{SharedCharge, SharedDecision, SharedLimiter};
 
 use crate::policy::TenantPolicy;
 
@@ -35,13 +37,15 @@ use crate::policy::TenantPolicy;
 pub enum LimitKind {
     Requests,
     Tokens,
+    /// Requests in flight at once across gateway replicas (`[shared]` leases).
+    Concurrency,
 }
 
 impl LimitKind {
     /// OpenAI's `type` for a rate-limit error: "requests" or "tokens".
     pub fn as_str(self) -> &'static str {
         match self {
-            LimitKind::Requests => "requests",
+            LimitKind::Requests | LimitKind::Concurrency => "requests",
             LimitKind::Tokens => "tokens",
         }
     }
@@ -129,6 +133,7 @@ impl RateLimits {
                 tokens,
                 request_taken,
                 settled: false,
+                shared: None,
             });
         }
         if let Some(bucket) = &buckets.requests
@@ -153,7 +158,30 @@ impl RateLimits {
             slot,
             tokens,
             settled: false,
+            shared: None,
         })
+    }
+
+    /// A debit that takes nothing from this gateway's own buckets: the shared store charged
+    /// the request (`shared`), or nobody did (`None`: the store failed and the policy says
+    /// `on_store_error = "allow"`).
+    pub fn debit_elsewhere(&self, tenant: &TenantPolicy, shared: Option<SharedCharge>) -> Debit {
+        Debit {
+            slot: self.slot(tenant),
+            tokens: 0,
+            request_taken: false,
+            settled: false,
+            shared: shared.map(Box::new),
+        }
+    }
+
+    /// A [`RequestCell`] that took nothing (the shared store decides this tenant's requests at
+    /// admission, after the body).
+    pub fn untaken_request(&self, tenant: &TenantPolicy) -> RequestCell {
+        RequestCell {
+            slot: self.slot(tenant),
+            taken: false,
+        }
     }
 
     /// Takes one request from the tenant's request bucket before the request's body is read,
@@ -235,6 +263,10 @@ pub struct Debit {
     /// Whether a request cell was taken (the tenant had a request limit then).
     request_taken: bool,
     settled: bool,
+    /// The charge in the shared store, when that decided instead of the local buckets (then
+    /// `tokens` is 0 and no local cell was taken). Its own drop refunds and releases.
+    /// Boxed: a `Debit` travels inside every queued request, and most have no shared charge.
+    shared: Option<Box<SharedCharge>>,
 }
 
 /// One request taken from a tenant's request bucket before its body was read
@@ -265,6 +297,9 @@ impl Debit {
     /// The response ended having used `used_tokens`: refund the rest of the up-front charge.
     pub fn settle(mut self, used_tokens: usize) {
         let used = u32::try_from(used_tokens).unwrap_or(u32::MAX);
+        if let Some(shared) = &mut self.shared {
+            shared.settle(used);
+        }
         if let Some(bucket) = &self.slot.current().tokens {
             bucket.refund(self.tokens.saturating_sub(used));
         }
@@ -274,9 +309,12 @@ impl Debit {
     /// The request never ran: refund it all (same as dropping it).
     pub fn cancel(self) {}
 
-    /// The buckets' state now.
+    /// The buckets' state now (the shared store's, as of this debit, when it decided).
     pub fn headers(&self) -> RateLimitHeaders {
-        self.slot.current().headers()
+        match &self.shared {
+            Some(shared) => shared.headers(),
+            None => self.slot.current().headers(),
+        }
     }
 }
 

@@ -80,6 +80,8 @@ pub enum Rejection {
         tenant: String,
         error: ValidationError,
     },
+    /// The shared rate-limit store failed and the policy says `on_store_error = "deny"`.
+    StoreUnavailable { tenant: String },
     /// The admission dispatcher is gone (shutting down).
     Unavailable,
 }
@@ -93,7 +95,9 @@ impl Rejection {
             | Rejection::QueueNeverFits { .. }
             | Rejection::QueueFull { .. }
             | Rejection::KvSaturated { .. } => 429,
-            Rejection::QueueTimeout { .. } | Rejection::Unavailable => 503,
+            Rejection::QueueTimeout { .. }
+            | Rejection::StoreUnavailable { .. }
+            | Rejection::Unavailable => 503,
             Rejection::NeverFits { .. } | Rejection::OverTenantLimit { .. } => 400,
             Rejection::KeyRevoked { .. } => 401,
         }
@@ -113,6 +117,7 @@ impl Rejection {
                 "context_length_exceeded"
             }
             Rejection::KeyRevoked { .. } => "invalid_api_key",
+            Rejection::StoreUnavailable { .. } => "rate_limit_store_unavailable",
             Rejection::Unavailable => "service_unavailable",
         }
     }
@@ -126,7 +131,9 @@ impl Rejection {
             }
             Rejection::QueueFull { .. } => "requests",
             Rejection::KvSaturated { .. } => "tokens",
-            Rejection::QueueTimeout { .. } | Rejection::Unavailable => "server_error",
+            Rejection::QueueTimeout { .. }
+            | Rejection::StoreUnavailable { .. }
+            | Rejection::Unavailable => "server_error",
             Rejection::NeverFits { .. }
             | Rejection::KeyRevoked { .. }
             | Rejection::OverTenantLimit { .. } => "invalid_request_error",
@@ -152,6 +159,7 @@ impl Rejection {
         let per_minute = |kind: LimitKind| match kind {
             LimitKind::Requests => "requests per min (RPM)",
             LimitKind::Tokens => "tokens per min (TPM)",
+            LimitKind::Concurrency => "concurrent requests across gateway replicas",
         };
         let retry = |after: &Duration| format!("Please try again in {}.", format_reset(*after));
         match self {
@@ -228,6 +236,9 @@ impl Rejection {
                 "The API key was revoked while the request was queued.".to_string()
             }
             Rejection::OverTenantLimit { error, .. } => error.to_string(),
+            Rejection::StoreUnavailable { tenant } => format!(
+                "The shared rate-limit store is unavailable, and the policy refuses tenant {tenant}'s requests until it is back (on_store_error = \"deny\"). Please retry."
+            ),
             Rejection::Unavailable => "The server is shutting down. Please retry.".to_string(),
         }
     }
@@ -239,7 +250,7 @@ impl Rejection {
             | Rejection::QueueFull { retry_after, .. }
             | Rejection::QueueTimeout { retry_after, .. }
             | Rejection::KvSaturated { retry_after, .. } => *retry_after,
-            Rejection::Unavailable => MIN_CAPACITY_RETRY_AFTER,
+            Rejection::Unavailable | Rejection::StoreUnavailable { .. } => MIN_CAPACITY_RETRY_AFTER,
             Rejection::InsufficientQuota { .. }
             | Rejection::QueueNeverFits { .. }
             | Rejection::NeverFits { .. }
@@ -268,6 +279,7 @@ impl Rejection {
             Rejection::NeverFits { .. }
             | Rejection::OverTenantLimit { .. }
             | Rejection::KeyRevoked { .. }
+            | Rejection::StoreUnavailable { .. }
             | Rejection::Unavailable => None,
         }
     }
@@ -302,7 +314,9 @@ impl Rejection {
             Rejection::KvSaturated { .. } => RejectReason::KvSaturation,
             Rejection::NeverFits { .. } | Rejection::OverTenantLimit { .. } => RejectReason::Length,
             Rejection::KeyRevoked { .. } => RejectReason::Auth,
-            Rejection::Unavailable => RejectReason::Unavailable,
+            Rejection::Unavailable | Rejection::StoreUnavailable { .. } => {
+                RejectReason::Unavailable
+            }
         }
     }
 

@@ -18,6 +18,7 @@ pub const POLICY_RELOADS_TOTAL: &str = "kvgate_policy_reloads_total";
 pub const UPSTREAM_RELOADS_TOTAL: &str = "kvgate_upstream_reloads_total";
 pub const UPSTREAM_BREAKER_TOTAL: &str = "kvgate_upstream_breaker_transitions_total";
 pub const UPSTREAM_REQUESTS_TOTAL: &str = "kvgate_upstream_requests_total";
+pub const SHARED_STORE_ERRORS_TOTAL: &str = "kvgate_shared_store_errors_total";
 pub const UPSTREAM_RESPONSE_SECONDS: &str = "kvgate_upstream_response_seconds";
 pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "kvgate_prefix_cache_queries_total";
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "kvgate_prefix_cache_hits_total";
@@ -103,6 +104,12 @@ pub const RECORDED: &[Family] = &[
         Counter,
         &["tenant", "reason"],
         "Refused requests by reason: auth, length, rate, quota, queue_full, queue_timeout, kv_saturation, bad_request, unavailable.",
+    ),
+    family(
+        SHARED_STORE_ERRORS_TOTAL,
+        Counter,
+        &["tenant", "behaviour"],
+        "Shared rate-limit store (Redis) calls that failed or timed out, by the on_store_error behaviour applied: local, allow, deny.",
     ),
     family(
         QUEUE_ABANDONED_TOTAL,

@@ -5,15 +5,18 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use toml::Spanned;
 
 use super::limits::{Limits, int_field};
-use super::raw::{RawKv, RawLanes, RawPolicy, RawReservation, RawUnknownKeys};
+use super::raw::{
+    RawKv, RawLanes, RawOnStoreError, RawPolicy, RawReservation, RawShared, RawUnknownKeys,
+};
 use super::source::Source;
 use super::{
-    DefaultRates, KeyDigest, KvPolicy, LanePolicy, Policy, PolicyError, ReservationMode,
-    TenantPolicy, UnknownKeys, UnknownKeysPolicy,
+    DefaultRates, KeyDigest, KvPolicy, LanePolicy, OnStoreError, Policy, PolicyError,
+    ReservationMode, SharedPolicy, TenantPolicy, UnknownKeys, UnknownKeysPolicy,
 };
 
 // Built-in pool and lane settings (tenant limits are in `limits.rs`).
@@ -21,6 +24,12 @@ const BUILTIN_HIGH_WATERMARK: f64 = 0.9;
 const BUILTIN_PROMPT_HEADROOM_BLOCKS: u64 = 4;
 const BUILTIN_LONG_PROMPT_TOKENS: u64 = 1024;
 const BUILTIN_LONG_MAX_CONCURRENCY: u64 = 2;
+/// A Redis round trip on a LAN takes well under a millisecond; 50 ms is a slow store, and
+/// admission must not wait longer than that before falling back (`on_store_error`).
+const BUILTIN_SHARED_TIMEOUT: Duration = Duration::from_millis(50);
+/// Longest `[shared] timeout`: every request waits up to this long when Redis hangs.
+const LONGEST_SHARED_TIMEOUT: Duration = Duration::from_secs(5);
+const MOST_SHARED_REPLICAS: u64 = 1024;
 
 /// Builds a [`Policy`] from file text.
 pub(super) fn build(path: &Path, text: &str) -> Result<Policy, PolicyError> {
@@ -97,6 +106,53 @@ pub(super) fn build(path: &Path, text: &str) -> Result<Policy, PolicyError> {
         admin_keys,
         kv: build_kv(&source, &raw.kv)?,
         lanes: build_lanes(&source, &raw.lanes)?,
+        shared: match &raw.shared {
+            Some(shared) => Some(build_shared(&source, shared.get_ref())?),
+            None => None,
+        },
+    })
+}
+
+/// `[shared]`: the Redis URL must parse (it is not dialled here: a store that is down at load
+/// time is `on_store_error`'s case, not a bad file), the timeout is bounded so a hung store
+/// cannot hold requests for long, and `replicas` divides the limits of the `local` fallback.
+fn build_shared(source: &Source, raw: &RawShared) -> Result<SharedPolicy, PolicyError> {
+    let url = raw.redis.get_ref().trim().to_owned();
+    if let Err(err) = redis::Client::open(url.as_str()) {
+        let message = format!("not a Redis URL ({err}); write e.g. \"redis://127.0.0.1:6379/0\"");
+        return Err(source.error(raw.redis.span(), "shared.redis", message));
+    }
+    let timeout = match &raw.timeout {
+        Some(text) => {
+            let timeout = super::parse_duration(text.get_ref())
+                .map_err(|m| source.error(text.span(), "shared.timeout", m))?;
+            if timeout.is_zero() || timeout > LONGEST_SHARED_TIMEOUT {
+                let message = "must be more than 0 and at most 5s";
+                return Err(source.error(text.span(), "shared.timeout", message));
+            }
+            timeout
+        }
+        None => BUILTIN_SHARED_TIMEOUT,
+    };
+    let on_store_error = match raw.on_store_error.as_ref().map(|m| *m.get_ref()) {
+        None | Some(RawOnStoreError::Local) => OnStoreError::Local,
+        Some(RawOnStoreError::Allow) => OnStoreError::Allow,
+        Some(RawOnStoreError::Deny) => OnStoreError::Deny,
+    };
+    let replicas = int_field(
+        source,
+        "shared",
+        "replicas",
+        &raw.replicas,
+        1,
+        MOST_SHARED_REPLICAS,
+    )?
+    .map_or(1, |f| f.value);
+    Ok(SharedPolicy {
+        redis_url: url,
+        timeout,
+        on_store_error,
+        replicas: u32::try_from(replicas).unwrap_or(1),
     })
 }
 

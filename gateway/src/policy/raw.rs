@@ -27,6 +27,25 @@ pub(super) struct RawPolicy {
     pub kv: RawKv,
     #[serde(default)]
     pub lanes: RawLanes,
+    pub shared: Option<Spanned<RawShared>>,
+}
+
+/// `[shared]`: tenant limits kept in Redis, shared by every gateway replica that names it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawShared {
+    pub redis: Spanned<String>,
+    pub timeout: Option<Spanned<String>>,
+    pub on_store_error: Option<Spanned<RawOnStoreError>>,
+    pub replicas: Option<Spanned<i64>>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum RawOnStoreError {
+    Local,
+    Allow,
+    Deny,
 }
 
 /// `unknown_keys`: what a bearer key that matches no tenant gets.

@@ -298,3 +298,59 @@ fn prefix_cache_defaults_to_the_tenant_inherits_and_rejects_unknown_scopes() {
     );
     assert!(message.contains("unknown variant"), "{message}");
 }
+
+#[test]
+fn shared_section_parses_with_defaults_and_is_absent_by_default() {
+    let policy = parse_policy("p.toml", "[tenants.a]\n").unwrap();
+    assert_eq!(
+        policy.shared, None,
+        "without [shared] the local limiter decides"
+    );
+    let policy = parse_policy(
+        "p.toml",
+        "[shared]\nredis = \"redis://127.0.0.1:6379/2\"\n[tenants.a]\n",
+    )
+    .unwrap();
+    assert_eq!(
+        policy.shared,
+        Some(SharedPolicy {
+            redis_url: "redis://127.0.0.1:6379/2".into(),
+            timeout: Duration::from_millis(50),
+            on_store_error: OnStoreError::Local,
+            replicas: 1,
+        })
+    );
+    let policy = parse_policy(
+        "p.toml",
+        "[shared]\nredis = \"redis://h:1\"\ntimeout = \"20ms\"\non_store_error = \"deny\"\nreplicas = 3\n[tenants.a]\n",
+    )
+    .unwrap();
+    let shared = policy.shared.unwrap();
+    assert_eq!(shared.timeout, Duration::from_millis(20));
+    assert_eq!(shared.on_store_error, OnStoreError::Deny);
+    assert_eq!(shared.replicas, 3);
+}
+
+#[test]
+fn shared_section_errors_name_line_column_and_field() {
+    let (line, column, field, message) = error_of("[tenants.a]\n[shared]\nredis = \"http://x\"\n");
+    assert_eq!((line, column, field.as_str()), (3, 9, "shared.redis"));
+    assert!(message.contains("not a Redis URL"), "{message}");
+
+    let (line, column, field, message) =
+        error_of("[shared]\nredis = \"redis://h:1\"\ntimeout = \"10s\"\n[tenants.a]\n");
+    assert_eq!((line, column, field.as_str()), (3, 11, "shared.timeout"));
+    assert!(message.contains("at most 5s"), "{message}");
+
+    let (line, column, field, _) =
+        error_of("[shared]\nredis = \"redis://h:1\"\nreplicas = 0\n[tenants.a]\n");
+    assert_eq!((line, column, field.as_str()), (3, 12, "shared.replicas"));
+
+    let (line, _, _, message) =
+        error_of("[shared]\nredis = \"redis://h:1\"\non_store_error = \"open\"\n[tenants.a]\n");
+    assert_eq!(line, 3);
+    assert!(message.contains("local"), "{message}");
+
+    let (_, _, _, message) = error_of("[shared]\ntimeout = \"20ms\"\n[tenants.a]\n");
+    assert!(message.contains("redis"), "{message}");
+}

@@ -1,0 +1,451 @@
+//! Tenant limits shared by every gateway replica through Redis (`[shared]` in the policy).
+//!
+//! Without it each replica keeps its own buckets, so N replicas admit N × a tenant's limit.
+//! With it, one Lua script per request decides against state in Redis, atomically:
+//!
+//! - requests per minute and tokens per minute as GCRA (one key per bucket holding the
+//!   theoretical arrival time, TAT, in milliseconds of Redis's own clock from `TIME`, so the
+//!   replicas' clocks never matter); the request is charged prompt + max_tokens up front, as the
+//!   local limiter does, and the unused part is refunded when the response ends (the TAT moves
+//!   back, never before now);
+//! - tenant concurrency as leases: a sorted set per tenant, member = this replica's id + the
+//!   request id, score = expiry. Acquiring prunes expired leases first, so the leases of a
+//!   replica that crashed free themselves after [`LEASE_TTL`]; a live stream renews its lease
+//!   every third of that; the end of the response removes it.
+//!
+//! Nothing is written unless all three pass, so a refusal costs the tenant nothing. Keys carry
+//! the tenant in a hash tag (`kvgate:{tenant}:rpm`), so a Redis Cluster keeps one tenant's keys
+//! on one shard and the script stays legal there.
+//!
+//! Every call is bounded by the policy's `timeout`. A failed or slow call is the caller's to
+//! decide (`on_store_error`): [`SharedDecision::StoreError`] says so, and
+//! [`SharedLimiter::record_store_error`] logs (at most once per [`LOG_EVERY`]) and counts it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use redis::Script;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::{BucketStatus, LimitKind, RateLimitError, RateLimitHeaders};
+use crate::policy::{SharedPolicy, TenantPolicy};
+
+/// How long a lease outlives its last renewal: how long a crashed replica's requests keep
+/// counting against their tenant's concurrency.
+pub const LEASE_TTL: Duration = Duration::from_secs(30);
+/// At most one store-error log line per this long (each error is still counted).
+const LOG_EVERY: Duration = Duration::from_secs(10);
+/// Retry-After for a tenant at its shared concurrency limit: a lease frees when some stream
+/// ends, which the store cannot forecast; a second is the capacity rejections' floor.
+const CONCURRENCY_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Decides or refuses one request: RPM, TPM and the concurrency lease in one round trip.
+///
+/// KEYS: rpm, tpm, leases. ARGV: rpm limit, tpm limit (0 = none), tokens, lease limit (0 =
+/// none), lease member, lease ttl ms. Returns {verdict, wait ms, rpm remaining, rpm reset ms,
+/// tpm remaining, tpm reset ms}; verdict 0 = admitted, 1 = rpm, 2 = tpm, 3 = concurrency.
+const ADMIT_LUA: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local period = 60000
+local function gcra(key, limit, cost)
+  if limit <= 0 then return true, now, 0, 0 end
+  local interval = period / limit
+  local tat = now
+  local stored = redis.call('GET', key)
+  if stored then tat = math.max(tonumber(stored), now) end
+  local new = tat + cost * interval
+  if new - now > period then
+    return false, new, (new - now) - period, 0
+  end
+  return true, new, 0, math.floor((period - (new - now)) / interval)
+end
+local rpm_limit, tpm_limit = tonumber(ARGV[1]), tonumber(ARGV[2])
+local tokens, lease_limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+local rpm_ok, rpm_tat, rpm_wait, rpm_left = gcra(KEYS[1], rpm_limit, 1)
+local tpm_ok, tpm_tat, tpm_wait, tpm_left = gcra(KEYS[2], tpm_limit, tokens)
+local function status(verdict, wait)
+  return {verdict, math.ceil(wait), rpm_left, math.ceil(rpm_tat - now), tpm_left,
+          math.ceil(tpm_tat - now)}
+end
+if not rpm_ok then return status(1, rpm_wait) end
+if not tpm_ok then return status(2, tpm_wait) end
+if lease_limit > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= lease_limit then return status(3, 0) end
+  local ttl = tonumber(ARGV[6])
+  redis.call('ZADD', KEYS[3], now + ttl, ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], ttl * 2)
+end
+if rpm_limit > 0 then redis.call('SET', KEYS[1], rpm_tat, 'PX', math.max(1, math.ceil(rpm_tat - now))) end
+if tpm_limit > 0 then redis.call('SET', KEYS[2], tpm_tat, 'PX', math.max(1, math.ceil(tpm_tat - now))) end
+return status(0, 0)
+";
+
+/// Gives unused cells back: moves each TAT back by refund × interval, never before now.
+/// KEYS: rpm, tpm. ARGV: rpm limit, requests refunded, tpm limit, tokens refunded.
+const REFUND_LUA: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local function refund(key, limit, cells)
+  if limit <= 0 or cells <= 0 then return end
+  local stored = redis.call('GET', key)
+  if not stored then return end
+  local tat = math.max(tonumber(stored) - cells * 60000 / limit, now)
+  if tat - now < 1 then redis.call('DEL', key) return end
+  redis.call('SET', key, tat, 'PX', math.ceil(tat - now))
+end
+refund(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))
+refund(KEYS[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
+return 0
+";
+
+/// Extends a live lease (never re-creates one that was pruned or released).
+/// KEYS: leases. ARGV: member, ttl ms.
+const RENEW_LUA: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local ttl = tonumber(ARGV[2])
+local renewed = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + ttl, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ttl * 2)
+return renewed
+";
+
+/// The outcome of [`SharedLimiter::acquire`].
+#[derive(Debug)]
+pub enum SharedDecision {
+    Admitted(SharedCharge),
+    Refused(RateLimitError),
+    /// The store failed or did not answer within the timeout: `on_store_error` decides.
+    StoreError(String),
+}
+
+/// A connection to the shared store plus its scripts. Cheap to clone.
+#[derive(Clone)]
+pub struct SharedLimiter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    policy: SharedPolicy,
+    connection: ConnectionManager,
+    admit: Script,
+    refund: Script,
+    renew: Script,
+    /// Names this gateway process in lease members, so two replicas' request ids never clash.
+    replica: String,
+    next_lease: AtomicU64,
+    lease_ttl: Duration,
+    last_logged: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for SharedLimiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedLimiter")
+            .field("policy", &self.inner.policy)
+            .field("replica", &self.inner.replica)
+            .finish()
+    }
+}
+
+impl SharedLimiter {
+    /// A limiter for `policy`. Does not dial: the connection manager connects on first use and
+    /// reconnects in the background, so a store that is down now is `on_store_error`'s case.
+    /// Must be called inside a tokio runtime.
+    pub fn new(policy: &SharedPolicy) -> Result<SharedLimiter, String> {
+        SharedLimiter::with_lease_ttl(policy, LEASE_TTL)
+    }
+
+    /// [`SharedLimiter::new`] with a shorter lease (tests of crashed replicas).
+    pub fn with_lease_ttl(
+        policy: &SharedPolicy,
+        lease_ttl: Duration,
+    ) -> Result<SharedLimiter, String> {
+        let client = redis::Client::open(policy.redis_url.as_str()).map_err(|e| e.to_string())?;
+        // The manager's own timeouts match the policy's, so a dead store fails each call fast
+        // instead of queueing calls behind a hung connection.
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(policy.timeout))
+            .set_response_timeout(Some(policy.timeout))
+            .set_max_delay(Duration::from_secs(1));
+        let connection =
+            ConnectionManager::new_lazy_with_config(client, config).map_err(|e| e.to_string())?;
+        Ok(SharedLimiter {
+            inner: Arc::new(Inner {
+                policy: policy.clone(),
+                connection,
+                admit: Script::new(ADMIT_LUA),
+                refund: Script::new(REFUND_LUA),
+                renew: Script::new(RENEW_LUA),
+                replica: format!("{:016x}", rand::random::<u64>()),
+                next_lease: AtomicU64::new(0),
+                lease_ttl,
+                last_logged: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The `[shared]` policy this limiter was built for.
+    pub fn policy(&self) -> &SharedPolicy {
+        &self.inner.policy
+    }
+
+    /// Charges one request and `tokens` tokens to `tenant` and takes a concurrency lease, all
+    /// or nothing, within the policy's timeout.
+    pub async fn acquire(
+        &self,
+        tenant: &TenantPolicy,
+        request_id: &str,
+        tokens: u32,
+    ) -> SharedDecision {
+        let rpm = tenant.requests_per_minute.map_or(0, |n| n.get());
+        let tpm = tenant.tokens_per_minute.map_or(0, |n| n.get());
+        if tpm > 0 && tokens > tpm {
+            let headers = self.headers_full(rpm, tpm);
+            return SharedDecision::Refused(RateLimitError::ExceedsBucket {
+                kind: LimitKind::Tokens,
+                limit: tpm,
+                requested: tokens,
+                headers,
+            });
+        }
+        let leases = u32::try_from(tenant.max_concurrency).unwrap_or(u32::MAX);
+        let lease_number = self.inner.next_lease.fetch_add(1, Ordering::Relaxed);
+        let member = format!("{}:{lease_number}:{request_id}", self.inner.replica);
+        let keys = Keys::of(&tenant.name);
+        let mut connection = self.inner.connection.clone();
+        let mut invocation = self.inner.admit.prepare_invoke();
+        invocation
+            .key(&keys.rpm)
+            .key(&keys.tpm)
+            .key(&keys.leases)
+            .arg(rpm)
+            .arg(tpm)
+            .arg(tokens)
+            .arg(leases)
+            .arg(&member)
+            .arg(self.inner.lease_ttl.as_millis() as u64);
+        let call = invocation.invoke_async::<Vec<i64>>(&mut connection);
+        let reply = match tokio::time::timeout(self.inner.policy.timeout, call).await {
+            Ok(Ok(reply)) if reply.len() == 6 => reply,
+            Ok(Ok(reply)) => {
+                return SharedDecision::StoreError(format!("unexpected reply {reply:?}"));
+            }
+            Ok(Err(error)) => return SharedDecision::StoreError(error.to_string()),
+            Err(_) => {
+                let after = self.inner.policy.timeout;
+                return SharedDecision::StoreError(format!("no answer within {after:?}"));
+            }
+        };
+        let millis = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
+        let status = |limit: u32, remaining: i64, reset: i64| BucketStatus {
+            limit,
+            remaining: u32::try_from(remaining).unwrap_or(0).min(limit),
+            reset: millis(reset),
+        };
+        let headers = RateLimitHeaders {
+            requests: (rpm > 0).then(|| status(rpm, reply[2], reply[3])),
+            tokens: (tpm > 0).then(|| status(tpm, reply[4], reply[5])),
+        };
+        let (kind, limit, requested, wait) = match reply[0] {
+            0 => {
+                let renewer =
+                    (leases > 0).then(|| self.spawn_renewer(keys.leases.clone(), member.clone()));
+                return SharedDecision::Admitted(SharedCharge {
+                    limiter: self.clone(),
+                    keys,
+                    rpm,
+                    tpm,
+                    tokens,
+                    refund: Refund::All,
+                    lease: (leases > 0).then_some(member),
+                    renewer,
+                    headers,
+                });
+            }
+            1 => (LimitKind::Requests, rpm, 1, millis(reply[1])),
+            2 => (LimitKind::Tokens, tpm, tokens, millis(reply[1])),
+            _ => (LimitKind::Concurrency, leases, 1, CONCURRENCY_RETRY_AFTER),
+        };
+        SharedDecision::Refused(RateLimitError::Limited {
+            kind,
+            limit,
+            requested,
+            wait,
+            headers,
+        })
+    }
+
+    /// Counts a failed store call for `tenant` under the `on_store_error` behaviour applied and
+    /// logs it, at most once per [`LOG_EVERY`] so a dead store cannot flood the log.
+    pub fn record_store_error(&self, tenant: &str, behaviour: &'static str, error: &str) {
+        crate::metrics::record_shared_store_error(tenant, behaviour);
+        let now = Instant::now();
+        let mut last = self.inner.last_logged.lock();
+        if last.is_none_or(|at| now.duration_since(at) >= LOG_EVERY) {
+            *last = Some(now);
+            tracing::warn!(
+                store = %self.inner.policy.redis_url,
+                tenant,
+                on_store_error = behaviour,
+                error,
+                "shared rate-limit store failed; applying on_store_error (logged at most every 10s)"
+            );
+        }
+    }
+
+    fn headers_full(&self, rpm: u32, tpm: u32) -> RateLimitHeaders {
+        let full = |limit: u32| BucketStatus {
+            limit,
+            remaining: limit,
+            reset: Duration::ZERO,
+        };
+        RateLimitHeaders {
+            requests: (rpm > 0).then(|| full(rpm)),
+            tokens: (tpm > 0).then(|| full(tpm)),
+        }
+    }
+
+    /// Renews the lease every third of its ttl until aborted (by the charge's drop). A failed
+    /// renewal is retried at the next tick; the lease only lapses if three in a row fail.
+    fn spawn_renewer(&self, leases: String, member: String) -> JoinHandle<()> {
+        let limiter = self.clone();
+        tokio::spawn(async move {
+            let ttl = limiter.inner.lease_ttl;
+            let mut tick = tokio::time::interval_at(Instant::now() + ttl / 3, ttl / 3);
+            loop {
+                tick.tick().await;
+                let mut connection = limiter.inner.connection.clone();
+                let mut invocation = limiter.inner.renew.prepare_invoke();
+                invocation
+                    .key(&leases)
+                    .arg(&member)
+                    .arg(ttl.as_millis() as u64);
+                let call = invocation.invoke_async::<i64>(&mut connection);
+                if let Ok(Err(error)) =
+                    tokio::time::timeout(limiter.inner.policy.timeout, call).await
+                {
+                    tracing::debug!(%error, "renewing a shared concurrency lease failed");
+                }
+            }
+        })
+    }
+}
+
+/// One tenant's keys; the `{tenant}` hash tag keeps them on one Redis Cluster shard.
+#[derive(Debug, Clone)]
+struct Keys {
+    rpm: String,
+    tpm: String,
+    leases: String,
+}
+
+impl Keys {
+    fn of(tenant: &str) -> Keys {
+        Keys {
+            rpm: format!("kvgate:{{{tenant}}}:rpm"),
+            tpm: format!("kvgate:{{{tenant}}}:tpm"),
+            leases: format!("kvgate:{{{tenant}}}:leases"),
+        }
+    }
+}
+
+/// What a charge gives back when it ends.
+#[derive(Debug, Clone, Copy)]
+enum Refund {
+    /// The request never ran: its request cell and all its tokens.
+    All,
+    /// It ran and used this many tokens: the rest of the up-front charge.
+    UnusedOf(u32),
+}
+
+/// One admitted request's share of the shared limits: its up-front token charge and its
+/// concurrency lease. Dropping it releases the lease and refunds what was not used (everything
+/// unless [`SharedCharge::settle`] said otherwise), in a background task: a drop cannot wait.
+pub struct SharedCharge {
+    limiter: SharedLimiter,
+    keys: Keys,
+    rpm: u32,
+    tpm: u32,
+    tokens: u32,
+    refund: Refund,
+    lease: Option<String>,
+    renewer: Option<JoinHandle<()>>,
+    headers: RateLimitHeaders,
+}
+
+impl std::fmt::Debug for SharedCharge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedCharge")
+            .field("tenant_keys", &self.keys)
+            .field("tokens", &self.tokens)
+            .field("lease", &self.lease)
+            .finish()
+    }
+}
+
+impl SharedCharge {
+    /// The response used `used_tokens`: the rest of the up-front charge is refunded on drop.
+    pub fn settle(&mut self, used_tokens: u32) {
+        self.refund = Refund::UnusedOf(used_tokens);
+    }
+
+    /// The tenant's shared state right after this request's charge.
+    pub fn headers(&self) -> RateLimitHeaders {
+        self.headers.clone()
+    }
+}
+
+impl Drop for SharedCharge {
+    fn drop(&mut self) {
+        if let Some(renewer) = self.renewer.take() {
+            renewer.abort();
+        }
+        let (requests, tokens) = match self.refund {
+            Refund::All => (1, self.tokens),
+            Refund::UnusedOf(used) => (0, self.tokens.saturating_sub(used)),
+        };
+        let lease = self.lease.take();
+        if lease.is_none() && tokens == 0 && requests == 0 {
+            return;
+        }
+        // Outside a runtime (a test's teardown) the lease expires on its own and the refund is
+        // lost, which only ever errs on the strict side.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let limiter = self.limiter.clone();
+        let keys = self.keys.clone();
+        let (rpm, tpm) = (self.rpm, self.tpm);
+        runtime.spawn(async move {
+            let timeout = limiter.inner.policy.timeout;
+            let mut connection = limiter.inner.connection.clone();
+            if let Some(member) = lease {
+                let mut command = redis::cmd("ZREM");
+                command.arg(&keys.leases).arg(&member);
+                let release = command.query_async::<i64>(&mut connection);
+                if let Ok(Err(error)) = tokio::time::timeout(timeout, release).await {
+                    tracing::debug!(%error, "releasing a shared concurrency lease failed; it expires on its own");
+                }
+            }
+            if requests > 0 || tokens > 0 {
+                let mut invocation = limiter.inner.refund.prepare_invoke();
+                invocation
+                    .key(&keys.rpm)
+                    .key(&keys.tpm)
+                    .arg(rpm)
+                    .arg(requests)
+                    .arg(tpm)
+                    .arg(tokens);
+                let refund = invocation.invoke_async::<i64>(&mut connection);
+                if let Ok(Err(error)) = tokio::time::timeout(timeout, refund).await {
+                    tracing::debug!(%error, "refunding a shared rate-limit charge failed");
+                }
+            }
+        });
+    }
+}
