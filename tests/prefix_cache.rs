@@ -127,3 +127,107 @@ async fn tenants_hit_only_their_own_prefixes_unless_both_share() {
     );
     server.wait_for_idle_kv(Duration::from_secs(30)).await;
 }
+
+/// A system prompt of many full blocks, shared by every request of the admission test.
+fn system_prompt() -> String {
+    "You are the support assistant of a gateway that keeps language model servers alive under \
+     load. Keep answers short, factual and polite. "
+        .repeat(16)
+}
+
+/// Sends `n` concurrent greedy requests of `key` that share [`system_prompt`] and returns the
+/// most of them admission held in flight at once (polled from its per-tenant snapshot).
+async fn most_in_flight(server: &TestServer, tenant: &str, key: &str, n: usize) -> usize {
+    let body = json!({
+        "model": common::MODEL,
+        "messages": [
+            {"role": "system", "content": system_prompt()},
+            {"role": "user", "content": common::LONG_ANSWER},
+        ],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    });
+    let requests: Vec<_> = (0..n)
+        .map(|_| {
+            let (client, body, key) = (server.client(), body.clone(), key.to_owned());
+            tokio::spawn(async move { client.post(CHAT, Some(&key), &body).await })
+        })
+        .collect();
+    let mut most = 0;
+    while !requests.iter().all(|r| r.is_finished()) {
+        let in_flight = server
+            .admission
+            .queue_snapshot()
+            .iter()
+            .find(|row| row.tenant == tenant)
+            .map_or(0, |row| row.in_flight);
+        most = most.max(in_flight);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    for request in requests {
+        // Those the forecast says cannot start in time are refused: they did not fit either.
+        let reply = request.await.expect("request task");
+        let refused = reply.status == StatusCode::TOO_MANY_REQUESTS
+            && reply.error_code() == "kv_cache_saturated";
+        assert!(reply.status == StatusCode::OK || refused, "{:?}", reply.body);
+    }
+    most
+}
+
+const MAX_TOKENS: u32 = 64;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_system_prompt_lets_more_requests_hold_the_pool_at_once() {
+    let tenants = [
+        TenantSpec {
+            name: "cached",
+            key: "sk-cached",
+            extra: "",
+        },
+        TenantSpec {
+            name: "uncached",
+            key: "sk-uncached",
+            extra: "prefix_cache = \"off\"",
+        },
+    ];
+    let options = common::Options {
+        num_blocks: BLOCKS,
+        ..common::Options::default()
+    };
+    let server =
+        TestServer::start_with(&policy(&tenants, "[kv]\nhigh_watermark = 1.0\n"), options).await;
+    // Warm the cache with one request, and learn the prompt's size.
+    let warm = json!({
+        "model": common::MODEL,
+        "messages": [
+            {"role": "system", "content": system_prompt()},
+            {"role": "user", "content": common::LONG_ANSWER},
+        ],
+        "max_tokens": 1,
+        "temperature": 0,
+    });
+    let reply = server.client().post(CHAT, Some("sk-cached"), &warm).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    let prompt_tokens = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+    // Every request holds (prompt + max_tokens) tokens of blocks; the pool has room for two
+    // of them without sharing, and the shared prefix makes room for at least two more.
+    let full = (prompt_tokens + MAX_TOKENS as usize).div_ceil(16);
+    let cached = (prompt_tokens - 1) / 16;
+    assert!(
+        2 * full <= BLOCKS && 3 * full > BLOCKS && full + 3 * (full - cached) <= BLOCKS,
+        "sizes: prompt {prompt_tokens} tokens, {full} blocks each, {cached} cacheable"
+    );
+
+    let uncached = most_in_flight(&server, "uncached", "sk-uncached", 6).await;
+    server.wait_for_idle_kv(Duration::from_secs(60)).await;
+    let cached_at_once = most_in_flight(&server, "cached", "sk-cached", 6).await;
+    assert!(uncached <= 2, "without the cache {uncached} fit at once");
+    assert!(
+        cached_at_once >= 4,
+        "with the cache only {cached_at_once} fit at once (without: {uncached})"
+    );
+    server.wait_for_idle_kv(Duration::from_secs(60)).await;
+}
+
+/// Blocks of the admission test's pool (16 tokens each).
+const BLOCKS: usize = 64;

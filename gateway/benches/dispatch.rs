@@ -32,6 +32,7 @@ fn ticket(store: &PolicyStore, tenant: &str) -> AdmissionTicket {
         max_output_tokens: 16,
         request_id: String::new(),
         pool: PoolId::LOCAL,
+        prefix: None,
     }
 }
 

@@ -85,6 +85,19 @@ pub struct AdmissionTicket {
     pub request_id: String,
     /// The pool to reserve from ([`PoolId::LOCAL`] for the embedded engine).
     pub pool: PoolId,
+    /// The prompt and cache salt, when its pool caches prefixes (the embedded engine's, for a
+    /// tenant whose `prefix_cache` is not "off"): admission then pins the cached part of the
+    /// prompt with the reservation and reserves only the blocks the request adds.
+    pub prefix: Option<PromptPrefix>,
+}
+
+/// What admission needs to find a request's cached prefix in its pool.
+#[derive(Debug, Clone)]
+pub struct PromptPrefix {
+    /// The salt the engine registers the request's blocks under (from the tenant, never the
+    /// request).
+    pub salt: Arc<str>,
+    pub prompt_ids: Arc<[u32]>,
 }
 
 impl Admission {
@@ -180,12 +193,14 @@ impl Admission {
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let lane = lane_of(&policy, ticket.prompt_tokens);
         let (reply, answer) = oneshot::channel();
+        let expected_blocks = expected_new_blocks(pool, &ticket, needed_blocks);
         let pending = Pending {
             key,
             ticket,
             lane,
-            needed_blocks,
-            reserved_tokens: (needed_blocks * occupancy.block_size) as u64,
+            full_blocks: needed_blocks,
+            needed_blocks: expected_blocks,
+            reserved_tokens: (expected_blocks * occupancy.block_size) as u64,
             debit,
             enqueued_at: Instant::now(),
             reply,
@@ -472,6 +487,19 @@ pub(crate) fn check_fit(
 }
 
 /// The lane a prompt of this length queues in.
+/// Of the `full_blocks` a request holds, how many it is expected to add to `pool`: those past
+/// its prefix cached right now. An estimate for forecasts and backlogs (nothing is pinned, the
+/// cache may change before the request is dispatched); the dispatcher's reservation pins the
+/// prefix and settles the real number.
+fn expected_new_blocks(pool: &BlockPool, ticket: &AdmissionTicket, full_blocks: usize) -> usize {
+    let Some(prefix) = &ticket.prefix else {
+        return full_blocks;
+    };
+    let max = pool.cacheable_prefix_blocks(prefix.prompt_ids.len());
+    let cached = pool.cached_prefix_blocks(&prefix.salt, &prefix.prompt_ids, max);
+    full_blocks.saturating_sub(cached)
+}
+
 pub(crate) fn lane_of(policy: &Policy, prompt_tokens: usize) -> Lane {
     if prompt_tokens >= policy.lanes.long_prompt_tokens {
         Lane::Long

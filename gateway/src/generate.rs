@@ -16,7 +16,7 @@ use bytes::Bytes;
 use kvgate_runtime::engine::{GenerationRequest, SamplingParams, StopParams, SubmitError};
 use tokio::time::Instant;
 
-use crate::admission::{AdmissionTicket, Admitted, PoolId};
+use crate::admission::{AdmissionTicket, Admitted, PoolId, PromptPrefix};
 use crate::error::GatewayError;
 use crate::extract::{OpenAiBody, RequestId, TenantIntake};
 use crate::intake::IntakePermit;
@@ -305,6 +305,25 @@ async fn proxy(
     )
 }
 
+/// The prompt and salt admission looks up in the embedded engine's prefix cache, under the
+/// salt the engine will register the request's blocks with ([`generation_request`]). Upstream
+/// pools cache nothing that admission could pin, nor does an engine run with caching off.
+fn prompt_prefix(
+    state: &AppState,
+    tenant: &TenantPolicy,
+    valid: &ValidRequest,
+    pool: PoolId,
+) -> Option<PromptPrefix> {
+    if pool != PoolId::LOCAL || !state.engine().config().prefix_caching {
+        return None;
+    }
+    let salt = tenant.prefix_cache.salt(&tenant.name)?;
+    Some(PromptPrefix {
+        salt: salt.into(),
+        prompt_ids: valid.prompt_ids.as_slice().into(),
+    })
+}
+
 /// What a relayed upstream body holds until it ends: the admission guard and the replica lease.
 /// When it drops, a completion count the answer reported (`usage.completion_tokens`) settles
 /// the token debit on it (the unused part of max_tokens is refunded); without one the whole
@@ -339,6 +358,7 @@ async fn admit(
         max_output_tokens: valid.max_tokens as usize,
         request_id,
         pool,
+        prefix: prompt_prefix(state, tenant, valid, pool),
     };
     let admitted = state.admission().admit_prepaid(ticket, Some(cell)).await?;
     record_queue_wait(&tenant.name, admitted.queue_wait());

@@ -238,7 +238,86 @@ impl BlockPool {
             pool: Arc::clone(self),
             reserved: blocks,
             drawn: 0,
+            pinned: Vec::new(),
+            pinned_hashes: Vec::new(),
         })
+    }
+
+    /// [`BlockPool::try_reserve_within`] for a request of `blocks` blocks whose first blocks
+    /// may already be cached: in one critical section it looks up the longest cached prefix of
+    /// `tokens` under `salt` (at most [`BlockPool::cacheable_prefix_blocks`]), pins it and
+    /// reserves only the rest. A hit still in use by another sequence costs nothing; a hit
+    /// that is cached but free is taken off the LRU list like an allocation, so it counts
+    /// against the free blocks and the limit as a new block would. The pinned prefix travels
+    /// in the [`Reservation`] and is held until the reservation drops, so nothing can evict it
+    /// between admission and scheduling (nor while the sequence is preempted);
+    /// [`BlockPool::acquire_cached_prefix`] hands it to the sequence. `None` (nothing pinned,
+    /// nothing reserved) when even the reduced cost does not fit.
+    pub fn try_reserve_prefix_within(
+        self: &Arc<Self>,
+        blocks: usize,
+        limit_blocks: usize,
+        salt: &str,
+        tokens: &[u32],
+    ) -> Option<Reservation> {
+        if self.block_size == 0 {
+            return self.try_reserve_within(blocks, limit_blocks);
+        }
+        let wanted = self.prefix_hashes(salt, tokens, self.cacheable_prefix_blocks(tokens.len()));
+        let mut state = self.state.lock();
+        // The hits, and how many of them are free (those cost capacity when pinned).
+        let mut hits: Vec<BlockId> = Vec::new();
+        let mut free_hits = 0;
+        for (i, (&hash, chunk)) in wanted
+            .iter()
+            .zip(tokens.chunks_exact(self.block_size))
+            .enumerate()
+        {
+            let parent = i.checked_sub(1).map(|p| wanted[p]);
+            if hits.len() >= blocks {
+                break;
+            }
+            let Some(id) = state.confirmed_hit(hash, parent, chunk, salt) else {
+                break;
+            };
+            if state.ref_counts[id as usize] == 0 {
+                free_hits += 1;
+            }
+            hits.push(id);
+        }
+        let reserve = blocks - hits.len();
+        let cost = reserve + free_hits;
+        let committed = state.used + state.reserved;
+        if cost > state.available() || committed.saturating_add(cost) > limit_blocks {
+            return None;
+        }
+        for &id in &hits {
+            let count = state.ref_counts[id as usize];
+            if count == 0 {
+                state.cached_free.remove(id);
+                state.used += 1;
+            }
+            state.ref_counts[id as usize] = count + 1;
+        }
+        state.reserved += reserve;
+        drop(state);
+        let pinned_hashes = wanted[..hits.len()].to_vec();
+        Some(Reservation {
+            pool: Arc::clone(self),
+            reserved: reserve,
+            drawn: 0,
+            pinned: hits,
+            pinned_hashes,
+        })
+    }
+
+    /// How many leading blocks of a `len`-token sequence may come from the cache: never the
+    /// block holding the last token, which must be computed for its logits.
+    pub fn cacheable_prefix_blocks(&self, len: usize) -> usize {
+        if self.block_size == 0 {
+            return 0;
+        }
+        len.saturating_sub(1) / self.block_size
     }
 
     /// A reservation of zero blocks, for sequences submitted without one.
@@ -247,6 +326,8 @@ impl BlockPool {
             pool: Arc::clone(self),
             reserved: 0,
             drawn: 0,
+            pinned: Vec::new(),
+            pinned_hashes: Vec::new(),
         }
     }
 
@@ -423,7 +504,23 @@ impl BlockPool {
         let wanted = self.prefix_hashes(salt, tokens, max_blocks);
         let own_credit = credit.belongs_to(self);
         let mut state = self.state.lock();
-        for (&hash, chunk) in wanted.iter().zip(tokens.chunks_exact(self.block_size)) {
+        // A prefix the gateway pinned with the reservation comes first: the sequence takes
+        // its own reference to each block (the credit keeps its pin until it drops, so a
+        // preempted sequence finds the prefix again). Used only if it is this sequence's.
+        let pinned = credit.pinned.len();
+        if own_credit && pinned > 0 && wanted.get(..pinned) == Some(&credit.pinned_hashes[..]) {
+            for &id in &credit.pinned {
+                state.ref_counts[id as usize] += 1;
+            }
+            table.extend_from_slice(&credit.pinned);
+            hashes.extend_from_slice(&credit.pinned_hashes);
+        }
+        let skip = table.len();
+        for (&hash, chunk) in wanted
+            .iter()
+            .zip(tokens.chunks_exact(self.block_size))
+            .skip(skip)
+        {
             let Some(id) = state.confirmed_hit(hash, hashes.last().copied(), chunk, salt) else {
                 break;
             };
@@ -517,6 +614,11 @@ pub struct Reservation {
     pool: Arc<BlockPool>,
     reserved: usize,
     drawn: usize,
+    /// A cached prefix pinned at admission ([`BlockPool::try_reserve_prefix_within`]): one
+    /// reference to each block, released when the reservation drops.
+    pinned: Vec<BlockId>,
+    /// The chain hashes of `pinned`, to check that a sequence's prompt really starts with it.
+    pinned_hashes: Vec<BlockHash>,
 }
 
 impl Reservation {
@@ -530,6 +632,11 @@ impl Reservation {
         self.drawn
     }
 
+    /// Blocks of a cached prefix pinned with this reservation (they are not in `blocks()`).
+    pub fn pinned_blocks(&self) -> usize {
+        self.pinned.len()
+    }
+
     /// True when this reservation was made on `pool`.
     pub fn belongs_to(&self, pool: &BlockPool) -> bool {
         std::ptr::eq(Arc::as_ptr(&self.pool), pool)
@@ -538,14 +645,19 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if self.reserved == 0 {
-            return;
+        if self.reserved > 0 {
+            let mut state = self.pool.state.lock();
+            state.reserved -= self.reserved;
+            drop(state);
+            self.reserved = 0;
+            self.pool.freed.notify_waiters();
         }
-        let mut state = self.pool.state.lock();
-        state.reserved -= self.reserved;
-        drop(state);
-        self.reserved = 0;
-        self.pool.freed.notify_waiters();
+        if !self.pinned.is_empty() {
+            // The pinned prefix stays cached: its blocks go back to the LRU list once no
+            // sequence reads them (`release` notifies the waiters).
+            let pinned = std::mem::take(&mut self.pinned);
+            self.pool.release(&pinned, None);
+        }
     }
 }
 

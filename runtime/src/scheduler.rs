@@ -280,7 +280,7 @@ impl Scheduler {
         if !seq.block_table.is_empty() || seq.num_computed_tokens != 0 {
             return;
         }
-        let max_blocks = seq.len().saturating_sub(1) / block_size;
+        let max_blocks = pool.cacheable_prefix_blocks(seq.len());
         let hit = pool.acquire_cached_prefix(
             salt,
             &seq.token_ids,

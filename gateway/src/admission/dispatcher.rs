@@ -41,7 +41,10 @@ use tokio::time::Instant;
 
 use super::ledger::Ledger;
 use super::rejection::{Rejection, clamp_retry_after};
-use super::{AdmissionTicket, Admitted, MIN_CAPACITY_RETRY_AFTER, PoolId, Stage, watermark_limit};
+use super::{
+    AdmissionTicket, Admitted, MIN_CAPACITY_RETRY_AFTER, PoolId, PromptPrefix, Stage,
+    watermark_limit,
+};
 use crate::metrics::QUEUE_ABANDONED_TOTAL;
 use crate::policy::{Policy, TenantPolicy};
 use crate::queue::{EntryId, FairQueue, Lane, NewEntry, QueueEntry, QueueFull, QueueLimits};
@@ -64,9 +67,12 @@ pub(super) struct Pending {
     pub key: u64,
     pub ticket: AdmissionTicket,
     pub lane: Lane,
-    /// KV blocks it reserves to start (recomputed when a reload changes the KV policy).
+    /// KV blocks the whole request holds (recomputed when a reload changes the KV policy).
+    pub full_blocks: usize,
+    /// Of those, the blocks it is expected to add (those past its prefix cached at enqueue):
+    /// what the backlog and the forecasts count. The reservation settles the real number.
     pub needed_blocks: usize,
-    /// `needed_blocks × block_size`: the KV capacity it will hold while running.
+    /// `needed_blocks × block_size`: the KV capacity it is expected to add while running.
     pub reserved_tokens: u64,
     pub debit: Debit,
     pub enqueued_at: Instant,
@@ -507,7 +513,18 @@ impl Dispatcher {
             }
             let pool = &self.pools[candidate.pool.0];
             let limit_blocks = watermark_limit(pool.total_blocks(), policy.kv.high_watermark);
-            match pool.try_reserve_within(candidate.needed_blocks, limit_blocks) {
+            // Lookup, pin and reservation are one step in the pool: a cached prefix found
+            // here cannot be evicted before the engine schedules the request.
+            let reserved = match &candidate.prefix {
+                Some(prefix) => pool.try_reserve_prefix_within(
+                    candidate.full_blocks,
+                    limit_blocks,
+                    &prefix.salt,
+                    &prefix.prompt_ids,
+                ),
+                None => pool.try_reserve_within(candidate.full_blocks, limit_blocks),
+            };
+            match reserved {
                 Some(reservation) => self.grant(candidate.id, reservation, now),
                 None if candidate.waited >= candidate.max_wait / 2 => {
                     kv_blocked[candidate.pool.0] = [true, true];
@@ -526,13 +543,15 @@ impl Dispatcher {
         let QueueEntry { payload, lane, .. } = entry;
         let Pending {
             ticket,
-            needed_blocks,
-            reserved_tokens,
             debit,
             enqueued_at,
             reply,
             ..
         } = payload;
+        // What it really adds to the pool: the blocks reserved now (the prefix pinned with
+        // them is shared or was cached, and is counted as used by the pool).
+        let reserved_blocks = reservation.blocks();
+        let reserved_tokens = (reserved_blocks * self.block_size(ticket.pool)) as u64;
         let admitted = Admitted {
             headers: debit.headers(),
             tenant: ticket.tenant,
@@ -541,7 +560,7 @@ impl Dispatcher {
             request_id: ticket.request_id,
             prompt_tokens: ticket.prompt_tokens,
             max_output_tokens: ticket.max_output_tokens,
-            reserved_blocks: needed_blocks,
+            reserved_blocks,
             reserved_tokens,
             queue_wait: now.saturating_duration_since(enqueued_at),
             stage: Stage::Admitted,
@@ -686,7 +705,8 @@ struct Candidate {
     abandoned: bool,
     pool: PoolId,
     lane: Lane,
-    needed_blocks: usize,
+    full_blocks: usize,
+    prefix: Option<PromptPrefix>,
     waited: Duration,
     max_wait: Duration,
 }
@@ -698,7 +718,8 @@ impl Candidate {
             abandoned: entry.payload.reply.is_closed(),
             pool: entry.payload.ticket.pool,
             lane: entry.lane,
-            needed_blocks: entry.payload.needed_blocks,
+            full_blocks: entry.payload.full_blocks,
+            prefix: entry.payload.ticket.prefix.clone(),
             waited: now.saturating_duration_since(entry.payload.enqueued_at),
             max_wait: ledger.max_queue_wait(entry.payload.ticket.tenant.max_queue_wait),
         }
@@ -747,8 +768,9 @@ fn requeue(
     );
     check_tenant_lengths(&tenant, prompt, output)?;
     let fit = super::check_fit(&policy.kv, &occupancy, prompt, output)?;
-    pending.needed_blocks = fit.needed_blocks;
-    pending.reserved_tokens = (fit.needed_blocks * occupancy.block_size) as u64;
+    pending.full_blocks = fit.needed_blocks;
+    pending.needed_blocks = super::expected_new_blocks(pool, &pending.ticket, fit.needed_blocks);
+    pending.reserved_tokens = (pending.needed_blocks * occupancy.block_size) as u64;
     pending.lane = super::lane_of(policy, prompt);
     pending.ticket.tenant = Arc::clone(&tenant);
     Ok(tenant)

@@ -32,6 +32,7 @@ fn ticket(
         max_output_tokens,
         request_id: format!("req-{tenant}-{prompt_tokens}"),
         pool: PoolId::LOCAL,
+        prefix: None,
     }
 }
 
@@ -1046,4 +1047,93 @@ async fn upstream_pools_learn_a_drain_rate_and_refuse_what_cannot_start_in_time(
         }
         other => panic!("expected KvSaturated, got {other:?}"),
     }
+}
+
+/// A ticket whose prompt starts with the `cached` tokens 0, 1, 2… and has one more token.
+fn prefixed_ticket(store: &PolicyStore, cached: usize, max_output: usize) -> AdmissionTicket {
+    let mut prompt: Vec<u32> = (0..cached as u32).collect();
+    prompt.push(9_999);
+    AdmissionTicket {
+        prefix: Some(PromptPrefix {
+            salt: "tenant:a".into(),
+            prompt_ids: prompt.into(),
+        }),
+        ..ticket(store, "a", cached + 1, max_output)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cached_prefix_is_pinned_at_admission_and_only_the_rest_is_reserved() {
+    let policy = "[tenants.a]\nmax_concurrency = 64\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, pool, store) = setup(20, policy);
+    // A running sequence holds a computed 160-token prompt: 10 blocks, registered.
+    let prompt: Vec<u32> = (0..160).collect();
+    let mut holder = Vec::new();
+    assert!(pool.allocate_n(10, &mut pool.empty_reservation(), &mut holder));
+    pool.register_full_blocks("tenant:a", &holder, &prompt, &mut Vec::new());
+
+    // 161 + 15 tokens = 11 blocks each, 10 of them cached: 5 such requests start at once in
+    // the 10 free blocks, where without the cache not even one would (11 > 10).
+    let mut running = Vec::new();
+    for _ in 0..5 {
+        let admitted = admission
+            .admit(prefixed_ticket(&store, 160, 15))
+            .await
+            .expect("1 new block each fits");
+        assert_eq!(admitted.reserved_blocks(), 1);
+        running.push(admitted);
+    }
+    let occ = pool.snapshot();
+    assert_eq!((occ.used_blocks, occ.reserved_blocks), (10, 5));
+    let uncached = spawn_admit(&admission, ticket(&store, "a", 161, 15));
+    until(|| queued(&admission) == 1).await;
+    uncached.abort();
+    until(|| queued(&admission) == 0).await;
+
+    // The sequence that computed the prefix finishes: the admitted requests' pins keep it in
+    // use, so it cannot be evicted before they are scheduled.
+    pool.free(&holder);
+    let occ = pool.snapshot();
+    assert_eq!((occ.used_blocks, occ.cached_blocks), (10, 0));
+    // A guard dropped before the engine took its reservation (a cancelled client, a failed
+    // submit) releases its pin with its reservation; the last one leaves the prefix cached.
+    drop(running.pop());
+    assert_eq!(pool.snapshot().reserved_blocks, 4);
+    drop(running);
+    let occ = pool.snapshot();
+    assert_eq!(
+        (
+            occ.used_blocks,
+            occ.reserved_blocks,
+            occ.free_blocks,
+            occ.cached_blocks
+        ),
+        (0, 0, 20, 10)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_pins_its_prefix_when_it_is_dispatched() {
+    let policy = "[tenants.a]\nmax_concurrency = 64\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, pool, store) = setup(20, policy);
+    let prompt: Vec<u32> = (0..160).collect();
+    let mut holder = Vec::new();
+    assert!(pool.allocate_n(10, &mut pool.empty_reservation(), &mut holder));
+    pool.register_full_blocks("tenant:a", &holder, &prompt, &mut Vec::new());
+    let blocker = pool.try_reserve(10).expect("the other 10 are free");
+    let waiting = spawn_admit(&admission, prefixed_ticket(&store, 160, 15));
+    until(|| queued(&admission) == 1).await;
+    // The prefix goes free but stays cached while the request waits; one block for the rest.
+    pool.free(&holder);
+    drop(blocker);
+    let admitted = admitted(waiting).await;
+    assert_eq!(admitted.reserved_blocks(), 1);
+    let occ = pool.snapshot();
+    // The cached blocks were free, so pinning them took them like an allocation.
+    assert_eq!(
+        (occ.used_blocks, occ.reserved_blocks, occ.cached_blocks),
+        (10, 1, 0)
+    );
+    drop(admitted);
+    assert_eq!(pool.snapshot().cached_blocks, 10);
 }

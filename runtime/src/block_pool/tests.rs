@@ -219,6 +219,86 @@ fn full_blocks_are_shared_while_in_use_and_cached_after() {
 }
 
 #[test]
+fn a_reservation_with_a_prefix_pins_the_hit_and_reserves_only_the_rest() {
+    let pool = BlockPool::new(10, 4, 1);
+    let prompt: Vec<u32> = (0..14).collect(); // 3 full blocks + 2 tokens
+    let first = compute(&pool, "t", &prompt); // 4 blocks in use
+    // Needs 5 blocks in all; 3 are cached and in use, so only 2 are reserved.
+    let r = pool
+        .try_reserve_prefix_within(5, 10, "t", &prompt)
+        .expect("2 new blocks fit");
+    assert_eq!((r.blocks(), r.pinned_blocks()), (2, 3));
+    let occ = pool.snapshot();
+    assert_eq!((occ.used_blocks, occ.reserved_blocks), (4, 2));
+    // The first sequence goes: the pinned prefix stays in use, it cannot be evicted.
+    pool.free(&first.table);
+    let occ = pool.snapshot();
+    assert_eq!((occ.used_blocks, occ.cached_blocks), (3, 0));
+    let mut filler = Held::default();
+    assert!(
+        !pool.allocate_n(6, &mut pool.empty_reservation(), &mut filler.table),
+        "5 free blocks only: the pinned 3 are not free"
+    );
+    // The sequence takes the pin, and allocates the rest from the credit.
+    let mut credit = r;
+    let mut seq = acquire(&pool, "t", &prompt, &mut credit);
+    assert_eq!(seq.table, first.table[..3]);
+    assert_eq!(seq.hashes, first.hashes);
+    assert!(pool.allocate_n(1, &mut credit, &mut seq.table));
+    assert_eq!((credit.blocks(), credit.drawn()), (1, 1));
+    // Preempted: the pin still holds the prefix for its return.
+    pool.free_into(&seq.table, &mut credit);
+    assert_eq!(credit.blocks(), 2);
+    assert_eq!(pool.snapshot().used_blocks, 3);
+    drop(credit);
+    let occ = pool.snapshot();
+    assert_eq!(
+        (
+            occ.used_blocks,
+            occ.reserved_blocks,
+            occ.free_blocks,
+            occ.cached_blocks
+        ),
+        (0, 0, 10, 3)
+    );
+}
+
+#[test]
+fn a_free_cached_hit_costs_capacity_and_a_refusal_pins_nothing() {
+    let pool = BlockPool::new(6, 4, 1);
+    let prompt: Vec<u32> = (0..9).collect(); // 2 full blocks + 1 token
+    let first = compute(&pool, "t", &prompt);
+    pool.free(&first.table); // 2 cached and free, 4 plain free
+    let before = pool.snapshot();
+    // 3 blocks: the 2 free cached hits are taken like allocations, so the cost is 3.
+    assert!(pool.try_reserve_prefix_within(3, 2, "t", &prompt).is_none());
+    assert_eq!(pool.snapshot(), before, "a refusal changes nothing");
+    let r = pool
+        .try_reserve_prefix_within(3, 3, "t", &prompt)
+        .expect("cost 3 fits the limit of 3");
+    assert_eq!((r.blocks(), r.pinned_blocks()), (1, 2));
+    let occ = pool.snapshot();
+    assert_eq!(
+        (occ.used_blocks, occ.reserved_blocks, occ.cached_blocks),
+        (2, 1, 0)
+    );
+    // Another salt, or a prompt that is not the pinned one, never uses the pin.
+    let mut other = pool.empty_reservation();
+    assert!(acquire(&pool, "u", &prompt, &mut other).table.is_empty());
+    drop(r);
+    let occ = pool.snapshot();
+    assert_eq!(
+        (
+            occ.used_blocks,
+            occ.reserved_blocks,
+            occ.free_blocks,
+            occ.cached_blocks
+        ),
+        (0, 0, 6, 2)
+    );
+}
+
+#[test]
 fn salt_and_every_earlier_token_separate_prefixes() {
     let pool = BlockPool::new(8, 4, 1);
     let prompt: Vec<u32> = (0..9).collect();
@@ -311,6 +391,14 @@ enum Op {
     },
     /// Sequence `seq` has computed every block it holds: register the full ones.
     Register(usize),
+    /// The gateway reserves `blocks` for prompt `prompt` under salt `salt`, pinning its
+    /// cached prefix with the reservation.
+    ReservePrefix {
+        prompt: usize,
+        salt: usize,
+        blocks: usize,
+        limit: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -330,6 +418,14 @@ fn op() -> impl Strategy<Value = Op> {
             credit
         }),
         (0..8usize).prop_map(Op::Register),
+        (0..PROMPTS.len(), 0..2usize, 0..8usize, 0..40usize).prop_map(
+            |(prompt, salt, blocks, limit)| Op::ReservePrefix {
+                prompt,
+                salt,
+                blocks,
+                limit
+            }
+        ),
     ]
 }
 
@@ -380,6 +476,13 @@ fn check_model(pool: &BlockPool, pending: &[Reservation], seqs: &[Seq]) {
         occ.total_blocks
     );
     let mut refs: HashMap<BlockId, u32> = HashMap::new();
+    let pins = pending
+        .iter()
+        .chain(seqs.iter().map(|s| &s.credit))
+        .flat_map(|r| r.pinned.iter());
+    for &id in pins {
+        *refs.entry(id).or_default() += 1;
+    }
     for seq in seqs {
         for &id in &seq.table {
             assert!((id as usize) < occ.total_blocks, "block id out of range");
@@ -524,6 +627,28 @@ proptest! {
                         );
                     }
                     seqs.push(s);
+                }
+                Op::ReservePrefix { prompt, salt, blocks, limit } => {
+                    let tokens = PROMPTS[prompt];
+                    let before = pool.snapshot();
+                    match pool.try_reserve_prefix_within(blocks, limit, SALTS[salt], tokens) {
+                        Some(r) => {
+                            let after = pool.snapshot();
+                            prop_assert!(after.used_blocks + after.reserved_blocks <= limit);
+                            prop_assert_eq!(r.blocks() + r.pinned_blocks(), blocks);
+                            let max = (tokens.len() - 1) / PROP_BLOCK;
+                            prop_assert!(r.pinned_blocks() <= max);
+                            let model = Seq { prompt, salt, ..Seq::new(pool.empty_reservation()) };
+                            for (b, &id) in r.pinned.iter().enumerate() {
+                                prop_assert_eq!(
+                                    written.get(&id), Some(&model.content(b)),
+                                    "pinned block {} holds another prompt's KV", id
+                                );
+                            }
+                            pending.push(r);
+                        }
+                        None => prop_assert_eq!(pool.snapshot(), before),
+                    }
                 }
                 Op::Register(i) if i < seqs.len() => {
                     let s = &mut seqs[i];
