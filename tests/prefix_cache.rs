@@ -169,7 +169,11 @@ async fn most_in_flight(server: &TestServer, tenant: &str, key: &str, n: usize) 
         let reply = request.await.expect("request task");
         let refused = reply.status == StatusCode::TOO_MANY_REQUESTS
             && reply.error_code() == "kv_cache_saturated";
-        assert!(reply.status == StatusCode::OK || refused, "{:?}", reply.body);
+        assert!(
+            reply.status == StatusCode::OK || refused,
+            "{:?}",
+            reply.body
+        );
     }
     most
 }

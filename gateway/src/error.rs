@@ -145,7 +145,7 @@ impl GatewayError {
     pub fn code(&self) -> Option<&'static str> {
         use GatewayError::*;
         Some(match self {
-            Invalid(error) => validation_code(error),
+            Invalid(error) => error.code(),
             Auth(error) => error.code(),
             Rejected(rejection) => rejection.code(),
             BadBody { .. } => "invalid_json",
@@ -255,26 +255,6 @@ impl GatewayError {
         } else {
             tracing::debug!(status = status.as_u16(), error = %self, detail, "request refused");
         }
-    }
-}
-
-/// Codes for validation failures, following OpenAI where it has one.
-fn validation_code(error: &ValidationError) -> &'static str {
-    use ValidationError::*;
-    match error {
-        ModelNotFound(_) => "model_not_found",
-        InputTooLong { .. } | ContextLengthExceeded { .. } => "context_length_exceeded",
-        UnsupportedN(_) | UnsupportedEcho | UnsupportedContentPart { .. } | PromptCount(_) => {
-            "unsupported_value"
-        }
-        Template(_) => "invalid_messages",
-        EmptyMessages | TooManyMessages { .. } | MissingPartText { .. } | EmptyPrompt => {
-            "invalid_value"
-        }
-        MaxTokensTooSmall { .. } | MaxTokensTooLarge { .. } | Temperature(_) | TopP(_) => {
-            "invalid_value"
-        }
-        TooManyStops(_) | BadStop => "invalid_value",
     }
 }
 

@@ -161,6 +161,26 @@ impl ValidationError {
         Some(param.to_owned())
     }
 
+    /// OpenAI `error.code`.
+    pub fn code(&self) -> &'static str {
+        use ValidationError::*;
+        match self {
+            ModelNotFound(_) => "model_not_found",
+            InputTooLong { .. } | ContextLengthExceeded { .. } => "context_length_exceeded",
+            UnsupportedN(_) | UnsupportedEcho | UnsupportedContentPart { .. } | PromptCount(_) => {
+                "unsupported_value"
+            }
+            Template(_) => "invalid_messages",
+            EmptyMessages | TooManyMessages { .. } | MissingPartText { .. } | EmptyPrompt => {
+                "invalid_value"
+            }
+            MaxTokensTooSmall { .. } | MaxTokensTooLarge { .. } | Temperature(_) | TopP(_) => {
+                "invalid_value"
+            }
+            TooManyStops(_) | BadStop => "invalid_value",
+        }
+    }
+
     /// True for the length-limit family OpenAI reports as `context_length_exceeded`.
     pub fn is_context_length(&self) -> bool {
         matches!(

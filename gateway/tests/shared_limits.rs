@@ -119,6 +119,7 @@ fn ticket(store: &PolicyStore, n: usize, prompt: usize, max_output: usize) -> Ad
         max_output_tokens: max_output,
         request_id: format!("req-{n}"),
         pool: PoolId::LOCAL,
+        prefix: None,
     }
 }
 

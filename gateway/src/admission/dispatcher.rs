@@ -776,8 +776,8 @@ fn requeue(
     Ok(tenant)
 }
 
-/// The tenant's input and total length limits, as validation applies them (a reload may have
-/// lowered them below a queued request). The ticket does not say which endpoint it came from,
+/// The tenant's input, output and total length limits, as validation applies them (a reload
+/// may have lowered them below a queued request). The ticket does not say which endpoint it came from,
 /// so the error names the prompt.
 fn check_tenant_lengths(
     tenant: &TenantPolicy,
@@ -791,6 +791,15 @@ fn check_tenant_lengths(
             prompt_tokens,
             limit: clip(tenant.max_input_tokens),
             what: "prompt",
+        }
+    } else if max_tokens > clip(tenant.max_output_tokens) {
+        // Validation would refuse the same budget now; a request that took the old default is
+        // refused too (its budget is already part of its reservation and debit).
+        ValidationError::MaxTokensTooLarge {
+            param: "max_tokens",
+            given: i64::from(max_tokens),
+            limit: clip(tenant.max_output_tokens),
+            limit_name: "This tenant's policy",
         }
     } else if u64::from(prompt_tokens) + u64::from(max_tokens) > tenant.max_total_tokens as u64 {
         ValidationError::ContextLengthExceeded {

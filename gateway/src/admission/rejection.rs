@@ -113,9 +113,9 @@ impl Rejection {
             Rejection::QueueFull { .. } => "queue_full",
             Rejection::QueueTimeout { .. } => "queue_timeout",
             Rejection::KvSaturated { .. } => "kv_cache_saturated",
-            Rejection::NeverFits { .. } | Rejection::OverTenantLimit { .. } => {
-                "context_length_exceeded"
-            }
+            Rejection::NeverFits { .. } => "context_length_exceeded",
+            // The code validation gives the same limit.
+            Rejection::OverTenantLimit { error, .. } => error.code(),
             Rejection::KeyRevoked { .. } => "invalid_api_key",
             Rejection::StoreUnavailable { .. } => "rate_limit_store_unavailable",
             Rejection::Unavailable => "service_unavailable",
@@ -146,10 +146,11 @@ impl Rejection {
             Rejection::NeverFits { .. } => Some("messages"),
             Rejection::OverTenantLimit {
                 error:
-                    ValidationError::InputTooLong { what, .. }
-                    | ValidationError::ContextLengthExceeded { what, .. },
+                    ValidationError::InputTooLong { what: param, .. }
+                    | ValidationError::ContextLengthExceeded { what: param, .. }
+                    | ValidationError::MaxTokensTooLarge { param, .. },
                 ..
-            } => Some(what),
+            } => Some(param),
             _ => None,
         }
     }

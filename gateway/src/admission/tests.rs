@@ -914,8 +914,35 @@ async fn a_reload_that_lowers_queue_and_length_limits_refuses_the_queued_request
         rejection.message()
     );
     assert_eq!(queued(&admission), 1);
+
+    assert_eq!(queued(&admission), 1);
     drop(blocker);
     assert_eq!(admitted(first).await.reserved_blocks(), 2);
+    let _ = std::fs::remove_file(store.path());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reload_that_lowers_the_output_limit_refuses_the_queued_requests_over_it() {
+    let (admission, pool, store) = setup_reloadable(10, "[tenants.a]\n");
+    let blocker = pool.try_reserve(10).unwrap();
+    let short = spawn_admit(&admission, ticket(&store, "a", 8, 16));
+    let long = spawn_admit(&admission, ticket(&store, "a", 8, 24));
+    until(|| queued(&admission) == 2).await;
+    reload(&store, "[tenants.a]\nmax_output_tokens = 20\n");
+    // Validation's own error for a max_tokens over the tenant's limit.
+    let rejection = long.await.unwrap().unwrap_err();
+    assert_eq!(
+        (rejection.status(), rejection.code(), rejection.param()),
+        (400, "invalid_value", Some("max_tokens"))
+    );
+    assert!(
+        rejection.message().contains("20"),
+        "{}",
+        rejection.message()
+    );
+    assert_eq!(queued(&admission), 1);
+    drop(blocker);
+    assert_eq!(admitted(short).await.reserved_blocks(), 2);
     let _ = std::fs::remove_file(store.path());
 }
 
