@@ -298,7 +298,7 @@ async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_long
         TestServer::start_with(&policy(&spec, "[kv]\nhigh_watermark = 1.0\n"), options).await;
     let client = server.client();
     // ~30 + 500 tokens: 34 blocks held; the next one (34 more) waits for KV.
-    let running = hold_slot(&client, "sk-a", 2000).await;
+    let running = hold_slot(&client, "sk-a", 500).await;
     let waiting = {
         let client = client.clone();
         tokio::spawn(async move { client.post(CHAT, Some("sk-a"), &chat("hi", 500)).await })
