@@ -192,7 +192,7 @@ pub struct Scheduler {
     in_flight: HashSet<BlockHash>,
     /// Sequences the hold-back deferred in this step, and how many (per sequence and step)
     /// since the start.
-    held_back: Vec<SeqId>,
+    held_back: HashSet<SeqId>,
     holdbacks_total: u64,
 }
 
@@ -220,7 +220,7 @@ impl Scheduler {
             prefix_query_tokens: 0,
             prefix_hit_tokens: 0,
             in_flight: HashSet::new(),
-            held_back: Vec::new(),
+            held_back: HashSet::new(),
             holdbacks_total: 0,
         }
     }
@@ -332,7 +332,12 @@ impl Scheduler {
         let Some(salt) = seq.cache_salt.as_deref() else {
             return;
         };
-        pool.extend_block_hashes(salt, &seq.token_ids, usize::MAX, &mut seq.token_block_hashes);
+        pool.extend_block_hashes(
+            salt,
+            &seq.token_ids,
+            usize::MAX,
+            &mut seq.token_block_hashes,
+        );
         let computed = seq.block_hashes.len();
         if let Some(pending) = seq.token_block_hashes.get(computed..) {
             in_flight.extend(pending.iter().copied());
@@ -698,8 +703,7 @@ impl Scheduler {
             if Self::waits_for_in_flight(&self.pool, &self.in_flight, seq) {
                 // Keeps its place; the blocks it would compute are being computed this step.
                 Self::unpin_cached_prefix(&self.pool, seq);
-                if !self.held_back.contains(&seq.id) {
-                    self.held_back.push(seq.id);
+                if self.held_back.insert(seq.id) {
                     self.holdbacks_total += 1;
                 }
                 continue;

@@ -679,7 +679,11 @@ fn a_held_back_sequence_proceeds_when_the_computing_one_is_cancelled() {
     let second = step(&mut s);
     // A's first two blocks were registered before it went; B hits them and goes on.
     assert_eq!(prefill_of(&s, &second, 2), 8);
-    assert_eq!(s.prefix_cache_tokens(), (30 + 30, 8), "A found nothing, B 8 tokens");
+    assert_eq!(
+        s.prefix_cache_tokens(),
+        (30 + 30, 8),
+        "A found nothing, B 8 tokens"
+    );
     while s.has_work() {
         step(&mut s);
     }
@@ -695,7 +699,9 @@ fn a_held_back_sequence_proceeds_when_the_computing_one_is_preempted() {
     // longer runs, and the workload drains.
     let pool = BlockPool::new(10, 4, 1);
     let mut s = Scheduler::new(config(4, 8, 16, 8), pool.clone());
-    let credit = pool.try_reserve(4).unwrap_or_else(|| pool.empty_reservation());
+    let credit = pool
+        .try_reserve(4)
+        .unwrap_or_else(|| pool.empty_reservation());
     let (mut c, _rc) = seq(3, 4, 12, credit);
     c.cache_salt = Some("other".into());
     s.add(c);
@@ -716,7 +722,10 @@ fn a_held_back_sequence_proceeds_when_the_computing_one_is_preempted() {
         steps += 1;
         assert!(steps < 500, "no progress");
     }
-    assert!(s.preemptions_total() > 0, "the pool was meant to be too small");
+    assert!(
+        s.preemptions_total() > 0,
+        "the pool was meant to be too small"
+    );
     assert!(s.holdbacks_total() > 0);
     let occ = pool.snapshot();
     assert_eq!((occ.used_blocks, occ.reserved_blocks), (0, 0));
