@@ -613,12 +613,14 @@ fn identical_prompts_admitted_together_all_hit_the_first_ones_blocks() {
         receivers.push(rx);
         s.add(q);
     }
-    let mut prefill = 0;
+    let (mut prefill, mut steps) = (0, 0);
     while s.has_work() {
         let batch = step(&mut s);
         prefill += batch.shape.prefill_tokens;
-        assert!(s.holdbacks_total() < 100, "no progress");
+        steps += 1;
+        assert!(steps < 100, "no progress");
     }
+    assert_eq!(s.holdbacks_total(), 3 * 3, "three waited for three steps");
     // 40 by the first, then 4 (tokens 36..40) by each of the others.
     assert_eq!(prefill, 40 + 3 * 4);
     assert_eq!(s.prefix_cache_tokens(), (160, 3 * 36));
