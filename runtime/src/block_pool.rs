@@ -446,11 +446,30 @@ impl BlockPool {
     /// Hashes of the first `max_blocks` full blocks of `tokens` under `salt`, chained.
     fn prefix_hashes(&self, salt: &str, tokens: &[u32], max_blocks: usize) -> Vec<BlockHash> {
         let mut hashes: Vec<BlockHash> = Vec::new();
-        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+        self.extend_block_hashes(salt, tokens, max_blocks, &mut hashes);
+        hashes
+    }
+
+    /// Extends `hashes`, the chained hashes of the leading full blocks of `tokens` under
+    /// `salt` (computed earlier by this pool), to cover the first `max_blocks` full blocks.
+    /// A block's hash depends only on the tokens up to its end, so a list computed for a
+    /// shorter token list stays valid as tokens are appended: callers compute it once.
+    pub fn extend_block_hashes(
+        &self,
+        salt: &str,
+        tokens: &[u32],
+        max_blocks: usize,
+        hashes: &mut Vec<BlockHash>,
+    ) {
+        if self.block_size == 0 {
+            return;
+        }
+        let full = (tokens.len() / self.block_size).min(max_blocks);
+        for b in hashes.len()..full {
+            let chunk = &tokens[b * self.block_size..(b + 1) * self.block_size];
             let parent = hashes.last().copied();
             hashes.push(self.hasher.hash(parent, chunk, salt));
         }
-        hashes
     }
 
     /// How many leading full blocks of `tokens` (at most `max_blocks`) are cached under `salt`

@@ -45,6 +45,14 @@
 //! sequence never holds blocks, which the preemption rules above rely on. After each step every
 //! block that became full and computed is registered (prefill and decode alike).
 //!
+//! **Hold-back** (SGLang's cache-aware scheduling, for requests that share a prompt and arrive
+//! together): a waiting sequence whose first uncached full block is being computed right now
+//! by a running prefill (same hash, so same salt and same tokens up to that block's end) is
+//! not admitted this step; it keeps its place and finds that block cached once it is done,
+//! instead of computing the same prefix a second time. It waits only behind a sequence that
+//! is scheduled in this very step, so it can never wait on one that is stalled, preempted or
+//! gone: then it is admitted as usual.
+//!
 //! Integers only on the KV side: the scheduler never sees tensors, and never over-commits the
 //! pool because every allocation goes through the pool's all-or-nothing `allocate_n`.
 
@@ -52,11 +60,11 @@ mod cost;
 mod fair;
 
 use std::cmp::Reverse;
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::block_pool::BlockPool;
+use crate::block_pool::{BlockHash, BlockPool};
 use crate::kv_math::blocks_for_tokens;
 use crate::sequence::{SeqId, SeqStatus, Sequence};
 
@@ -179,6 +187,13 @@ pub struct Scheduler {
     /// (first admissions only; vLLM's `prefix_cache_queries` / `_hits`).
     prefix_query_tokens: u64,
     prefix_hit_tokens: u64,
+    /// Hashes of the full blocks that sequences scheduled for prefill in this step have yet
+    /// to compute (rebuilt for every admission pass; see the hold-back in the module docs).
+    in_flight: HashSet<BlockHash>,
+    /// Sequences the hold-back deferred in this step, and how many (per sequence and step)
+    /// since the start.
+    held_back: HashSet<SeqId>,
+    holdbacks_total: u64,
 }
 
 /// Steps of FCFS prefill after a preemption or an admission refused for blocks, see
@@ -204,6 +219,9 @@ impl Scheduler {
             admission_blocked: false,
             prefix_query_tokens: 0,
             prefix_hit_tokens: 0,
+            in_flight: HashSet::new(),
+            held_back: HashSet::new(),
+            holdbacks_total: 0,
         }
     }
 
@@ -245,6 +263,12 @@ impl Scheduler {
     /// (prompt tokens looked up in the prefix cache, of which found), since the start.
     pub fn prefix_cache_tokens(&self) -> (u64, u64) {
         (self.prefix_query_tokens, self.prefix_hit_tokens)
+    }
+
+    /// Admissions the hold-back deferred so far (a sequence deferred for three steps counts
+    /// three times).
+    pub fn holdbacks_total(&self) -> u64 {
+        self.holdbacks_total
     }
 
     /// The step cost model (its fit is what the prefill cap follows).
@@ -301,6 +325,55 @@ impl Scheduler {
         seq.num_computed_tokens = 0;
     }
 
+    /// Adds to `in_flight` the hashes of the full blocks of `seq` (a sequence scheduled for
+    /// prefill this step) that it has not computed yet: it will register each of them as its
+    /// prefill passes it, unless an identical block is cached by then.
+    fn note_in_flight(pool: &BlockPool, in_flight: &mut HashSet<BlockHash>, seq: &mut Sequence) {
+        let Some(salt) = seq.cache_salt.as_deref() else {
+            return;
+        };
+        pool.extend_block_hashes(
+            salt,
+            &seq.token_ids,
+            usize::MAX,
+            &mut seq.token_block_hashes,
+        );
+        let computed = seq.block_hashes.len();
+        if let Some(pending) = seq.token_block_hashes.get(computed..) {
+            in_flight.extend(pending.iter().copied());
+        }
+    }
+
+    /// Rebuilds `in_flight` from the running sequences that prefill in this step.
+    fn collect_in_flight(&mut self) {
+        self.in_flight.clear();
+        for seq in &mut self.running {
+            if seq.num_scheduled_tokens > 0 && !seq.is_decoding() {
+                Self::note_in_flight(&self.pool, &mut self.in_flight, seq);
+            }
+        }
+    }
+
+    /// Whether `seq`, after [`Scheduler::reuse_cached_prefix`], should wait for a running
+    /// prefill to compute its next full block rather than compute it too (the hold-back).
+    fn waits_for_in_flight(
+        pool: &BlockPool,
+        in_flight: &HashSet<BlockHash>,
+        seq: &mut Sequence,
+    ) -> bool {
+        let Some(salt) = seq.cache_salt.as_deref() else {
+            return false;
+        };
+        let next = seq.block_hashes.len();
+        if in_flight.is_empty() || next >= pool.cacheable_prefix_blocks(seq.len()) {
+            return false;
+        }
+        pool.extend_block_hashes(salt, &seq.token_ids, next + 1, &mut seq.token_block_hashes);
+        seq.token_block_hashes
+            .get(next)
+            .is_some_and(|hash| in_flight.contains(hash))
+    }
+
     /// Allocates the blocks `seq` needs to compute `n` more tokens; all or nothing.
     fn grow(pool: &BlockPool, block_size: usize, seq: &mut Sequence, n: usize) -> bool {
         let needed = blocks_for_tokens(seq.num_computed_tokens + n, block_size)
@@ -328,6 +401,7 @@ impl Scheduler {
             self.config.prefill_order
         };
         self.admission_blocked = false;
+        self.held_back.clear();
         let mut budget = self.config.max_batched_tokens;
         for seq in &mut self.running {
             seq.num_scheduled_tokens = 0;
@@ -602,6 +676,11 @@ impl Scheduler {
     ) {
         let block_size = self.config.block_size;
         let mut head_blocked = false;
+        if self.waiting.iter().any(|s| s.cache_salt.is_some()) {
+            self.collect_in_flight();
+        } else {
+            self.in_flight.clear();
+        }
         for k in 0..self.candidates.len() {
             if self.running.len() >= self.config.max_num_seqs || *budget == 0 || *prefill_left == 0
             {
@@ -621,6 +700,14 @@ impl Scheduler {
                 continue;
             }
             Self::reuse_cached_prefix(&self.pool, block_size, seq);
+            if Self::waits_for_in_flight(&self.pool, &self.in_flight, seq) {
+                // Keeps its place; the blocks it would compute are being computed this step.
+                Self::unpin_cached_prefix(&self.pool, seq);
+                if self.held_back.insert(seq.id) {
+                    self.holdbacks_total += 1;
+                }
+                continue;
+            }
             let n = limit
                 .min(*budget)
                 .min(*prefill_left)
@@ -649,6 +736,8 @@ impl Scheduler {
             seq.num_scheduled_tokens = n;
             *budget -= n;
             *prefill_left -= n;
+            // Later candidates with the same prompt wait for this one's blocks.
+            Self::note_in_flight(&self.pool, &mut self.in_flight, &mut seq);
             self.running.push(seq);
         }
     }

@@ -149,6 +149,11 @@ pub struct Sequence {
     /// Hashes of the leading full blocks of `block_table` that are registered in (or were
     /// taken from) the prefix cache, in order; the chain the next full block extends.
     pub block_hashes: Vec<BlockHash>,
+    /// Chained hashes of the leading full blocks of `token_ids` under `cache_salt`, whether
+    /// cached or not, filled on demand by the scheduler's hold-back check and kept across
+    /// preemptions (appending tokens never changes an earlier block's hash), so each block is
+    /// hashed once per sequence.
+    pub token_block_hashes: Vec<BlockHash>,
     /// Prompt tokens taken from the prefix cache at first admission.
     pub num_cached_tokens: usize,
     pub status: SeqStatus,
@@ -190,6 +195,7 @@ impl Sequence {
             credit,
             cache_salt: None,
             block_hashes: Vec::new(),
+            token_block_hashes: Vec::new(),
             num_cached_tokens: 0,
             status: SeqStatus::Waiting,
             rng: StdRng::seed_from_u64(sampling.seed),

@@ -525,6 +525,214 @@ fn preemption_and_cancellation_free_blocks_under_tenant_fair_prefill() {
     );
 }
 
+/// A sequence of tenant "t" whose prompt is `0..prompt` except from `diverge_at` on, where
+/// it is `base + i` (so sequences with one `base` share a prompt), cached under `salt`.
+fn salted_seq(
+    id: u64,
+    prompt: usize,
+    diverge_at: usize,
+    base: u32,
+    salt: &str,
+    pool: &Arc<BlockPool>,
+) -> (Sequence, mpsc::Receiver<TokenEvent>) {
+    let (mut q, rx) = seq(id, prompt, 2, pool.empty_reservation());
+    for (i, t) in q.token_ids.iter_mut().enumerate().skip(diverge_at) {
+        *t = base + i as u32;
+    }
+    q.cache_salt = Some(salt.into());
+    (q, rx)
+}
+
+/// True when `batch` prefills some running sequence cached under `salt`: the only thing a
+/// sequence may be held back behind.
+fn prefills_salt(s: &Scheduler, batch: &ScheduledBatch, salt: &str) -> bool {
+    batch.seqs.iter().any(|e| {
+        let q = &s.running()[e.index];
+        !q.is_decoding() && q.cache_salt.as_deref() == Some(salt)
+    })
+}
+
+/// Prompt tokens computed for sequence `id` in `batch` (0 if not scheduled or decoding).
+fn prefill_of(s: &Scheduler, batch: &ScheduledBatch, id: u64) -> usize {
+    batch
+        .seqs
+        .iter()
+        .map(|e| (&s.running()[e.index], e.num_tokens))
+        .filter(|(q, _)| q.id == SeqId(id) && !q.is_decoding())
+        .map(|(_, n)| n)
+        .sum()
+}
+
+#[test]
+fn a_shared_prefix_is_held_back_until_computed_then_hit() {
+    // A and B share their first 24 tokens (6 blocks of 4) and arrive together; the step has
+    // room for both (budget 16, chunks of 8), but B waits while A computes the shared blocks,
+    // then takes all 6 from the cache and computes only its own 6 tokens.
+    let pool = BlockPool::new(64, 4, 1);
+    let mut s = Scheduler::new(config(4, 8, 16, 8), pool.clone());
+    let (a, _ra) = salted_seq(1, 30, 30, 0, "t", &pool);
+    let (b, _rb) = salted_seq(2, 30, 24, 500, "t", &pool);
+    s.add(a);
+    s.add(b);
+    let mut b_prefill = 0;
+    let mut deferred_steps = 0;
+    for _ in 0..20 {
+        let mut batch = ScheduledBatch::default();
+        s.schedule(&mut batch);
+        if s.waiting().any(|q| q.id == SeqId(2)) {
+            deferred_steps += 1;
+            assert!(
+                s.waiting().all(|q| q.block_table.is_empty()),
+                "a deferred sequence keeps no pinned blocks"
+            );
+            assert_eq!(prefill_of(&s, &batch, 1), 8, "A computes meanwhile");
+        }
+        b_prefill += prefill_of(&s, &batch, 2);
+        finish_step(&mut s, &batch);
+        if !s.has_work() {
+            break;
+        }
+    }
+    assert!(!s.has_work(), "both finished");
+    // A computes tokens 0..8, 8..16, 16..24 in steps 1-3; B is admitted in step 4.
+    assert_eq!(deferred_steps, 3);
+    assert_eq!(s.holdbacks_total(), 3);
+    assert_eq!(b_prefill, 6, "B computed only its own tail");
+    assert_eq!(s.prefix_cache_tokens(), (60, 24));
+}
+
+#[test]
+fn identical_prompts_admitted_together_all_hit_the_first_ones_blocks() {
+    // Four copies of one 40-token prompt: the first computes it, the other three wait and then
+    // compute only the last block (the last token is always computed, for its logits).
+    let pool = BlockPool::new(64, 4, 1);
+    let mut s = Scheduler::new(config(4, 8, 64, 16), pool.clone());
+    let mut receivers = Vec::new();
+    for id in 1..=4 {
+        let (q, rx) = salted_seq(id, 40, 40, 0, "t", &pool);
+        receivers.push(rx);
+        s.add(q);
+    }
+    let (mut prefill, mut steps) = (0, 0);
+    while s.has_work() {
+        let batch = step(&mut s);
+        prefill += batch.shape.prefill_tokens;
+        steps += 1;
+        assert!(steps < 100, "no progress");
+    }
+    assert_eq!(s.holdbacks_total(), 3 * 3, "three waited for three steps");
+    // 40 by the first, then 4 (tokens 36..40) by each of the others.
+    assert_eq!(prefill, 40 + 3 * 4);
+    assert_eq!(s.prefix_cache_tokens(), (160, 3 * 36));
+}
+
+#[test]
+fn another_salt_is_not_held_back() {
+    let pool = BlockPool::new(64, 4, 1);
+    let mut s = Scheduler::new(config(4, 8, 16, 8), pool.clone());
+    let (a, _ra) = salted_seq(1, 30, 30, 0, "t", &pool);
+    let (b, _rb) = salted_seq(2, 30, 30, 0, "u", &pool);
+    s.add(a);
+    s.add(b);
+    let first = step(&mut s);
+    assert_eq!(
+        (prefill_of(&s, &first, 1), prefill_of(&s, &first, 2)),
+        (8, 8)
+    );
+    assert_eq!(s.holdbacks_total(), 0);
+}
+
+#[test]
+fn a_sequence_without_salt_is_never_held_back_nor_holds_back() {
+    let pool = BlockPool::new(64, 4, 1);
+    let mut s = Scheduler::new(config(4, 8, 24, 8), pool.clone());
+    let (a, _ra) = salted_seq(1, 30, 30, 0, "t", &pool);
+    let (mut b, _rb) = salted_seq(2, 30, 30, 0, "t", &pool);
+    b.cache_salt = None;
+    let (c, _rc) = salted_seq(3, 30, 30, 0, "t", &pool);
+    s.add(b);
+    s.add(a);
+    s.add(c);
+    let first = step(&mut s);
+    // B (no salt) computes alongside A, and does not make C wait; C waits for A.
+    assert_eq!(
+        (
+            prefill_of(&s, &first, 1),
+            prefill_of(&s, &first, 2),
+            prefill_of(&s, &first, 3)
+        ),
+        (8, 8, 0)
+    );
+    assert_eq!(s.holdbacks_total(), 1);
+}
+
+#[test]
+fn a_held_back_sequence_proceeds_when_the_computing_one_is_cancelled() {
+    let pool = BlockPool::new(64, 4, 1);
+    let mut s = Scheduler::new(config(4, 8, 16, 8), pool.clone());
+    let (a, _ra) = salted_seq(1, 30, 30, 0, "t", &pool);
+    let (b, _rb) = salted_seq(2, 30, 30, 0, "t", &pool);
+    s.add(a);
+    s.add(b);
+    let first = step(&mut s);
+    assert_eq!(prefill_of(&s, &first, 2), 0, "B waits for A");
+    let mut cancelled = Vec::new();
+    s.remove_where(|q| q.id == SeqId(1), &mut cancelled);
+    let second = step(&mut s);
+    // A's first two blocks were registered before it went; B hits them and goes on.
+    assert_eq!(prefill_of(&s, &second, 2), 8);
+    assert_eq!(
+        s.prefix_cache_tokens(),
+        (30 + 30, 8),
+        "A found nothing, B 8 tokens"
+    );
+    while s.has_work() {
+        step(&mut s);
+    }
+    let occ = pool.snapshot();
+    assert_eq!((occ.used_blocks, occ.reserved_blocks), (0, 0));
+}
+
+#[test]
+fn a_held_back_sequence_proceeds_when_the_computing_one_is_preempted() {
+    // 10 blocks of 4. C (another salt, admitted first, fully reserved) decodes long; A
+    // prefills a 30-token prompt that B shares. When A cannot grow, A is preempted (least
+    // computed of those freeing shared blocks); B must not wait behind a sequence that no
+    // longer runs, and the workload drains.
+    let pool = BlockPool::new(10, 4, 1);
+    let mut s = Scheduler::new(config(4, 8, 16, 8), pool.clone());
+    let credit = pool
+        .try_reserve(4)
+        .unwrap_or_else(|| pool.empty_reservation());
+    let (mut c, _rc) = seq(3, 4, 12, credit);
+    c.cache_salt = Some("other".into());
+    s.add(c);
+    step(&mut s);
+    let (a, _ra) = salted_seq(1, 30, 30, 0, "t", &pool);
+    let (b, _rb) = salted_seq(2, 30, 30, 0, "t", &pool);
+    s.add(a);
+    s.add(b);
+    let mut steps = 0;
+    while s.has_work() {
+        let held_back = s.holdbacks_total();
+        let mut batch = ScheduledBatch::default();
+        s.schedule(&mut batch);
+        if s.holdbacks_total() > held_back {
+            assert!(prefills_salt(&s, &batch, "t"), "held back behind nothing");
+        }
+        finish_step(&mut s, &batch);
+        steps += 1;
+        assert!(steps < 500, "no progress");
+    }
+    assert!(
+        s.preemptions_total() > 0,
+        "the pool was meant to be too small"
+    );
+    assert!(s.holdbacks_total() > 0);
+    let occ = pool.snapshot();
+    assert_eq!((occ.used_blocks, occ.reserved_blocks), (0, 0));
+}
+
 /// A workload step for the property test: new requests arrive, optionally with reservations.
 #[derive(Debug, Clone)]
 struct Arrival {
@@ -556,6 +764,7 @@ proptest! {
         threshold in 0..8usize,
         fair in any::<bool>(),
         target_ms in prop::option::of(1..40u64),
+        salted in any::<bool>(),
         arrivals in prop::collection::vec(prop::collection::vec(arrival(), 0..3), 1..12),
     ) {
         // The pool always fits the largest single request (as the engine's submit check ensures).
@@ -576,14 +785,25 @@ proptest! {
                 let credit = if a.reserve { pool.try_reserve(needed) } else { None };
                 let credit = credit.unwrap_or_else(|| pool.empty_reservation());
                 let tenant = ["a", "b", "c"][a.tenant];
-                let (q, rx) =
+                let (mut q, rx) =
                     tenant_seq(next_id, tenant, a.tenant as u32 + 1, a.prompt, a.max_tokens, credit);
+                // Prompts are 0..n, so a tenant's sequences share prefixes: with salts they
+                // hit each other's blocks and are held back behind each other's prefills.
+                if salted {
+                    q.cache_salt = Some(tenant.into());
+                }
                 next_id += 1;
                 receivers.push(rx);
                 s.add(q);
             }
+            let held_back = s.holdbacks_total();
             let mut batch = ScheduledBatch::default();
             s.schedule(&mut batch);
+            if s.holdbacks_total() > held_back {
+                // Only ever behind a prefill that runs in this very step.
+                let prefilling = ["a", "b", "c"].iter().any(|t| prefills_salt(&s, &batch, t));
+                prop_assert!(prefilling, "held back behind nothing");
+            }
             prop_assert!(batch.num_tokens <= budget);
             prop_assert!(batch.shape.prefill_tokens <= batch.prefill_cap);
             prop_assert_eq!(
@@ -592,12 +812,11 @@ proptest! {
             );
             prop_assert!(s.running().len() <= max_num_seqs);
             let mut seen = HashSet::new();
-            let mut held = 0;
             for q in s.running() {
                 for &b in &q.block_table {
-                    prop_assert!(seen.insert(b), "block {} shared", b);
+                    // Only cached prefix blocks are shared, and only between salted sequences.
+                    prop_assert!(seen.insert(b) || salted, "block {} shared", b);
                 }
-                held += q.block_table.len();
                 let covered = q.num_computed_tokens + q.num_scheduled_tokens;
                 prop_assert!(q.block_table.len() >= blocks_for_tokens(covered, block_size));
                 if threshold > 0 {
@@ -608,7 +827,7 @@ proptest! {
                 prop_assert!(q.block_table.is_empty() && q.num_computed_tokens == 0);
             }
             let occ = pool.snapshot();
-            prop_assert_eq!(occ.used_blocks, held);
+            prop_assert_eq!(occ.used_blocks, seen.len());
             prop_assert_eq!(occ.used_blocks + occ.reserved_blocks + occ.free_blocks, total);
             let sampled = vec![3; batch.seqs.iter().filter(|e| e.needs_logits).count()];
             s.postprocess(&batch, &sampled);
