@@ -7,24 +7,26 @@
 //! What "matching" means here, and why (measured 2026-12-01 on these fixtures):
 //! * Both engines quantize every matrix input to 8-bit blocks (Q8_K for K-quant weights, Q8_0/
 //!   Q8_1 for the fallback types) with the same rounding, so when their inputs agree to the last
-//!   bit their logits agree to the last bit: 18 of the 20 first steps here agree within 1e-5
-//!   with one of llama.cpp's two evaluations below.
+//!   bit their logits agree to the last bit.
 //! * That 8-bit rounding is worth ±amax/254 per element (amax: the block's largest |value|),
-//!   about 1% of these activations' RMS. Against an exact f64 forward it moves these logits
-//!   (spread ±11..17) by up to 0.44, 0.09 on average. When any last bit upstream differs, a
-//!   block's amax and with it the rounding of the whole block can differ, and the logits then
-//!   differ by a share of that noise. llama.cpp shows it against itself: its batched and its
-//!   token-by-token evaluation of the same 40-token prompt differ by 0.15..0.29 on 5 of these
-//!   files (recorded in the fixture as `self_deviation`), and a NumPy forward with the same Q8_K
-//!   rounding reproduces one or the other bit for bit.
+//!   about 1% of these activations' RMS; against an exact f64 forward it moves these logits
+//!   (spread ±11..17) by up to 0.44, 0.09 on average. And it is chaotic: one last-bit difference
+//!   that flips one rounding moves what that block feeds by a whole step times a weight, which
+//!   flips further roundings, token after token. In a NumPy forward with ggml's Q8_K rounding,
+//!   nudging every rounding input by one part in 10^7 moved the 40-token case's logits by
+//!   0.17..0.21 in 3 of 4 trials (and not at all in the fourth). llama.cpp shows it against
+//!   itself: its batched and its token-by-token evaluation of the same 40-token prompt differ by
+//!   0.15..0.29 on 5 of these 10 files (`self_deviation` in the fixture); elsewhere they agree.
 //!
-//! So a case passes when kvgate's first-step logits are within [`EXACT`] of either of llama.cpp's
-//! evaluations, or within [`LOGIT_TOLERANCE`] (the measured noise bound, rounded up) with a mean
-//! under [`MEAN_LOGIT_TOLERANCE`]; and most cases must be exact ([`MIN_EXACT_SHARE`]), which a
-//! wrong kernel, bias, RoPE pairing or frequency factor could not be (each moves every logit).
-//! Greedy ids must match except where llama.cpp's own top-2 margin is below
-//! [`MAX_MARGIN_FOR_DIVERGENCE`]: two logits each off by up to the noise bound can swap only
-//! within twice that noise's typical size.
+//! So the rule is: where llama.cpp's two evaluations agree (to [`EXACT`]), kvgate must agree with
+//! them to [`EXACT`] too: a wrong kernel, bias, RoPE pairing or frequency factor cannot (on
+//! these random models it moves the logits by noise-sized amounts, 0.27..0.47 for ignored
+//! `rope_freqs`, so only exactness catches it). Where llama.cpp disagrees with itself, kvgate
+//! must be within [`LOGIT_TOLERANCE`] of the closer of the two, with a mean under
+//! [`MEAN_LOGIT_TOLERANCE`]. Measured: 15 cases of the first kind, all exact; of the 5 of the
+//! second kind, 3 are exact against llama.cpp's token-by-token evaluation and 2 are 0.16 and 0.17
+//! away. Greedy ids must match except where llama.cpp's own top-2 margin is below
+//! [`MAX_MARGIN_FOR_DIVERGENCE`].
 
 mod common;
 
@@ -51,8 +53,6 @@ const EXACT: f64 = 1e-4;
 const LOGIT_TOLERANCE: f64 = 0.5;
 /// Bound on a case's mean distance (measured: 0.07 at most between llama.cpp's evaluations).
 const MEAN_LOGIT_TOLERANCE: f64 = 0.12;
-/// Share of first steps that must be exact (measured: 18 of 20).
-const MIN_EXACT_SHARE: f64 = 0.75;
 /// Share of greedy runs that must be identical over all steps (measured: 17 of 20; the other
 /// three diverge where llama.cpp's margin is 0.015, 0.065 and 0.164).
 const MIN_IDENTICAL_SHARE: f64 = 0.75;
@@ -266,8 +266,15 @@ fn first_step_logits_match_llama_cpp_on_synthetic_files() {
                 .min_by(|a, b| a.2.total_cmp(&b.2))
                 .expect("at least the batched logits");
             total += 1;
+            let self_deviation = case["self_deviation"].as_f64().expect("self_deviation");
             if max < EXACT {
                 exact += 1;
+            } else if self_deviation < EXACT {
+                failures.push(format!(
+                    "{name}: llama.cpp's evaluations agree here, but kvgate's logit of token \
+                     {worst} is {}, llama.cpp has {} (a real difference, not rounding noise)",
+                    got[worst], want[worst]
+                ));
             }
             report.push(format!(
                 "{name}: max |deviation| {max:.5} (token {worst}), mean {mean:.5} from llama.cpp {which} \
@@ -291,9 +298,6 @@ fn first_step_logits_match_llama_cpp_on_synthetic_files() {
         }
     }
     println!("{}", report.join("\n"));
-    assert!(
-        exact as f64 >= MIN_EXACT_SHARE * total as f64,
-        "only {exact} of {total} first steps match llama.cpp exactly"
-    );
+    println!("{exact} of {total} first steps exact");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
