@@ -33,7 +33,7 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{Part, argmax, greedy, step};
+use common::{Part, argmax, greedy, json_ids, step};
 use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::model::ModelConfig;
@@ -58,20 +58,7 @@ const MEAN_LOGIT_TOLERANCE: f64 = 0.12;
 const MIN_IDENTICAL_SHARE: f64 = 0.75;
 
 fn fixtures() -> serde_json::Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/llama_cpp/synth_greedy.json"
-    );
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-    serde_json::from_str(&text).expect("synth_greedy.json parses")
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an array of token ids")
-        .iter()
-        .map(|x| x.as_u64().expect("a token id") as u32)
-        .collect()
+    common::llama_cpp_fixture("synth_greedy.json")
 }
 
 fn floats(v: &serde_json::Value) -> Vec<f64> {
@@ -183,8 +170,8 @@ fn greedy_tokens_match_llama_cpp_on_synthetic_files() {
         let mut be = backend_for(file, &dir.0);
         let eos = file["eos_id"].as_u64().map(|e| e as u32);
         for (n, case) in file["cases"].as_array().expect("cases").iter().enumerate() {
-            let prompt = ids(&case["prompt_ids"]);
-            let want = ids(&case["greedy_ids"]);
+            let prompt = json_ids(&case["prompt_ids"]);
+            let want = json_ids(&case["greedy_ids"]);
             let margins = floats(&case["top2_margins"]);
             let got = greedy(&mut be, &prompt, steps, eos);
             total += 1;
@@ -227,7 +214,7 @@ fn first_step_logits_match_llama_cpp_on_synthetic_files() {
     for file in fixtures["files"].as_array().expect("files") {
         let mut be = backend_for(file, &dir.0);
         for (n, case) in file["cases"].as_array().expect("cases").iter().enumerate() {
-            let prompt = ids(&case["prompt_ids"]);
+            let prompt = json_ids(&case["prompt_ids"]);
             let blocks: Vec<u32> = (0..prompt.len().div_ceil(common::BLOCK) as u32).collect();
             let got = step(
                 &mut be,

@@ -245,6 +245,15 @@ fn tiny_model_generates_through_the_cpu_backend_deterministically() {
     assert_eq!(run(), first, "greedy generation is deterministic");
 }
 
+/// Writes `spec` and opens, configures and binds it.
+fn write_and_bind(spec: SynthSpec, name: &str) -> (PathBuf, GgufFile, ModelConfig, ModelWeights) {
+    let path = write(spec, name);
+    let gguf = GgufFile::open(&path).expect("opens");
+    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    let weights = ModelWeights::bind(&gguf, &config).expect("every tensor binds");
+    (path, gguf, config, weights)
+}
+
 #[test]
 fn q4_k_m_mix_binds_the_llama_cpp_types_and_generates() {
     // tiny-k has 2 layers: llama.cpp's use_more_bits picks layer 1 (the last eighth), so its
@@ -254,10 +263,7 @@ fn q4_k_m_mix_binds_the_llama_cpp_types_and_generates() {
         dtype: SynthDtype::Q4_K_M,
         seed: 9,
     };
-    let path = write(spec, "q4_k_m.gguf");
-    let gguf = GgufFile::open(&path).expect("opens");
-    let config = ModelConfig::from_gguf(&gguf).expect("config");
-    let w = ModelWeights::bind(&gguf, &config).expect("binds");
+    let (path, gguf, _config, w) = write_and_bind(spec, "q4_k_m.gguf");
     assert_eq!(w.output.ty(), GgmlType::Q6_K);
     assert_eq!(w.token_embd.ty(), GgmlType::Q4_K);
     assert_eq!(
@@ -407,14 +413,11 @@ fn qwen2_and_llama3_shapes_carry_their_architecture_features_and_generate() {
         dtype: SynthDtype::Q4_K_M,
         seed: 3,
     };
-    let path = write(spec, "qwen2.gguf");
-    let gguf = GgufFile::open(&path).expect("opens");
+    let (path, gguf, config, weights) = write_and_bind(spec, "qwen2.gguf");
     assert_eq!(gguf.get_str("general.architecture"), Some("qwen2"));
     assert!(gguf.get("llama.block_count").is_none());
-    let config = ModelConfig::from_gguf(&gguf).expect("config");
     assert_eq!(config.rope_mode, RopeMode::Neox);
     assert_eq!(config.rms_eps, 1e-6);
-    let weights = ModelWeights::bind(&gguf, &config).expect("every tensor binds");
     for layer in &weights.layers {
         let bk = layer.bk.as_ref().expect("a K bias");
         assert_eq!(bk.ty(), GgmlType::F32);
@@ -432,12 +435,9 @@ fn qwen2_and_llama3_shapes_carry_their_architecture_features_and_generate() {
         dtype: SynthDtype::Q5_K,
         seed: 3,
     };
-    let path = write(spec, "llama3.gguf");
-    let gguf = GgufFile::open(&path).expect("opens");
-    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    let (path, gguf, config, weights) = write_and_bind(spec, "llama3.gguf");
     assert_eq!(config.architecture, "llama");
     assert_eq!(config.rope_freq_base, 500_000.0);
-    let weights = ModelWeights::bind(&gguf, &config).expect("every tensor binds");
     let factors = weights
         .rope_freqs
         .as_ref()
