@@ -340,7 +340,7 @@ pub struct PlanCliArgs {
 
 #[derive(Debug, Args)]
 pub struct SynthModelArgs {
-    /// Model shape: tiny, tiny-k, smollm2-135m, llama2-7b or llama2-13b.
+    /// Model shape: tiny, tiny-k, tiny-qwen2, tiny-llama3, smollm2-135m, llama2-7b or llama2-13b.
     #[arg(long, value_name = "SHAPE")]
     pub shape: SynthShape,
     /// Weight matrix type: q4_0, q4_1, q8_0, f16, q4_k, q5_k, q6_k or q4_k_m (norms are f32).

@@ -44,6 +44,13 @@ pub enum SynthShape {
     /// The tiny shape widened to hidden 256, FFN 512, 4 heads of 64 over 2 KV heads: every
     /// matrix is a whole number of 256-wide K-quant super-blocks. For K-quant tests.
     TinyK,
+    /// The tiny-k shape as a `qwen2` file: Q/K/V biases, NEOX RoPE (llama.cpp's rope type for
+    /// qwen2), Qwen2.5's RoPE base 1e6 and RMS epsilon 1e-6.
+    TinyQwen2,
+    /// The tiny-k shape as a Llama 3.1 file: RoPE base 500000 and the `rope_freqs.weight`
+    /// factors of Llama 3.1's `rope_scaling` (type llama3, factor 8), as llama.cpp's converter
+    /// writes them (it writes no scaling type for llama3).
+    TinyLlama3,
     /// SmolLM2-135M (kvgate's default model): 30 layers, hidden 576, GQA 9/3, tied embeddings.
     Smollm2_135m,
     /// Llama-2-7B: 32 layers, hidden 4096, 32 heads, vocabulary 32000.
@@ -66,12 +73,20 @@ pub struct ShapeSpec {
     pub rms_eps: f32,
     /// No `output.weight`: the token embedding is the output head (SmolLM2 ties them).
     pub tied_embeddings: bool,
+    /// `general.architecture`: "llama" or "qwen2" (whose metadata keys start with it).
+    pub arch: &'static str,
+    /// F32 `attn_{q,k,v}.bias` in every layer (qwen2 requires them).
+    pub qkv_bias: bool,
+    /// A `rope_freqs.weight` tensor of Llama 3.1's per-pair RoPE factors.
+    pub llama3_rope_freqs: bool,
 }
 
 impl SynthShape {
-    pub const ALL: [SynthShape; 5] = [
+    pub const ALL: [SynthShape; 7] = [
         SynthShape::Tiny,
         SynthShape::TinyK,
+        SynthShape::TinyQwen2,
+        SynthShape::TinyLlama3,
         SynthShape::Smollm2_135m,
         SynthShape::Llama2_7b,
         SynthShape::Llama2_13b,
@@ -81,6 +96,8 @@ impl SynthShape {
         match self {
             SynthShape::Tiny => "tiny",
             SynthShape::TinyK => "tiny-k",
+            SynthShape::TinyQwen2 => "tiny-qwen2",
+            SynthShape::TinyLlama3 => "tiny-llama3",
             SynthShape::Smollm2_135m => "smollm2-135m",
             SynthShape::Llama2_7b => "llama2-7b",
             SynthShape::Llama2_13b => "llama2-13b",
@@ -101,11 +118,26 @@ impl SynthShape {
                 rope_freq_base: 10_000.0,
                 rms_eps: 1e-5,
                 tied_embeddings: false,
+                arch: "llama",
+                qkv_bias: false,
+                llama3_rope_freqs: false,
             },
             SynthShape::TinyK => ShapeSpec {
                 hidden: 256,
                 ffn: 512,
                 ..SynthShape::Tiny.spec()
+            },
+            SynthShape::TinyQwen2 => ShapeSpec {
+                rope_freq_base: 1_000_000.0,
+                rms_eps: 1e-6,
+                arch: "qwen2",
+                qkv_bias: true,
+                ..SynthShape::TinyK.spec()
+            },
+            SynthShape::TinyLlama3 => ShapeSpec {
+                rope_freq_base: 500_000.0,
+                llama3_rope_freqs: true,
+                ..SynthShape::TinyK.spec()
             },
             SynthShape::Smollm2_135m => ShapeSpec {
                 layers: 30,
@@ -118,6 +150,9 @@ impl SynthShape {
                 rope_freq_base: 100_000.0,
                 rms_eps: 1e-5,
                 tied_embeddings: true,
+                arch: "llama",
+                qkv_bias: false,
+                llama3_rope_freqs: false,
             },
             SynthShape::Llama2_7b => ShapeSpec {
                 layers: 32,
@@ -130,6 +165,9 @@ impl SynthShape {
                 rope_freq_base: 10_000.0,
                 rms_eps: 1e-5,
                 tied_embeddings: false,
+                arch: "llama",
+                qkv_bias: false,
+                llama3_rope_freqs: false,
             },
             SynthShape::Llama2_13b => ShapeSpec {
                 layers: 40,
@@ -142,6 +180,9 @@ impl SynthShape {
                 rope_freq_base: 10_000.0,
                 rms_eps: 1e-5,
                 tied_embeddings: false,
+                arch: "llama",
+                qkv_bias: false,
+                llama3_rope_freqs: false,
             },
         }
     }
@@ -352,6 +393,10 @@ pub enum SynthError {
 enum Fill {
     /// RMSNorm weights: 1 ± 0.1, stored as F32.
     Norm,
+    /// A Q/K/V bias: uniform in ±`scale`, stored as F32 (as llama.cpp's converter keeps them).
+    Bias { scale: f32 },
+    /// Llama 3.1's RoPE factors for `base` (see [`llama3_rope_factors`]), stored as F32.
+    RopeFreqs { base: f32, head_dim: usize },
     /// A weight matrix: uniform in ±`scale`, stored in the spec's dtype.
     Matrix { scale: f32 },
 }
@@ -399,7 +444,7 @@ impl SynthModel {
                 .and_then(|rest| rest.split('.').next())
                 .and_then(|i| i.parse().ok());
             let ty = match fill {
-                Fill::Norm => WeightType::F32,
+                Fill::Norm | Fill::Bias { .. } | Fill::RopeFreqs { .. } => WeightType::F32,
                 Fill::Matrix { .. } => spec.dtype.matrix_type(&name, layer, s.layers, cols),
             };
             tensors.push(SynthTensor {
@@ -417,12 +462,31 @@ impl SynthModel {
             s.vocab,
             matrix(s.hidden, if s.tied_embeddings { 4.0 } else { 1.0 }),
         );
+        if s.llama3_rope_freqs {
+            add(
+                "rope_freqs.weight".into(),
+                head_dim / 2,
+                1,
+                Fill::RopeFreqs {
+                    base: s.rope_freq_base,
+                    head_dim,
+                },
+            );
+        }
+        // Biases of the size of the projections' own spread, so they visibly move Q, K and V.
+        let bias = Fill::Bias { scale: 1.0 };
         for i in 0..s.layers {
             let n = |t: &str| format!("blk.{i}.{t}.weight");
             add(n("attn_norm"), s.hidden, 1, Fill::Norm);
             add(n("attn_q"), s.hidden, s.hidden, matrix(s.hidden, 1.0));
             add(n("attn_k"), s.hidden, kv_dim, matrix(s.hidden, 1.0));
             add(n("attn_v"), s.hidden, kv_dim, matrix(s.hidden, 1.0));
+            if s.qkv_bias {
+                let b = |t: &str| format!("blk.{i}.{t}.bias");
+                add(b("attn_q"), s.hidden, 1, bias);
+                add(b("attn_k"), kv_dim, 1, bias);
+                add(b("attn_v"), kv_dim, 1, bias);
+            }
             add(n("attn_output"), s.hidden, s.hidden, matrix(s.hidden, 1.0));
             add(n("ffn_norm"), s.hidden, 1, Fill::Norm);
             add(n("ffn_gate"), s.hidden, s.ffn, matrix(s.hidden, 1.0));
@@ -551,6 +615,14 @@ impl SynthModel {
                     .for_each(|v| *v = 1.0 + 0.1 * rng.symmetric());
                 values.iter().flat_map(|v| v.to_le_bytes()).collect()
             }
+            Fill::Bias { scale } => {
+                values.iter_mut().for_each(|v| *v = scale * rng.symmetric());
+                values.iter().flat_map(|v| v.to_le_bytes()).collect()
+            }
+            Fill::RopeFreqs { base, head_dim } => llama3_rope_factors(base, head_dim)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
             Fill::Matrix { scale } => {
                 let mut out = Vec::with_capacity(rows * t.ty.row_bytes(t.cols));
                 for _ in 0..rows {
@@ -582,6 +654,38 @@ impl SynthModel {
     }
 }
 
+/// Llama 3.1's RoPE frequency factors, one per rotated pair, as llama.cpp's
+/// `convert_hf_to_gguf.py` computes `rope_freqs.weight` from `rope_scaling` {type llama3,
+/// factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192}:
+/// 1 for short wavelengths, 8 for long ones, a smooth blend between. (Computed in f64: the
+/// values only need to be reproducible, both engines read them from the file.)
+pub fn llama3_rope_factors(base: f32, head_dim: usize) -> Vec<f32> {
+    const FACTOR: f64 = 8.0;
+    const LOW_FREQ_FACTOR: f64 = 1.0;
+    const HIGH_FREQ_FACTOR: f64 = 4.0;
+    const OLD_CONTEXT: f64 = 8192.0;
+    let (low_wavelen, high_wavelen) = (
+        OLD_CONTEXT / LOW_FREQ_FACTOR,
+        OLD_CONTEXT / HIGH_FREQ_FACTOR,
+    );
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / f64::from(base).powf((2 * i) as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let factor = if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                FACTOR
+            } else {
+                let smooth = (OLD_CONTEXT / wavelen - LOW_FREQ_FACTOR)
+                    / (HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR);
+                1.0 / ((1.0 - smooth) / FACTOR + smooth)
+            };
+            factor as f32
+        })
+        .collect()
+}
+
 fn align(n: u64) -> u64 {
     n.div_ceil(ALIGNMENT) * ALIGNMENT
 }
@@ -594,46 +698,62 @@ fn tensor_bytes(t: &SynthTensor) -> u64 {
 fn metadata(spec: SynthSpec, s: &ShapeSpec) -> Vec<(String, MetaValue)> {
     let vocab = Vocabulary::new(s.vocab);
     let u32v = |n: usize| MetaValue::U32(n as u32);
-    let entries = [
-        ("general.architecture", MetaValue::String("llama".into())),
+    let key = |suffix: &str| format!("{}.{suffix}", s.arch);
+    let entries: Vec<(String, MetaValue)> = vec![
         (
-            "general.name",
+            "general.architecture".into(),
+            MetaValue::String(s.arch.into()),
+        ),
+        (
+            "general.name".into(),
             MetaValue::String(format!(
                 "synthetic {} {} seed {}",
                 spec.shape, spec.dtype, spec.seed
             )),
         ),
-        ("general.file_type", MetaValue::U32(spec.dtype.file_type())),
-        ("kvgate.synthetic.seed", MetaValue::U64(spec.seed)),
-        ("llama.context_length", u32v(s.context)),
-        ("llama.embedding_length", u32v(s.hidden)),
-        ("llama.block_count", u32v(s.layers)),
-        ("llama.feed_forward_length", u32v(s.ffn)),
-        ("llama.attention.head_count", u32v(s.heads)),
-        ("llama.attention.head_count_kv", u32v(s.kv_heads)),
-        ("llama.rope.dimension_count", u32v(s.hidden / s.heads)),
-        ("llama.rope.freq_base", MetaValue::F32(s.rope_freq_base)),
         (
-            "llama.attention.layer_norm_rms_epsilon",
+            "general.file_type".into(),
+            MetaValue::U32(spec.dtype.file_type()),
+        ),
+        ("kvgate.synthetic.seed".into(), MetaValue::U64(spec.seed)),
+        (key("context_length"), u32v(s.context)),
+        (key("embedding_length"), u32v(s.hidden)),
+        (key("block_count"), u32v(s.layers)),
+        (key("feed_forward_length"), u32v(s.ffn)),
+        (key("attention.head_count"), u32v(s.heads)),
+        (key("attention.head_count_kv"), u32v(s.kv_heads)),
+        (key("rope.dimension_count"), u32v(s.hidden / s.heads)),
+        (key("rope.freq_base"), MetaValue::F32(s.rope_freq_base)),
+        (
+            key("attention.layer_norm_rms_epsilon"),
             MetaValue::F32(s.rms_eps),
         ),
-        ("llama.vocab_size", u32v(s.vocab)),
-        ("tokenizer.ggml.model", MetaValue::String("gpt2".into())),
-        ("tokenizer.ggml.pre", MetaValue::String("gpt-2".into())),
-        ("tokenizer.ggml.tokens", strings(vocab.tokens)),
+        (key("vocab_size"), u32v(s.vocab)),
         (
-            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.model".into(),
+            MetaValue::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".into(),
+            MetaValue::String("gpt-2".into()),
+        ),
+        ("tokenizer.ggml.tokens".into(), strings(vocab.tokens)),
+        (
+            "tokenizer.ggml.token_type".into(),
             MetaValue::Array(vocab.types.into_iter().map(MetaValue::I32).collect()),
         ),
-        ("tokenizer.ggml.merges", strings(vocab.merges)),
-        ("tokenizer.ggml.bos_token_id", MetaValue::U32(IM_START)),
-        ("tokenizer.ggml.eos_token_id", MetaValue::U32(IM_END)),
-        ("tokenizer.ggml.add_bos_token", MetaValue::Bool(false)),
+        ("tokenizer.ggml.merges".into(), strings(vocab.merges)),
+        (
+            "tokenizer.ggml.bos_token_id".into(),
+            MetaValue::U32(IM_START),
+        ),
+        ("tokenizer.ggml.eos_token_id".into(), MetaValue::U32(IM_END)),
+        (
+            "tokenizer.ggml.add_bos_token".into(),
+            MetaValue::Bool(false),
+        ),
     ];
     entries
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect()
 }
 
 fn strings(items: Vec<String>) -> MetaValue {

@@ -7,25 +7,12 @@
 
 mod common;
 
-use common::{Part, argmax, backend, greedy, step};
+use common::{Part, argmax, backend, greedy, json_ids, step};
 
 const MAX_MARGIN_FOR_DIVERGENCE: f64 = 0.1;
 
 fn fixtures() -> serde_json::Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/llama_cpp/greedy.json"
-    );
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-    serde_json::from_str(&text).expect("greedy.json parses")
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an array of token ids")
-        .iter()
-        .map(|x| x.as_u64().expect("a token id") as u32)
-        .collect()
+    common::llama_cpp_fixture("greedy.json")
 }
 
 #[test]
@@ -41,8 +28,8 @@ fn greedy_tokens_match_llama_cpp() {
         .iter()
         .enumerate()
     {
-        let prompt = ids(&case["prompt_ids"]);
-        let want = ids(&case["greedy_ids"]);
+        let prompt = json_ids(&case["prompt_ids"]);
+        let want = json_ids(&case["greedy_ids"]);
         let margins: Vec<f64> = case["top2_margins"]
             .as_array()
             .expect("margins")
@@ -98,7 +85,7 @@ fn first_step_logits_are_close_to_llama_cpp() {
         .iter()
         .enumerate()
     {
-        let prompt = ids(&case["prompt_ids"]);
+        let prompt = json_ids(&case["prompt_ids"]);
         let blocks: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
         let logits = step(
             &mut be,

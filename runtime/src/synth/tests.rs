@@ -245,6 +245,15 @@ fn tiny_model_generates_through_the_cpu_backend_deterministically() {
     assert_eq!(run(), first, "greedy generation is deterministic");
 }
 
+/// Writes `spec` and opens, configures and binds it.
+fn write_and_bind(spec: SynthSpec, name: &str) -> (PathBuf, GgufFile, ModelConfig, ModelWeights) {
+    let path = write(spec, name);
+    let gguf = GgufFile::open(&path).expect("opens");
+    let config = ModelConfig::from_gguf(&gguf).expect("config");
+    let weights = ModelWeights::bind(&gguf, &config).expect("every tensor binds");
+    (path, gguf, config, weights)
+}
+
 #[test]
 fn q4_k_m_mix_binds_the_llama_cpp_types_and_generates() {
     // tiny-k has 2 layers: llama.cpp's use_more_bits picks layer 1 (the last eighth), so its
@@ -254,10 +263,7 @@ fn q4_k_m_mix_binds_the_llama_cpp_types_and_generates() {
         dtype: SynthDtype::Q4_K_M,
         seed: 9,
     };
-    let path = write(spec, "q4_k_m.gguf");
-    let gguf = GgufFile::open(&path).expect("opens");
-    let config = ModelConfig::from_gguf(&gguf).expect("config");
-    let w = ModelWeights::bind(&gguf, &config).expect("binds");
+    let (path, gguf, _config, w) = write_and_bind(spec, "q4_k_m.gguf");
     assert_eq!(w.output.ty(), GgmlType::Q6_K);
     assert_eq!(w.token_embd.ty(), GgmlType::Q4_K);
     assert_eq!(
@@ -396,4 +402,55 @@ fn names_parse_and_unknown_names_are_listed() {
     assert_eq!("tiny-k".parse::<SynthShape>(), Ok(SynthShape::TinyK));
     let err = "iq2_xxs".parse::<SynthDtype>().unwrap_err();
     assert!(err.contains("q6_k") && err.contains("q4_k_m"), "{err}");
+}
+
+#[test]
+fn qwen2_and_llama3_shapes_carry_their_architecture_features_and_generate() {
+    use kvgate_kernels::RopeMode;
+    // qwen2: its own metadata keys, NEOX RoPE, F32 Q/K/V biases in every layer.
+    let spec = SynthSpec {
+        shape: SynthShape::TinyQwen2,
+        dtype: SynthDtype::Q4_K_M,
+        seed: 3,
+    };
+    let (path, gguf, config, weights) = write_and_bind(spec, "qwen2.gguf");
+    assert_eq!(gguf.get_str("general.architecture"), Some("qwen2"));
+    assert!(gguf.get("llama.block_count").is_none());
+    assert_eq!(config.rope_mode, RopeMode::Neox);
+    assert_eq!(config.rms_eps, 1e-6);
+    for layer in &weights.layers {
+        let bk = layer.bk.as_ref().expect("a K bias");
+        assert_eq!(bk.ty(), GgmlType::F32);
+        assert!(layer.bq.is_some() && layer.bv.is_some());
+        assert!(bk.f32_values(&gguf).iter().any(|&v| v.abs() > 0.5));
+    }
+    assert!(weights.rope_freqs.is_none());
+    let qwen_ids = generate_12(&path);
+    assert_eq!(qwen_ids.len(), 12);
+
+    // llama3: RoPE base 500000 and Llama 3.1's factors: 1 for the fast pairs, 8 for the slow
+    // ones, a blend between (base 500000, 64-wide heads: pairs 0..=14, 18..=31, 15..=17).
+    let spec = SynthSpec {
+        shape: SynthShape::TinyLlama3,
+        dtype: SynthDtype::Q5_K,
+        seed: 3,
+    };
+    let (path, gguf, config, weights) = write_and_bind(spec, "llama3.gguf");
+    assert_eq!(config.architecture, "llama");
+    assert_eq!(config.rope_freq_base, 500_000.0);
+    let factors = weights
+        .rope_freqs
+        .as_ref()
+        .expect("rope_freqs.weight")
+        .f32_values(&gguf);
+    assert_eq!(factors, llama3_rope_factors(500_000.0, 64));
+    assert_eq!(factors.len(), 32);
+    assert!(factors[..15].iter().all(|&f| f == 1.0), "{factors:?}");
+    assert!(factors[18..].iter().all(|&f| f == 8.0), "{factors:?}");
+    assert!(
+        factors[15..18].iter().all(|&f| f > 1.0 && f < 8.0),
+        "{factors:?}"
+    );
+    assert!(weights.layers[0].bq.is_none());
+    assert_eq!(generate_12(&path).len(), 12);
 }

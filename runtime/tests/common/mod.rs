@@ -127,3 +127,22 @@ pub fn greedy(
     }
     out
 }
+
+/// A JSON fixture from tests/fixtures/llama_cpp (llama.cpp's recorded outputs).
+pub fn llama_cpp_fixture(name: &str) -> serde_json::Value {
+    let path = format!(
+        "{}/../tests/fixtures/llama_cpp/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path} does not parse: {e}"))
+}
+
+/// A JSON array of token ids.
+pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an array of token ids")
+        .iter()
+        .map(|x| x.as_u64().expect("a token id") as u32)
+        .collect()
+}
