@@ -211,12 +211,19 @@ async fn fail_until_ejected(gateway: &TestServer, port: u16) {
     for i in 0..upstream::FAILURE_THRESHOLD {
         let reply = gateway
             .client()
-            .post("/v1/chat/completions", Some(KEY), &for_pool(chat(&format!("fail {i}"), 4)))
+            .post(
+                "/v1/chat/completions",
+                Some(KEY),
+                &for_pool(chat(&format!("fail {i}"), 4)),
+            )
             .await;
         assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{:?}", reply.body);
         assert_eq!(reply.json()["error"]["code"], "upstream_unavailable");
     }
-    assert!(ejected(gateway, port), "the breaker ejected the only replica");
+    assert!(
+        ejected(gateway, port),
+        "the breaker ejected the only replica"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,7 +244,11 @@ async fn with_its_only_replica_ejected_a_request_waits_and_is_served_after_the_r
     let client = gateway.client();
     let waiting = tokio::spawn(async move {
         client
-            .post("/v1/chat/completions", Some(KEY), &for_pool(chat("Say hello.", 4)))
+            .post(
+                "/v1/chat/completions",
+                Some(KEY),
+                &for_pool(chat("Say hello.", 4)),
+            )
             .await
     });
     wait_until("the request is queued", Duration::from_secs(30), || {
@@ -275,9 +286,18 @@ async fn with_every_replica_ejected_a_short_queue_wait_ends_in_queue_timeout_not
 
     let reply = gateway
         .client()
-        .post("/v1/chat/completions", Some(KEY), &for_pool(chat("Anyone?", 4)))
+        .post(
+            "/v1/chat/completions",
+            Some(KEY),
+            &for_pool(chat("Anyone?", 4)),
+        )
         .await;
-    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", reply.body);
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        reply.body
+    );
     assert_eq!(reply.json()["error"]["code"], "queue_timeout");
     assert!(reply.header("retry-after").is_some(), "{:?}", reply.headers);
     assert!(ejected(&gateway, addr.port()), "still down");

@@ -66,7 +66,7 @@ pub async fn chat_completions(
                         &state,
                         &tenant,
                         (permit, cell),
-                        request_id,
+                        (request_id, arrived),
                         &route,
                         validate,
                         raw,
@@ -115,7 +115,7 @@ pub async fn completions(
                         &state,
                         &tenant,
                         (permit, cell),
-                        request_id,
+                        (request_id, arrived),
                         &route,
                         validate,
                         raw,
@@ -191,12 +191,14 @@ async fn generate(
 /// tenant's limits apply to the tiktoken count, and the upstream enforces its own window (its
 /// 400 is relayed). A replica that cannot be reached, answers nothing in time or answers 5xx
 /// counts against its breaker, and the request goes to the next best replica (at most
-/// [`upstream::MAX_ATTEMPTS`] in all): nothing has reached the client yet.
+/// [`upstream::MAX_ATTEMPTS`] in all): nothing has reached the client yet. An answer the
+/// upstream runs is timed and counted under the tenant like an embedded one (`arrived` starts
+/// its time to first token).
 async fn proxy(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
     (permit, cell): (IntakePermit, RequestCell),
-    request_id: String,
+    (request_id, arrived): (String, Instant),
     route: &UpstreamRoute,
     validate: Validator,
     raw: Bytes,
@@ -260,11 +262,14 @@ async fn proxy(
             }
             Ok(answer) => {
                 replica.succeeded();
-                if answer.status().is_success() {
+                let telemetry = if answer.status().is_success() {
                     admitted.mark_started();
+                    let prompt = valid.prompt_ids.len();
+                    Some(GenerationTelemetry::new(&tenant.name, arrived, prompt))
                 } else {
                     admitted.mark_failed_before_start();
-                }
+                    None
+                };
                 // The relayed body now owns the admission guard and the replica lease:
                 // capacity and load are held until it ends, and the debit is settled on the
                 // answer's reported usage then.
@@ -274,7 +279,7 @@ async fn proxy(
                     _lease: lease,
                     usage: usage.clone(),
                 };
-                let mut response = upstream::relay(answer, settle, &replica, usage);
+                let mut response = upstream::relay(answer, settle, &replica, usage, telemetry);
                 finish_headers(&mut response, &rate_headers, valid.dropped_messages);
                 return Ok(response);
             }
@@ -291,7 +296,13 @@ async fn proxy(
     if let Some((answer, lease)) = server_error {
         let replica = Arc::clone(lease.replica());
         let usage = UsageCell::default();
-        return Ok(upstream::relay(answer, (admitted, lease), &replica, usage));
+        return Ok(upstream::relay(
+            answer,
+            (admitted, lease),
+            &replica,
+            usage,
+            None,
+        ));
     }
     Err(
         failure.unwrap_or_else(|| GatewayError::UpstreamUnavailable {
