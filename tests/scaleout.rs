@@ -3,6 +3,9 @@
 //! * Two real `kvgate serve` engine nodes (child processes, loopback): killing one mid-run
 //!   ends its streams with an error event, new requests go to the other, and the circuit
 //!   breaker readmits it once it is restarted on the same port.
+//! * With every replica ejected, requests wait in the fair queue instead of failing: one is
+//!   served once its only replica is restarted; with a short `max_queue_wait` the answer is
+//!   503 `queue_timeout`, not 502.
 //! * Stub replicas (a few lines of hyper) that publish a KV usage the test sets: new work goes
 //!   to the emptier one; a shared system prompt sticks to one replica until it saturates.
 
@@ -23,7 +26,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use kvgate_gateway::metrics::exposition::Scrape;
-use kvgate_gateway::upstream::SCRAPE_EVERY;
+use kvgate_gateway::upstream::{self, SCRAPE_EVERY};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
@@ -190,6 +193,114 @@ async fn a_killed_replica_fails_its_streams_the_other_serves_and_the_breaker_rea
     assert!(gained(first_addr.port()) >= 1, "{before:?} -> {after:?}");
     drop(restarted);
     drop(second);
+}
+
+/// Requests queued in the gateway's admission (all tenants).
+fn queued(gateway: &TestServer) -> usize {
+    gateway
+        .admission
+        .queue_snapshot()
+        .iter()
+        .map(|row| row.queued_requests)
+        .sum()
+}
+
+/// Sends short requests to `gateway` (whose pool's only replica at `port` is down) until its
+/// breaker ejects it; each fails with 502 `upstream_unavailable` (no replica to retry on).
+async fn fail_until_ejected(gateway: &TestServer, port: u16) {
+    for i in 0..upstream::FAILURE_THRESHOLD {
+        let reply = gateway
+            .client()
+            .post(
+                "/v1/chat/completions",
+                Some(KEY),
+                &for_pool(chat(&format!("fail {i}"), 4)),
+            )
+            .await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{:?}", reply.body);
+        assert_eq!(reply.json()["error"]["code"], "upstream_unavailable");
+    }
+    assert!(
+        ejected(gateway, port),
+        "the breaker ejected the only replica"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_its_only_replica_ejected_a_request_waits_and_is_served_after_the_restart() {
+    let node = engine_node("127.0.0.1:0");
+    let addr = node.addr;
+    let gateway = gateway_with(
+        &[format!("http://{addr},capacity=8192,model={MODEL}")],
+        "max_queue_wait = \"90s\"",
+    )
+    .await;
+    ask(&gateway, "Say hi.").await;
+
+    drop(node);
+    fail_until_ejected(&gateway, addr.port()).await;
+
+    // No usable capacity: the next request waits in the fair queue, not a 502.
+    let client = gateway.client();
+    let waiting = tokio::spawn(async move {
+        client
+            .post(
+                "/v1/chat/completions",
+                Some(KEY),
+                &for_pool(chat("Say hello.", 4)),
+            )
+            .await
+    });
+    wait_until("the request is queued", Duration::from_secs(30), || {
+        queued(&gateway) == 1
+    })
+    .await;
+    assert!(!waiting.is_finished());
+
+    // Restarted on the same port: the half-open probe readmits it, its capacity comes back,
+    // and the queued request is served there.
+    let restarted = engine_node(&addr.to_string());
+    let reply = tokio::time::timeout(Duration::from_secs(120), waiting)
+        .await
+        .expect("the queued request is answered")
+        .unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["model"], POOLED);
+    assert!(!ejected(&gateway, addr.port()));
+    assert_eq!(queued(&gateway), 0);
+    drop(restarted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_replica_ejected_a_short_queue_wait_ends_in_queue_timeout_not_502() {
+    // A replica address nothing listens on (bound, then released).
+    let dead = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = dead.local_addr().unwrap();
+    drop(dead);
+    let gateway = gateway_with(
+        &[format!("http://{addr},capacity=8192")],
+        "max_queue_wait = \"1s\"",
+    )
+    .await;
+    fail_until_ejected(&gateway, addr.port()).await;
+
+    let reply = gateway
+        .client()
+        .post(
+            "/v1/chat/completions",
+            Some(KEY),
+            &for_pool(chat("Anyone?", 4)),
+        )
+        .await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        reply.body
+    );
+    assert_eq!(reply.json()["error"]["code"], "queue_timeout");
+    assert!(reply.header("retry-after").is_some(), "{:?}", reply.headers);
+    assert!(ejected(&gateway, addr.port()), "still down");
 }
 
 // === Stub replicas with a KV usage the test controls ===

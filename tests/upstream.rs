@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use common::{LONG_ANSWER, MODEL, SseReply, TestServer, chat, proxy_gateway, wait_until};
 use hyper::StatusCode;
+use kvgate_gateway::metrics::exposition::Scrape;
 use kvgate_gateway::upstream::TiktokenCounter;
 use kvgate_gateway::validate::TemplateTurn;
 use kvgate_runtime::chat_template::ChatMessage;
@@ -590,4 +591,112 @@ fn token_counts(usage: &Value) -> [&Value; 3] {
         &usage["completion_tokens"],
         &usage["total_tokens"],
     ]
+}
+
+/// One value of `/metrics` for tenant `tenant` (0 when the series does not exist yet).
+async fn tenant_metric(gateway: &TestServer, name: &str, tenant: &str) -> f64 {
+    let reply = gateway.client().get("/metrics", None).await;
+    let text = std::str::from_utf8(&reply.body).expect("/metrics is UTF-8");
+    let scrape = Scrape::parse(text).expect("valid exposition");
+    scrape.value(name, &[("tenant", tenant)]).unwrap_or(0.0)
+}
+
+/// Polls `/metrics` until `name{tenant}` reads `expected` (relayed answers are recorded when
+/// their body is dropped, a moment after the client read its end); panics after 10 s.
+async fn await_metric(gateway: &TestServer, name: &str, tenant: &str, expected: f64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let value = tenant_metric(gateway, name, tenant).await;
+        if value == expected {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{name}{{tenant=\"{tenant}\"}} is {value}, expected {expected}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relayed_answers_are_timed_and_counted_under_their_tenant() {
+    // A tenant no other test of this binary uses: the metrics recorder is process-wide.
+    const TENANT: &str = "metered";
+    const METERED_KEY: &str = "sk-upstream-metered";
+    let node = upstream_node().await;
+    let text = common::policy(
+        &[common::TenantSpec {
+            name: TENANT,
+            key: METERED_KEY,
+            extra: "",
+        }],
+        "",
+    );
+    let options = common::Options {
+        upstreams: vec![remote_at(node.addr, "").parse().unwrap()],
+        ..common::Options::default()
+    };
+    let gateway = TestServer::start_with(&text, options).await;
+
+    let mut body = for_model(chat("Write one sentence about the sea.", 24), REMOTE);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let reply = gateway
+        .client()
+        .stream("/v1/chat/completions", Some(METERED_KEY), &body)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let events = reply.collect_data().await;
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|data| serde_json::from_str(data).expect("JSON chunk"))
+        .collect();
+    let text_chunks = chunks
+        .iter()
+        .filter(|chunk| {
+            chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|text| !text.is_empty())
+        })
+        .count();
+    assert!(text_chunks >= 2, "{events:?}");
+    let usage = chunks.last().unwrap()["usage"].clone();
+    let completion = usage["completion_tokens"].as_f64().unwrap();
+    let prompt = usage["prompt_tokens"].as_f64().unwrap();
+
+    // The embedded engine's families, under the same tenant label.
+    await_metric(
+        &gateway,
+        "kvgate_generation_tokens_total",
+        TENANT,
+        completion,
+    )
+    .await;
+    await_metric(&gateway, "kvgate_prompt_tokens_total", TENANT, prompt).await;
+    let ttft = "kvgate_time_to_first_token_seconds_count";
+    let itl = "kvgate_inter_token_latency_seconds_count";
+    assert_eq!(tenant_metric(&gateway, ttft, TENANT).await, 1.0);
+    assert_eq!(
+        tenant_metric(&gateway, itl, TENANT).await,
+        (text_chunks - 1) as f64,
+        "one gap between each two chunks with text"
+    );
+
+    // A non-streamed answer adds its reported counts (it has no first-token moment to time).
+    let plain = for_model(chat("Name a color.", 8), REMOTE);
+    let reply = gateway
+        .client()
+        .post("/v1/chat/completions", Some(METERED_KEY), &plain)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    let more = reply.json()["usage"]["completion_tokens"].as_f64().unwrap();
+    await_metric(
+        &gateway,
+        "kvgate_generation_tokens_total",
+        TENANT,
+        completion + more,
+    )
+    .await;
+    assert_eq!(tenant_metric(&gateway, ttft, TENANT).await, 1.0);
+    drop(node);
 }

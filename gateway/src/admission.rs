@@ -17,8 +17,12 @@
 //! upstream declares (see `upstream.rs`). Each ticket names its pool. Rate limits, tenant
 //! concurrency and the fair queue are shared by all pools; KV reservations, the watermark, the
 //! long lane's cap and the drain-rate estimate are per pool, so a saturated upstream never
-//! holds back requests for the embedded engine (or the other way round).
+//! holds back requests for the embedded engine (or the other way round). An upstream pool's
+//! usable part follows its healthy replicas ([`PoolLimit`]): while replicas are ejected their
+//! share is withdrawn, so requests wait in the fair queue instead of failing, and start when
+//! the capacity comes back.
 
+mod capacity;
 mod dispatcher;
 mod ledger;
 mod rejection;
@@ -34,6 +38,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 pub use crate::metrics::TenantQueueSnapshot;
+pub use capacity::PoolLimit;
 pub use rejection::{MAX_RETRY_AFTER, MIN_CAPACITY_RETRY_AFTER, Rejection};
 
 use crate::auth::authenticate;
@@ -107,22 +112,28 @@ impl Admission {
         Admission::with_pools(store, pool, Vec::new())
     }
 
-    /// Admission over the embedded engine's pool (`local`) and `others` (one per upstream);
-    /// [`Admission::pool_id`] says which id each got. Starts the dispatcher task; must be
-    /// called inside a tokio runtime.
+    /// Admission over the embedded engine's pool (`local`, always whole) and `others` (one
+    /// per upstream, each with the limit its owner moves); [`Admission::pool_id`] says which
+    /// id each got. Starts the dispatcher task; must be called inside a tokio runtime.
     pub fn with_pools(
         store: PolicyStore,
         local: Arc<BlockPool>,
-        others: Vec<Arc<BlockPool>>,
+        others: Vec<Arc<PoolLimit>>,
     ) -> Admission {
-        let pools: Arc<[Arc<BlockPool>]> = std::iter::once(local).chain(others).collect();
+        let usable: Arc<[Arc<PoolLimit>]> = std::iter::once(PoolLimit::new(local))
+            .chain(others)
+            .collect();
+        let pools: Arc<[Arc<BlockPool>]> = usable
+            .iter()
+            .map(|limit| Arc::clone(limit.pool()))
+            .collect();
         let (commands, receiver) = mpsc::channel(COMMAND_CAPACITY);
         let limits = Arc::new(RateLimits::new());
         let ledger = Arc::new(Ledger::default());
         let dispatcher = Dispatcher::new(
             receiver,
             store.clone(),
-            Arc::clone(&pools),
+            usable,
             Arc::clone(&limits),
             Arc::clone(&ledger),
         );

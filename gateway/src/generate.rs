@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::admission::{AdmissionTicket, Admitted, PoolId, PromptPrefix};
 use crate::error::GatewayError;
 use crate::extract::{OpenAiBody, RequestId, TenantIntake};
-use crate::intake::IntakePermit;
+use crate::intake::{INLINE_VALIDATION_BYTES, IntakePermit};
 use crate::metrics::{
     RejectReason, UpstreamResult, record_queue_wait, record_rejection, record_request,
     record_upstream_attempt,
@@ -39,9 +39,15 @@ use crate::validate::{
 /// Header naming how many old messages `truncate_oldest` dropped (absent when none).
 pub const DROPPED_MESSAGES_HEADER: &str = "x-kvgate-dropped-messages";
 
-type Validator = Box<
+type ValidateFn = Box<
     dyn FnOnce(&Limits, &dyn PromptCodec, &str) -> Result<ValidRequest, ValidationError> + Send,
 >;
+
+/// The validation of one request, and the size of its body (small ones validate inline).
+struct Validator {
+    run: ValidateFn,
+    body_bytes: usize,
+}
 
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
@@ -58,15 +64,19 @@ pub async fn chat_completions(
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
             let upstream = state.upstream(&request.model).cloned();
-            let validate: Validator =
-                Box::new(move |limits, codec, model| validate_chat(&request, model, limits, codec));
+            let validate = Validator {
+                run: Box::new(move |limits, codec, model| {
+                    validate_chat(&request, model, limits, codec)
+                }),
+                body_bytes: raw.len(),
+            };
             match upstream {
                 Some(route) => {
                     proxy(
                         &state,
                         &tenant,
                         (permit, cell),
-                        request_id,
+                        (request_id, arrived),
                         &route,
                         validate,
                         raw,
@@ -106,16 +116,19 @@ pub async fn completions(
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
             let upstream = state.upstream(&request.model).cloned();
-            let validate: Validator = Box::new(move |limits, codec, model| {
-                validate_completion(&request, model, limits, codec)
-            });
+            let validate = Validator {
+                run: Box::new(move |limits, codec, model| {
+                    validate_completion(&request, model, limits, codec)
+                }),
+                body_bytes: raw.len(),
+            };
             match upstream {
                 Some(route) => {
                     proxy(
                         &state,
                         &tenant,
                         (permit, cell),
-                        request_id,
+                        (request_id, arrived),
                         &route,
                         validate,
                         raw,
@@ -191,12 +204,14 @@ async fn generate(
 /// tenant's limits apply to the tiktoken count, and the upstream enforces its own window (its
 /// 400 is relayed). A replica that cannot be reached, answers nothing in time or answers 5xx
 /// counts against its breaker, and the request goes to the next best replica (at most
-/// [`upstream::MAX_ATTEMPTS`] in all): nothing has reached the client yet.
+/// [`upstream::MAX_ATTEMPTS`] in all): nothing has reached the client yet. An answer the
+/// upstream runs is timed and counted under the tenant like an embedded one (`arrived` starts
+/// its time to first token).
 async fn proxy(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
     (permit, cell): (IntakePermit, RequestCell),
-    request_id: String,
+    (request_id, arrived): (String, Instant),
     route: &UpstreamRoute,
     validate: Validator,
     raw: Bytes,
@@ -260,11 +275,14 @@ async fn proxy(
             }
             Ok(answer) => {
                 replica.succeeded();
-                if answer.status().is_success() {
+                let telemetry = if answer.status().is_success() {
                     admitted.mark_started();
+                    let prompt = valid.prompt_ids.len();
+                    Some(GenerationTelemetry::new(&tenant.name, arrived, prompt))
                 } else {
                     admitted.mark_failed_before_start();
-                }
+                    None
+                };
                 // The relayed body now owns the admission guard and the replica lease:
                 // capacity and load are held until it ends, and the debit is settled on the
                 // answer's reported usage then.
@@ -274,7 +292,7 @@ async fn proxy(
                     _lease: lease,
                     usage: usage.clone(),
                 };
-                let mut response = upstream::relay(answer, settle, &replica, usage);
+                let mut response = upstream::relay(answer, settle, &replica, usage, telemetry);
                 finish_headers(&mut response, &rate_headers, valid.dropped_messages);
                 return Ok(response);
             }
@@ -291,7 +309,13 @@ async fn proxy(
     if let Some((answer, lease)) = server_error {
         let replica = Arc::clone(lease.replica());
         let usage = UsageCell::default();
-        return Ok(upstream::relay(answer, (admitted, lease), &replica, usage));
+        return Ok(upstream::relay(
+            answer,
+            (admitted, lease),
+            &replica,
+            usage,
+            None,
+        ));
     }
     Err(
         failure.unwrap_or_else(|| GatewayError::UpstreamUnavailable {
@@ -377,7 +401,9 @@ fn finish_headers(response: &mut Response, rate_headers: &RateLimitHeaders, drop
 
 /// Runs validation (template rendering and tokenization) on a blocking thread, when the
 /// tenant's turn for a validation worker comes (fair between tenants; see `intake.rs`), so the
-/// async workers never stall on CPU work. The intake permit is released when it ends.
+/// async workers never stall on CPU work; a small body (at most
+/// [`INLINE_VALIDATION_BYTES`]) is validated on this task, its turn taken the same way. The
+/// intake permit is released when it ends.
 async fn validate_off_thread(
     state: &AppState,
     permit: IntakePermit,
@@ -386,11 +412,15 @@ async fn validate_off_thread(
     model: String,
     validate: Validator,
 ) -> Result<ValidRequest, GatewayError> {
-    let outcome = state
-        .intake()
-        .validate(permit, move || validate(&limits, codec.as_ref(), &model))
-        .await
-        .ok_or_else(|| GatewayError::Internal("the validation task panicked".to_owned()))?;
+    let Validator { run, body_bytes } = validate;
+    let job = move || run(&limits, codec.as_ref(), &model);
+    let outcome = if body_bytes <= INLINE_VALIDATION_BYTES {
+        state.intake().validate_inline(permit, job).await
+    } else {
+        state.intake().validate(permit, job).await
+    };
+    let outcome =
+        outcome.ok_or_else(|| GatewayError::Internal("the validation task panicked".to_owned()))?;
     Ok(outcome?)
 }
 

@@ -55,6 +55,22 @@ impl GenerationTelemetry {
         self.cached_tokens = Some(cached_tokens);
     }
 
+    /// A relayed answer ended: the counts the upstream reported (`usage`), when it did; the
+    /// prompt count stays the gateway's own otherwise, and the completion count the number
+    /// of tokens seen. Nothing is counted as cached (the upstream's cache is not known here).
+    pub fn on_relayed_end(
+        &mut self,
+        prompt_tokens: Option<usize>,
+        completion_tokens: Option<usize>,
+    ) {
+        if let Some(prompt) = prompt_tokens {
+            self.prompt_tokens = prompt;
+        }
+        if let Some(completion) = completion_tokens {
+            self.generated = completion;
+        }
+    }
+
     fn elapsed(&self) -> Duration {
         self.arrived.elapsed()
     }

@@ -25,9 +25,13 @@
 //! KV usage, queue length and prefix affinity (`route.rs`, `prefix.rs`), kept fresh by a
 //! scrape-and-probe task (`health.rs`). A circuit breaker per replica (`breaker.rs`) ejects a
 //! failing one; a request whose replica fails before its first byte reached the client is
-//! retried on another.
+//! retried on another. Admission's usable capacity for the model follows its healthy replicas
+//! (`capacity.rs`): an ejected replica's share is withdrawn until it is readmitted, so when
+//! every replica is ejected requests wait in the fair queue (429/503 as for the embedded
+//! engine) rather than failing with 502, and start when one comes back.
 
 mod breaker;
+mod capacity;
 mod count;
 pub mod file;
 mod health;
@@ -50,6 +54,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kvgate_runtime::block_pool::BlockPool;
 
 pub use breaker::{BASE_BACKOFF, FAILURE_THRESHOLD, MAX_BACKOFF};
+pub use capacity::HealthyCapacity;
 pub use count::{FRAMING_TOKEN, REPLY_PRIMING, TOKENS_PER_MESSAGE, TiktokenCounter};
 pub use health::{CALL_TIMEOUT, PROBE_EVERY, SCRAPE_EVERY};
 pub use pool::{Replica, ReplicaLease, ReplicaPool};
@@ -60,7 +65,7 @@ pub use spec::{
     UpstreamSpec, UpstreamSpecError,
 };
 
-use crate::admission::PoolId;
+use crate::admission::{PoolId, PoolLimit};
 
 /// Longest time to open a TCP connection to an upstream before answering 502.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -140,6 +145,7 @@ impl Upstreams {
                 let counter = Arc::new(TiktokenCounter::for_model(&specs[0].model));
                 let blocks = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
                 let pool = BlockPool::new(blocks, UPSTREAM_BLOCK_SIZE, 0);
+                let capacity = HealthyCapacity::new(PoolLimit::new(Arc::clone(&pool)));
                 for spec in &specs {
                     tracing::info!(
                         upstream = %name,
@@ -151,15 +157,11 @@ impl Upstreams {
                         "upstream replica configured"
                     );
                 }
-                let replicas = specs
-                    .into_iter()
-                    .map(|spec| Arc::new(Replica::new(spec, client.clone())))
-                    .collect();
                 Arc::new(Upstream {
                     name,
                     pool,
                     counter,
-                    replicas: ReplicaPool::new(replicas),
+                    replicas: ReplicaPool::new(specs, &client, capacity),
                     upkeep: OnceLock::new(),
                 })
             })
@@ -172,7 +174,8 @@ impl Upstreams {
 
     /// Replaces each model's replicas with `specs` (an upstreams-file reload). The models
     /// must stay the same (their admission pools exist since startup); each model's
-    /// admission capacity stays what it was at startup. Nothing changes on error.
+    /// admission capacity becomes its healthy replicas' declared capacity, never more than
+    /// the pool sized at startup. Nothing changes on error.
     pub fn reload(&self, specs: Vec<UpstreamSpec>) -> Result<(), UpstreamError> {
         let groups = group(specs)?;
         let old: HashSet<&str> = self.list.iter().map(|u| u.name.as_str()).collect();
@@ -190,10 +193,10 @@ impl Upstreams {
         for (name, specs) in groups {
             if let Some(upstream) = self.get(&name) {
                 let declared: usize = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
-                if declared != upstream.pool.total_blocks() {
+                if declared > upstream.pool.total_blocks() {
                     tracing::warn!(upstream = %name, declared_blocks = declared,
                                    admission_blocks = upstream.pool.total_blocks(),
-                                   "the replicas' capacity changed; admission keeps its \
+                                   "the replicas' capacity grew; admission keeps its \
                                     startup capacity until a restart");
                 }
                 upstream.replicas.replace(specs, &client);
@@ -224,11 +227,12 @@ impl Upstreams {
         self.list.iter().find(|upstream| upstream.name == name)
     }
 
-    /// The capacity pools in order, for [`crate::admission::Admission::with_pools`].
-    pub fn pools(&self) -> Vec<Arc<BlockPool>> {
+    /// The capacity pools in order, each with the limit its healthy replicas set, for
+    /// [`crate::admission::Admission::with_pools`].
+    pub fn pools(&self) -> Vec<Arc<PoolLimit>> {
         self.list
             .iter()
-            .map(|upstream| Arc::clone(&upstream.pool))
+            .map(|upstream| Arc::clone(upstream.replicas.capacity().limit()))
             .collect()
     }
 

@@ -39,6 +39,7 @@ use kvgate_runtime::block_pool::{BlockPool, Reservation};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use super::capacity::PoolLimit;
 use super::ledger::Ledger;
 use super::rejection::{Rejection, clamp_retry_after};
 use super::{
@@ -84,6 +85,8 @@ pub(super) struct Dispatcher {
     store: PolicyStore,
     /// Indexed by [`PoolId`].
     pools: Arc<[Arc<BlockPool>]>,
+    /// The part of each pool admission may fill now (indexed by [`PoolId`]).
+    usable: Arc<[Arc<PoolLimit>]>,
     limits: Arc<RateLimits>,
     ledger: Arc<Ledger>,
     queue: FairQueue<Pending>,
@@ -128,7 +131,7 @@ impl Dispatcher {
     pub fn new(
         commands: mpsc::Receiver<Command>,
         store: PolicyStore,
-        pools: Arc<[Arc<BlockPool>]>,
+        usable: Arc<[Arc<PoolLimit>]>,
         limits: Arc<RateLimits>,
         ledger: Arc<Ledger>,
     ) -> Dispatcher {
@@ -136,8 +139,12 @@ impl Dispatcher {
             commands,
             store,
             limits,
-            backlog: vec![PoolBacklog::default(); pools.len()],
-            pools,
+            backlog: vec![PoolBacklog::default(); usable.len()],
+            pools: usable
+                .iter()
+                .map(|limit| Arc::clone(limit.pool()))
+                .collect(),
+            usable,
             ledger,
             queue: FairQueue::new(),
             keys: HashMap::new(),
@@ -512,7 +519,8 @@ impl Dispatcher {
                 continue;
             }
             let pool = &self.pools[candidate.pool.0];
-            let limit_blocks = watermark_limit(pool.total_blocks(), policy.kv.high_watermark);
+            let limit_blocks =
+                watermark_limit(self.usable_blocks(candidate.pool), policy.kv.high_watermark);
             // Lookup, pin and reservation are one step in the pool: a cached prefix found
             // here cannot be evicted before the engine schedules the request.
             let reserved = match &candidate.prefix {
@@ -604,7 +612,7 @@ impl Dispatcher {
     ) -> Option<Duration> {
         let policy = self.store.current();
         let occupancy = self.pools.get(pool.0)?.snapshot();
-        let limit = watermark_limit(occupancy.total_blocks, policy.kv.high_watermark);
+        let limit = watermark_limit(self.usable_blocks(pool), policy.kv.high_watermark);
         let committed = occupancy.used_blocks + occupancy.reserved_blocks;
         let available = limit.saturating_sub(committed).min(occupancy.free_blocks);
         let backlog = &self.backlog[pool.0];
@@ -625,6 +633,14 @@ impl Dispatcher {
         }
         let deficit_tokens = (demand - available).saturating_mul(occupancy.block_size);
         self.ledger.kv_drain_time(pool, deficit_tokens as u64)
+    }
+
+    /// The blocks of `pool` admission may fill now (an upstream's ejected replicas' share is
+    /// withdrawn): the base of the watermark, for dispatch and forecasts alike.
+    fn usable_blocks(&self, pool: PoolId) -> usize {
+        self.usable
+            .get(pool.0)
+            .map_or(0, |limit| limit.usable_blocks())
     }
 
     fn block_size(&self, pool: PoolId) -> usize {

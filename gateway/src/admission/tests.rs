@@ -639,7 +639,8 @@ fn setup_with_upstream(
     let store = PolicyStore::from_policy(parse_policy("test.toml", policy).unwrap());
     let local = BlockPool::new(local, BLOCK_SIZE, 1024);
     let remote = BlockPool::new(upstream, BLOCK_SIZE, 0);
-    let admission = Admission::with_pools(store.clone(), local, vec![Arc::clone(&remote)]);
+    let limit = PoolLimit::new(Arc::clone(&remote));
+    let admission = Admission::with_pools(store.clone(), local, vec![limit]);
     let id = admission
         .pool_id(&remote)
         .expect("the upstream pool is registered");
@@ -701,6 +702,63 @@ async fn a_saturated_upstream_does_not_hold_back_the_embedded_engine() {
     drop(blocker);
     let started = admitted(waiting).await;
     assert_eq!((started.pool(), started.reserved_blocks()), (id, 2));
+}
+
+/// Admission over a local pool and an upstream pool of `upstream` blocks of which none is usable
+/// (every replica ejected), and the limit that moves it.
+fn setup_with_ejected_upstream(
+    upstream: usize,
+    policy: &str,
+) -> (
+    Admission,
+    Arc<BlockPool>,
+    Arc<PoolLimit>,
+    PoolId,
+    PolicyStore,
+) {
+    let store = PolicyStore::from_policy(parse_policy("test.toml", policy).unwrap());
+    let remote = BlockPool::new(upstream, BLOCK_SIZE, 0);
+    let limit = PoolLimit::new(Arc::clone(&remote));
+    limit.set_usable_blocks(0);
+    let local = BlockPool::new(100, BLOCK_SIZE, 1024);
+    let admission = Admission::with_pools(store.clone(), local, vec![Arc::clone(&limit)]);
+    let id = admission.pool_id(&remote).unwrap();
+    (admission, remote, limit, id, store)
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_upstream_without_usable_capacity_queues_until_its_capacity_comes_back() {
+    let policy = "[tenants.a]\nmax_queue_wait = \"30s\"\n";
+    let (admission, remote, limit, id, store) = setup_with_ejected_upstream(20, policy);
+    let waiting = spawn_admit(&admission, upstream_ticket(&store, id, "a", 32, 32));
+    until(|| queued(&admission) == 1).await;
+    // Every block of the pool is free, but none is usable: the request waits, well past
+    // several re-forecasts, with nothing reserved.
+    tokio::time::advance(Duration::from_secs(5)).await;
+    until(|| queued(&admission) == 1).await;
+    assert!(!waiting.is_finished());
+    assert_eq!(remote.snapshot().reserved_blocks, 0);
+    // One replica readmitted: part of the pool comes back, and the raise itself wakes the
+    // dispatcher (`until` never lets paused time reach the next re-forecast).
+    limit.set_usable_blocks(10);
+    until(|| waiting.is_finished()).await;
+    let started = admitted(waiting).await;
+    assert_eq!((started.pool(), started.reserved_blocks()), (id, 4));
+    // A second one would pass the watermark of the 10 usable blocks (90%: 9), not of the 20.
+    let second = spawn_admit(&admission, upstream_ticket(&store, id, "a", 64, 32));
+    until(|| queued(&admission) == 1).await;
+    limit.set_usable_blocks(20);
+    until(|| second.is_finished()).await;
+    assert_eq!(admitted(second).await.reserved_blocks(), 6);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_upstream_without_usable_capacity_answers_queue_timeout_at_the_deadline() {
+    let policy = "[tenants.a]\nmax_queue_wait = \"1s\"\n";
+    let (admission, _remote, _limit, id, store) = setup_with_ejected_upstream(20, policy);
+    let waiting = spawn_admit(&admission, upstream_ticket(&store, id, "a", 32, 32));
+    let rejection = waiting.await.unwrap().unwrap_err();
+    assert_eq!(rejection.code(), "queue_timeout", "{}", rejection.message());
 }
 
 #[tokio::test(start_paused = true)]

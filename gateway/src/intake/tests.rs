@@ -199,3 +199,35 @@ async fn wait_for(mut condition: impl FnMut() -> bool) {
     }
     panic!("condition never held");
 }
+
+#[tokio::test]
+async fn validate_inline_waits_its_fair_turn_runs_here_and_survives_a_panic() {
+    let intake = Intake::new(1);
+    let a = tenant("a", 2);
+    let held = intake.worker(&Arc::from("b"), ONE).await;
+    let permit = intake.enter(&a).unwrap();
+    let caller = std::thread::current().id();
+    let mut job = {
+        let intake = intake.clone();
+        tokio::spawn(async move {
+            intake
+                .validate_inline(permit, move || std::thread::current().id())
+                .await
+        })
+    };
+    settle().await;
+    assert!(!job.is_finished(), "no worker free: it waits its turn");
+    drop(held);
+    let ran_on = (&mut job).await.unwrap().expect("no panic");
+    // A current-thread test runtime: the job ran on the task's own thread, not a blocking one.
+    assert_eq!(ran_on, caller);
+    assert_eq!(intake.in_flight("a"), 0, "the permit is released");
+
+    let permit = intake.enter(&a).unwrap();
+    let panicked = intake
+        .validate_inline(permit, || -> u32 { panic!("a bug in validation") })
+        .await;
+    assert_eq!(panicked, None);
+    assert_eq!(intake.in_flight("a"), 0);
+    assert_eq!(intake.shared.state.lock().busy, 0, "the worker is back");
+}

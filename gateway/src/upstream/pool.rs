@@ -6,7 +6,8 @@
 //! [`ReplicaLease`] that counts the request in that replica's in-flight load until it is
 //! dropped (when the relayed body ends). The replica set can be replaced while requests run
 //! ([`ReplicaPool::replace`], for upstreams-file reloads): replicas whose spec did not change
-//! keep their state; requests hold an `Arc` of the replica they were sent to.
+//! keep their state; requests hold an `Arc` of the replica they were sent to. Breaker
+//! ejections and readmissions move the model's admission capacity ([`HealthyCapacity`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -15,6 +16,7 @@ use std::time::Instant;
 use parking_lot::{Mutex, RwLock};
 
 use super::breaker::Breaker;
+use super::capacity::HealthyCapacity;
 use super::prefix::{BLOCK_TOKENS, PrefixIndex, ReplicaId};
 use super::route::{Candidate, LoadSample, Scraped, Weights, pick};
 use super::{HttpClient, UpstreamSpec};
@@ -34,6 +36,8 @@ pub struct Replica {
     breaker: Mutex<Breaker>,
     /// When the last active probe went (the upkeep task probes each replica now and then).
     last_probe: Mutex<Option<Instant>>,
+    /// The model's admission capacity, told of this replica's ejections and readmissions.
+    capacity: Arc<HealthyCapacity>,
 }
 
 impl std::fmt::Debug for Replica {
@@ -49,7 +53,7 @@ impl std::fmt::Debug for Replica {
 static NEXT_REPLICA_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Replica {
-    pub(crate) fn new(spec: UpstreamSpec, client: HttpClient) -> Replica {
+    fn new(spec: UpstreamSpec, client: HttpClient, capacity: Arc<HealthyCapacity>) -> Replica {
         Replica {
             id: NEXT_REPLICA_ID.fetch_add(1, Ordering::Relaxed),
             spec,
@@ -61,6 +65,7 @@ impl Replica {
             scraped: Mutex::new(None),
             breaker: Mutex::new(Breaker::default()),
             last_probe: Mutex::new(None),
+            capacity,
         }
     }
 
@@ -116,18 +121,29 @@ impl Replica {
         });
     }
 
-    /// Records a successful request or probe (may readmit an ejected replica).
+    /// Records a successful request or probe (may readmit an ejected replica, giving its
+    /// capacity back to admission).
     pub(crate) fn succeeded(&self) {
-        if self.breaker.lock().success() {
+        let mut breaker = self.breaker.lock();
+        if breaker.success() {
+            // Under the breaker's lock: a concurrent ejection reaches the capacity after this.
+            self.capacity.readmitted(self.id);
+            drop(breaker);
             crate::metrics::record_breaker_transition(&self.spec.name, &self.spec.base_url, false);
             tracing::info!(replica = %self.spec.base_url, model = %self.spec.name,
                            "upstream replica readmitted");
         }
     }
 
-    /// Records a failed request or probe (may eject the replica). True when it was ejected.
+    /// Records a failed request or probe (may eject the replica, withdrawing its capacity from
+    /// admission). True when it was ejected.
     pub(crate) fn failed(&self, why: &str) -> bool {
-        let ejected = self.breaker.lock().failure(Instant::now());
+        let mut breaker = self.breaker.lock();
+        let ejected = breaker.failure(Instant::now());
+        if ejected {
+            self.capacity.ejected(self.id);
+        }
+        drop(breaker);
         if ejected {
             crate::metrics::record_breaker_transition(&self.spec.name, &self.spec.base_url, true);
             tracing::warn!(replica = %self.spec.base_url, model = %self.spec.name, why,
@@ -189,19 +205,37 @@ impl Drop for ReplicaLease {
 /// The replicas of one model and the router's state over them.
 pub struct ReplicaPool {
     replicas: RwLock<Arc<[Arc<Replica>]>>,
+    capacity: Arc<HealthyCapacity>,
     index: Mutex<PrefixIndex>,
     rotation: AtomicUsize,
     weights: Weights,
 }
 
 impl ReplicaPool {
-    pub(crate) fn new(replicas: Vec<Arc<Replica>>) -> ReplicaPool {
+    /// One replica per spec, each on `client`, reporting to `capacity` (which starts out
+    /// counting them all healthy).
+    pub(crate) fn new(
+        specs: Vec<UpstreamSpec>,
+        client: &HttpClient,
+        capacity: Arc<HealthyCapacity>,
+    ) -> ReplicaPool {
+        let replicas: Vec<Arc<Replica>> = specs
+            .into_iter()
+            .map(|spec| Arc::new(Replica::new(spec, client.clone(), Arc::clone(&capacity))))
+            .collect();
+        capacity.set_replicas(replicas.iter().map(|r| (r.id, r.spec.capacity_blocks())));
         ReplicaPool {
             replicas: RwLock::new(replicas.into()),
+            capacity,
             index: Mutex::new(PrefixIndex::default()),
             rotation: AtomicUsize::new(0),
             weights: Weights::default(),
         }
+    }
+
+    /// The model's admission capacity, as its healthy replicas make it.
+    pub fn capacity(&self) -> &Arc<HealthyCapacity> {
+        &self.capacity
     }
 
     /// The current replicas (a snapshot).
@@ -284,13 +318,19 @@ impl ReplicaPool {
             .map(
                 |spec| match old.iter().find(|replica| replica.spec == spec) {
                     Some(kept) => Arc::clone(kept),
-                    None => Arc::new(Replica::new(spec, client.clone())),
+                    None => Arc::new(Replica::new(
+                        spec,
+                        client.clone(),
+                        Arc::clone(&self.capacity),
+                    )),
                 },
             )
             .collect();
         for gone in old.iter().filter(|r| !next.iter().any(|n| n.id == r.id)) {
             self.forget(gone.id);
         }
+        self.capacity
+            .set_replicas(next.iter().map(|r| (r.id, r.spec.capacity_blocks())));
         *self.replicas.write() = next.into();
     }
 }
@@ -298,21 +338,27 @@ impl ReplicaPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admission::PoolLimit;
     use crate::upstream::http_client;
     use crate::upstream::prefix::block_hashes;
+    use kvgate_runtime::block_pool::BlockPool;
 
     fn pool(capacities: &[usize]) -> ReplicaPool {
-        let client = http_client();
-        ReplicaPool::new(
-            capacities
-                .iter()
-                .enumerate()
-                .map(|(i, capacity)| {
-                    let spec = format!("m=http://127.0.0.1:{},capacity={capacity}", 9000 + i);
-                    Arc::new(Replica::new(spec.parse().unwrap(), client.clone()))
-                })
-                .collect(),
-        )
+        let specs: Vec<UpstreamSpec> = capacities
+            .iter()
+            .enumerate()
+            .map(|(i, capacity)| {
+                let spec = format!("m=http://127.0.0.1:{},capacity={capacity}", 9000 + i);
+                spec.parse().unwrap()
+            })
+            .collect();
+        let blocks = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
+        let limit = PoolLimit::new(BlockPool::new(
+            blocks,
+            crate::upstream::UPSTREAM_BLOCK_SIZE,
+            0,
+        ));
+        ReplicaPool::new(specs, &http_client(), HealthyCapacity::new(limit))
     }
 
     fn port(lease: &ReplicaLease) -> &str {
@@ -369,6 +415,23 @@ mod tests {
         );
 
         let kept = replicas[1].spec().clone();
+        let usable = || pool.capacity().limit().usable_blocks();
+        assert_eq!(
+            usable(),
+            1000 / 16,
+            "only the healthy replica's capacity (62 blocks)"
+        );
+        replicas[0].succeeded();
+        assert_eq!(
+            usable(),
+            2 * (1000 / 16),
+            "readmitted: its capacity is back"
+        );
+        for _ in 0..super::super::breaker::FAILURE_THRESHOLD {
+            replicas[1].failed("test");
+        }
+        assert_eq!(usable(), 1000 / 16);
+        replicas[1].succeeded();
         let added: UpstreamSpec = "m=http://127.0.0.1:9100".parse().unwrap();
         pool.replace(vec![kept, added], &http_client());
         let now = pool.replicas();
@@ -379,5 +442,10 @@ mod tests {
             "unchanged spec: same replica"
         );
         assert_ne!(now[1].id(), replicas[0].id());
+        assert_eq!(
+            usable(),
+            2 * (1000 / 16),
+            "the added replica's default capacity is capped by the pool's startup size"
+        );
     }
 }

@@ -42,6 +42,7 @@ use super::rename::{Framing, RenameModel, UsageCell};
 use crate::error::GatewayError;
 use crate::ratelimit::HEADER_NAMES as RATE_LIMIT_HEADERS;
 use crate::stack::REQUEST_ID_HEADER;
+use crate::telemetry::GenerationTelemetry;
 use crate::validate::{Endpoint, ValidRequest};
 
 /// Connection-level headers that describe one hop, never forwarded (RFC 9110 §7.6.1).
@@ -179,12 +180,14 @@ fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// limits are this gateway's). `Retry-After` and the rest pass through. `guard` (the
 /// admission guard) lives until the body ends or is dropped. An SSE body is watched: see
 /// [`GuardedBody::watching`]. A server error (5xx) is not relayed as written: see
-/// [`server_error`].
+/// [`server_error`]. `telemetry`, for a request the upstream runs, times the answer and counts
+/// its tokens under the tenant (see `rename.rs`).
 pub(crate) fn relay<G: Send + Unpin + 'static>(
     upstream: http::Response<Incoming>,
     guard: G,
     from: &Arc<Replica>,
     usage: UsageCell,
+    telemetry: Option<GenerationTelemetry>,
 ) -> Response {
     let (mut parts, body) = upstream.into_parts();
     if parts.status.is_server_error() {
@@ -211,7 +214,10 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
         // The renamed body's length is not the upstream's.
         parts.headers.remove(CONTENT_LENGTH);
     }
-    let body = RenameModel::new(body, from.spec().name.clone(), framing).reporting_usage(usage);
+    let mut body = RenameModel::new(body, from.spec().name.clone(), framing).reporting_usage(usage);
+    if let Some(telemetry) = telemetry {
+        body = body.recording(telemetry);
+    }
     let body = GuardedBody::new(body, guard);
     let body = if sse {
         body.watching(from.spec().name.clone(), from.spec().timeout)

@@ -16,6 +16,14 @@
 //! On the way it reads the answer's `usage.completion_tokens` (a JSON answer's, or the SSE
 //! usage chunk's when the client asked for one) into a [`UsageCell`], so the request's token
 //! debit can be settled on what the upstream really generated.
+//!
+//! With a [`GenerationTelemetry`] it also times the answer as the embedded engine's answers are
+//! timed: each SSE event that carries generated text counts as a token (time to first token,
+//! then inter-token gaps; an engine that sends several tokens per event is timed per event),
+//! and when the body ends or is dropped the request's prompt and completion tokens are
+//! recorded under its tenant, from the answer's `usage` when it reported one. A non-streamed
+//! answer arrives whole, so it adds no first-token or inter-token sample (it has no such
+//! moments to measure), only its duration and token counts.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,6 +33,8 @@ use std::task::{Context, Poll, ready};
 use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use serde_json::Value;
+
+use crate::telemetry::GenerationTelemetry;
 
 /// Most bytes held back to rewrite (one JSON answer, or one SSE line); beyond that the rest is
 /// relayed unchanged.
@@ -41,27 +51,43 @@ pub(crate) enum Framing {
     Verbatim,
 }
 
-/// The `usage.completion_tokens` a relayed answer reported, if it did. Cheap to clone.
+/// The `usage` token counts a relayed answer reported, if it did. Cheap to clone.
 #[derive(Debug, Clone)]
-pub struct UsageCell(Arc<AtomicU64>);
+pub struct UsageCell(Arc<[AtomicU64; 2]>);
+
+/// Where each count is kept in a [`UsageCell`].
+const COMPLETION: usize = 0;
+const PROMPT: usize = 1;
 
 impl Default for UsageCell {
     fn default() -> UsageCell {
-        UsageCell(Arc::new(AtomicU64::new(u64::MAX)))
+        UsageCell(Arc::new([
+            AtomicU64::new(u64::MAX),
+            AtomicU64::new(u64::MAX),
+        ]))
     }
 }
 
 impl UsageCell {
     /// The reported completion tokens; `None` until an answer reported them.
     pub fn completion_tokens(&self) -> Option<usize> {
-        match self.0.load(Ordering::Relaxed) {
+        self.get(COMPLETION)
+    }
+
+    /// The reported prompt tokens; `None` until an answer reported them.
+    pub fn prompt_tokens(&self) -> Option<usize> {
+        self.get(PROMPT)
+    }
+
+    fn get(&self, which: usize) -> Option<usize> {
+        match self.0[which].load(Ordering::Relaxed) {
             u64::MAX => None,
             tokens => usize::try_from(tokens).ok(),
         }
     }
 
-    fn set(&self, tokens: u64) {
-        self.0.store(tokens.min(u64::MAX - 1), Ordering::Relaxed);
+    fn set(&self, which: usize, tokens: u64) {
+        self.0[which].store(tokens.min(u64::MAX - 1), Ordering::Relaxed);
     }
 }
 
@@ -75,6 +101,10 @@ pub(crate) struct RenameModel<B> {
     /// The inner body has ended (its trailers, if any, wait in `trailers`).
     ended: bool,
     trailers: Option<Frame<Bytes>>,
+    /// SSE events seen so far that carried generated text.
+    text_events: usize,
+    /// Times the answer under its tenant (see the module docs); records when dropped.
+    telemetry: Option<GenerationTelemetry>,
 }
 
 impl<B> RenameModel<B> {
@@ -87,7 +117,27 @@ impl<B> RenameModel<B> {
             held: BytesMut::new(),
             ended: false,
             trailers: None,
+            text_events: 0,
+            telemetry: None,
         }
+    }
+
+    /// Times the answer and counts its tokens into `telemetry` (see the module docs).
+    pub(crate) fn recording(mut self, telemetry: GenerationTelemetry) -> RenameModel<B> {
+        self.telemetry = Some(telemetry);
+        self
+    }
+
+    /// Bytes about to go out: each SSE event in them that carried text is a token now.
+    fn emit(&mut self, out: Bytes, text_events_before: usize) -> Bytes {
+        if let Some(telemetry) = self.telemetry.as_mut()
+            && self.framing == Framing::Sse
+        {
+            for _ in text_events_before..self.text_events {
+                telemetry.on_token();
+            }
+        }
+        out
     }
 
     /// Reports the answer's `usage.completion_tokens` into `usage`.
@@ -102,7 +152,10 @@ impl<B> RenameModel<B> {
             Framing::Sse => {
                 if let Some(end) = self.held.iter().rposition(|&b| b == b'\n') {
                     let lines = self.held.split_to(end + 1);
-                    return Some(rename_in_lines(&lines, &self.name, &self.usage));
+                    let before = self.text_events;
+                    let out =
+                        rename_in_lines(&lines, &self.name, &self.usage, &mut self.text_events);
+                    return Some(self.emit(out, before));
                 }
                 if self.held.len() > MAX_HELD_BYTES {
                     self.framing = Framing::Verbatim;
@@ -123,11 +176,27 @@ impl<B> RenameModel<B> {
     fn rest(&mut self) -> Bytes {
         let rest = self.held.split();
         match self.framing {
-            Framing::Sse => rename_in_lines(&rest, &self.name, &self.usage),
-            Framing::Json => {
-                rename_in_json(&rest, &self.name, &self.usage).map_or(rest.freeze(), Bytes::from)
+            Framing::Sse => {
+                let before = self.text_events;
+                let out = rename_in_lines(&rest, &self.name, &self.usage, &mut self.text_events);
+                self.emit(out, before)
             }
+            Framing::Json => rename_in_json(&rest, &self.name, &self.usage, &mut 0)
+                .map_or(rest.freeze(), Bytes::from),
             Framing::Verbatim => rest.freeze(),
+        }
+    }
+}
+
+impl<B> Drop for RenameModel<B> {
+    /// The answer ended or its client left: its token counts go with the telemetry's record.
+    fn drop(&mut self) {
+        if let Some(telemetry) = self.telemetry.as_mut() {
+            let seen = (self.framing == Framing::Sse).then_some(self.text_events);
+            telemetry.on_relayed_end(
+                self.usage.prompt_tokens(),
+                self.usage.completion_tokens().or(seen),
+            );
         }
     }
 }
@@ -181,11 +250,12 @@ where
     }
 }
 
-/// Rewrites the `data:` lines among `lines` (each ending in `\n`, except perhaps the last).
-fn rename_in_lines(lines: &[u8], name: &str, usage: &UsageCell) -> Bytes {
+/// Rewrites the `data:` lines among `lines` (each ending in `\n`, except perhaps the last),
+/// counting those that carry generated text into `text_events`.
+fn rename_in_lines(lines: &[u8], name: &str, usage: &UsageCell, text_events: &mut usize) -> Bytes {
     let mut out = Vec::with_capacity(lines.len());
     for line in lines.split_inclusive(|&b| b == b'\n') {
-        match rename_in_event_line(line, name, usage) {
+        match rename_in_event_line(line, name, usage, text_events) {
             Some(renamed) => out.extend_from_slice(&renamed),
             None => out.extend_from_slice(line),
         }
@@ -195,7 +265,12 @@ fn rename_in_lines(lines: &[u8], name: &str, usage: &UsageCell) -> Bytes {
 
 /// `data: {...,"model":"x",...}` with `model` set to `name`, keeping the line ending; `None`
 /// for any other line.
-fn rename_in_event_line(line: &[u8], name: &str, usage: &UsageCell) -> Option<Vec<u8>> {
+fn rename_in_event_line(
+    line: &[u8],
+    name: &str,
+    usage: &UsageCell,
+    text_events: &mut usize,
+) -> Option<Vec<u8>> {
     let content_end = line
         .iter()
         .rposition(|&b| b != b'\n' && b != b'\r')
@@ -203,7 +278,7 @@ fn rename_in_event_line(line: &[u8], name: &str, usage: &UsageCell) -> Option<Ve
     let (content, ending) = line.split_at(content_end);
     let payload = content.strip_prefix(b"data:")?;
     let payload = payload.strip_prefix(b" ").unwrap_or(payload);
-    let renamed = rename_in_json(payload, name, usage)?;
+    let renamed = rename_in_json(payload, name, usage, text_events)?;
     let mut out = Vec::with_capacity(renamed.len() + 8);
     out.extend_from_slice(b"data: ");
     out.extend_from_slice(&renamed);
@@ -212,17 +287,25 @@ fn rename_in_event_line(line: &[u8], name: &str, usage: &UsageCell) -> Option<Ve
 }
 
 /// The JSON object `json` with its string `model` set to `name`; `None` when there is nothing
-/// to change (not an object, no string `model`, or already `name`). Its
-/// `usage.completion_tokens`, if any, goes into `usage`.
-fn rename_in_json(json: &[u8], name: &str, usage: &UsageCell) -> Option<Vec<u8>> {
+/// to change (not an object, no string `model`, or already `name`). Its `usage` token
+/// counts, if any, go into `usage`; `text_events` counts it if it carries generated text.
+fn rename_in_json(
+    json: &[u8],
+    name: &str,
+    usage: &UsageCell,
+    text_events: &mut usize,
+) -> Option<Vec<u8>> {
     let mut value: Value = serde_json::from_slice(json).ok()?;
     let object = value.as_object_mut()?;
-    if let Some(tokens) = object
-        .get("usage")
-        .and_then(|usage| usage.get("completion_tokens"))
-        .and_then(Value::as_u64)
-    {
-        usage.set(tokens);
+    if let Some(reported) = object.get("usage") {
+        for (which, field) in [(COMPLETION, "completion_tokens"), (PROMPT, "prompt_tokens")] {
+            if let Some(tokens) = reported.get(field).and_then(Value::as_u64) {
+                usage.set(which, tokens);
+            }
+        }
+    }
+    if carries_text(object) {
+        *text_events += 1;
     }
     match object.get("model") {
         Some(Value::String(model)) if model != name => {}
@@ -230,6 +313,22 @@ fn rename_in_json(json: &[u8], name: &str, usage: &UsageCell) -> Option<Vec<u8>>
     }
     object.insert("model".to_owned(), Value::from(name));
     serde_json::to_vec(&value).ok()
+}
+
+/// Whether a chunk carries generated text: a chat delta's `content` or a completion's `text`,
+/// not empty, in any choice (role-only and usage-only chunks carry none).
+fn carries_text(chunk: &serde_json::Map<String, Value>) -> bool {
+    let Some(Value::Array(choices)) = chunk.get("choices") else {
+        return false;
+    };
+    choices.iter().any(|choice| {
+        let text = choice
+            .get("delta")
+            .and_then(|delta| delta.get("content"))
+            .or_else(|| choice.get("text"));
+        text.and_then(Value::as_str)
+            .is_some_and(|text| !text.is_empty())
+    })
 }
 
 #[cfg(test)]
@@ -272,6 +371,27 @@ mod tests {
         .reporting_usage(usage.clone());
         body.collect().await.unwrap();
         usage.completion_tokens()
+    }
+
+    #[test]
+    fn events_with_generated_text_are_counted_and_both_token_counts_read() {
+        let usage = UsageCell::default();
+        let mut text_events = 0;
+        let lines = concat!(
+            "data: {\"model\":\"x\",\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+            "data: {\"model\":\"x\",\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n",
+            "data: {\"model\":\"x\",\"choices\":[{\"delta\":{\"content\":\"\"}}]}\n\n",
+            // Already named as asked (not rewritten) but still a token; a completion's text.
+            "data: {\"model\":\"remote\",\"choices\":[{\"text\":\" there\"}]}\n\n",
+            ": a comment\n",
+            "data: {\"model\":\"x\",\"choices\":[],",
+            "\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        rename_in_lines(lines.as_bytes(), "remote", &usage, &mut text_events);
+        assert_eq!(text_events, 2, "role, empty and usage chunks carry no text");
+        assert_eq!(usage.prompt_tokens(), Some(5));
+        assert_eq!(usage.completion_tokens(), Some(2));
     }
 
     #[tokio::test]

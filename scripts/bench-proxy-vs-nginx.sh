@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# The side-by-side run behind BENCHMARKS.md's "Proxy overhead: kvgate --upstream vs nginx":
+# one minimal fast upstream (examples/stub_upstream.rs, answers a small chat completion at
+# once), reached three ways in one run:
+#   direct  the stub itself (the baseline)
+#   nginx   Debian's nginx as a plain reverse proxy in front of it (keep-alive to the stub)
+#   kvgate  `kvgate serve --upstream stub=...`: authenticates, tokenizes (tiktoken), applies
+#           the policy, admits into the upstream's capacity pool, routes, relays with the
+#           model renamed
+# For each: latency p50/p99 at a fixed request rate (oha -q, latency-corrected), whose
+# difference from `direct` in the same round is the proxy's added latency; then peak
+# requests/s with a closed loop (wrk, or oha when wrk is missing). Rounds interleave the targets
+# so drifting machine load hits all three alike.
+#
+#   scripts/bench-proxy-vs-nginx.sh            # RATE=300 DURATION=20s CONNS=32 ROUNDS=2
+#   RATE=500 ROUNDS=3 PROFILE=release scripts/bench-proxy-vs-nginx.sh
+#
+# Needs: nginx (apt-get install nginx-light), oha (cargo install oha), wrk (apt-get install
+# wrk; optional), curl, python3, and the default model (kvgate serve loads it; `kvgate
+# fetch-model`). PROFILE=dev (default) uses the workspace's dev profile, which is opt-level 3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RATE="${RATE:-300}"
+DURATION="${DURATION:-20s}"
+CONNS="${CONNS:-32}"
+ROUNDS="${ROUNDS:-2}"
+PEAK_DURATION="${PEAK_DURATION:-15s}"
+PEAK_CONNS="${PEAK_CONNS:-64}"
+PROFILE="${PROFILE:-dev}"
+OHA="${OHA:-oha}"
+STUB_PORT="${STUB_PORT:-19100}"
+NGINX_PORT="${NGINX_PORT:-19101}"
+KVGATE_PORT="${KVGATE_PORT:-19102}"
+
+for tool in nginx curl python3 "$OHA"; do
+  command -v "$tool" >/dev/null || { echo "bench-proxy-vs-nginx: $tool is missing" >&2; exit 1; }
+done
+WRK="$(command -v wrk || true)"
+
+if [ "$PROFILE" = release ]; then
+  cargo build --release -q -p kvgate --bin kvgate --example stub_upstream
+  BIN="${CARGO_TARGET_DIR:-./target}/release"
+else
+  cargo build -q -p kvgate --bin kvgate --example stub_upstream
+  BIN="${CARGO_TARGET_DIR:-./target}/debug"
+fi
+"$BIN/kvgate" fetch-model >/dev/null
+
+WORK="$(mktemp -d /tmp/bench-proxy.XXXXXX)"
+chmod 755 "$WORK" # nginx's workers run as an unprivileged user
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+wait_for() { # URL: until it answers 2xx, at most 60 s
+  for _ in $(seq 600); do
+    curl -sf -o /dev/null "$1" && return 0
+    sleep 0.1
+  done
+  echo "bench-proxy-vs-nginx: $1 never answered" >&2
+  exit 1
+}
+
+# --- the stub, one worker thread: it must never be the bottleneck of a proxy run.
+"$BIN/examples/stub_upstream" "127.0.0.1:$STUB_PORT" 1 >"$WORK/stub.log" 2>&1 &
+PIDS+=($!)
+wait_for "http://127.0.0.1:$STUB_PORT/health"
+
+# --- nginx: a plain reverse proxy, as its docs set one up for HTTP/1.1 keep-alive upstreams.
+mkdir -p "$WORK/nginx"
+cat >"$WORK/nginx/nginx.conf" <<EOF
+worker_processes auto;
+daemon off;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx/body;
+  proxy_temp_path $WORK/nginx/proxy;
+  fastcgi_temp_path $WORK/nginx/fastcgi;
+  uwsgi_temp_path $WORK/nginx/uwsgi;
+  scgi_temp_path $WORK/nginx/scgi;
+  upstream stub { server 127.0.0.1:$STUB_PORT; keepalive 128; }
+  server {
+    listen 127.0.0.1:$NGINX_PORT;
+    location / {
+      proxy_pass http://stub;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+EOF
+nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" &
+PIDS+=($!)
+wait_for "http://127.0.0.1:$NGINX_PORT/health"
+
+# --- kvgate: one anonymous tenant whose limits never bind (no rate limits, room to queue), the
+# stub as model `stub` with a capacity no run can fill.
+cat >"$WORK/policy.toml" <<EOF
+anonymous_tenant = "bench"
+
+[defaults]
+max_input_tokens = 1024
+max_output_tokens = 512
+max_total_tokens = 1536
+max_concurrency = 4096
+queue_depth = 8192
+queue_tokens = 100000000
+max_queue_wait = "30s"
+
+[tenants.bench]
+EOF
+"$BIN/kvgate" serve --listen "127.0.0.1:$KVGATE_PORT" --kv-memory 64MiB --pre-drain 0s \
+  --policy "$WORK/policy.toml" \
+  --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/kvgate.log" 2>&1 &
+PIDS+=($!)
+wait_for "http://127.0.0.1:$KVGATE_PORT/healthz"
+
+BODY='{"model":"stub","messages":[{"role":"user","content":"Say ok."}],"max_tokens":16}'
+url() {
+  case "$1" in
+    direct) echo "http://127.0.0.1:$STUB_PORT/v1/chat/completions" ;;
+    nginx) echo "http://127.0.0.1:$NGINX_PORT/v1/chat/completions" ;;
+    kvgate) echo "http://127.0.0.1:$KVGATE_PORT/v1/chat/completions" ;;
+  esac
+}
+for target in direct nginx kvgate; do
+  status="$(curl -s -o "$WORK/check.json" -w '%{http_code}' -H 'content-type: application/json' \
+    -d "$BODY" "$(url "$target")")"
+  [ "$status" = 200 ] || { echo "$target answered $status: $(cat "$WORK/check.json")" >&2; exit 1; }
+done
+
+oha_run() { # TARGET OUT [extra oha options...]
+  local target="$1" out="$2"
+  shift 2
+  "$OHA" --no-tui --output-format json -m POST -H 'content-type: application/json' -d "$BODY" \
+    "$@" "$(url "$target")" >"$out"
+}
+
+echo "== $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, commit $(git rev-parse --short HEAD)," \
+  "profile $PROFILE, load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "== fixed rate: $RATE req/s for $DURATION over $CONNS connections, $ROUNDS rounds"
+for round in $(seq "$ROUNDS"); do
+  for target in direct nginx kvgate; do
+    oha_run "$target" /dev/null -z 2s -q "$RATE" -c "$CONNS" # warm-up: connections, caches
+    oha_run "$target" "$WORK/fixed-$round-$target.json" -z "$DURATION" -q "$RATE" -c "$CONNS" \
+      --latency-correction
+  done
+  echo "   round $round done, load: $(cut -d' ' -f1-3 /proc/loadavg)"
+done
+
+echo "== peak: closed loop, $PEAK_CONNS connections for $PEAK_DURATION ($([ -n "$WRK" ] && echo wrk || echo oha))"
+cat >"$WORK/post.lua" <<EOF
+wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+wrk.body = '$BODY'
+EOF
+for target in direct nginx kvgate; do
+  if [ -n "$WRK" ]; then
+    "$WRK" -t 2 -c "$PEAK_CONNS" -d "$PEAK_DURATION" -s "$WORK/post.lua" "$(url "$target")" \
+      >"$WORK/peak-$target.txt"
+  else
+    oha_run "$target" "$WORK/peak-$target.json" -z "$PEAK_DURATION" -c "$PEAK_CONNS"
+  fi
+done
+echo "== load at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+python3 - "$WORK" "$ROUNDS" <<'EOF'
+import json, re, sys
+from pathlib import Path
+
+work, rounds = Path(sys.argv[1]), int(sys.argv[2])
+targets = ["direct", "nginx", "kvgate"]
+
+def fixed(round_, target):
+    data = json.loads((work / f"fixed-{round_}-{target}.json").read_text())
+    pct = data["latencyPercentiles"]
+    codes = data.get("statusCodeDistribution", {})
+    ok = codes.get("200", 0)
+    # Requests still open when -z ran out are cut by oha itself, not failed by the target.
+    errors = {e: n for e, n in data.get("errorDistribution", {}).items() if "deadline" not in e}
+    total = sum(codes.values()) + sum(errors.values())
+    return pct["p50"] * 1e3, pct["p99"] * 1e3, data["summary"]["requestsPerSec"], ok, total
+
+def peak(target):
+    wrk = work / f"peak-{target}.txt"
+    if wrk.exists():
+        text = wrk.read_text()
+        rate = float(re.search(r"Requests/sec:\s*([\d.]+)", text).group(1))
+        bad = re.search(r"Non-2xx or 3xx responses:\s*(\d+)", text)
+        return rate, int(bad.group(1)) if bad else 0
+    data = json.loads((work / f"peak-{target}.json").read_text())
+    codes = data.get("statusCodeDistribution", {})
+    return data["summary"]["requestsPerSec"], sum(n for c, n in codes.items() if c != "200")
+
+print("\n| round | target | p50 (ms) | p99 (ms) | added p50 (ms) | added p99 (ms) | achieved req/s | 200s / sent |")
+print("|---|---|---:|---:|---:|---:|---:|---:|")
+for round_ in range(1, rounds + 1):
+    base = fixed(round_, "direct")
+    for target in targets:
+        p50, p99, rps, ok, total = fixed(round_, target)
+        added = ("-", "-") if target == "direct" else (f"{p50 - base[0]:+.3f}", f"{p99 - base[1]:+.3f}")
+        print(f"| {round_} | {target} | {p50:.3f} | {p99:.3f} | {added[0]} | {added[1]} | {rps:.0f} | {ok} / {total} |")
+print("\n| target | peak req/s | non-200 answers |")
+print("|---|---:|---:|")
+for target in targets:
+    rate, bad = peak(target)
+    print(f"| {target} | {rate:.0f} | {bad} |")
+EOF
