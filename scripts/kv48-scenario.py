@@ -7,7 +7,9 @@ Retry-After values of refusals. Before issue 16, 27 of 40 waited the whole 30 s 
 for a 503 queue_timeout; now those that cannot start in time should get 429 kv_cache_saturated
 within about a second, and the rest be served.
 
-Usage: python3 scripts/kv48-scenario.py [path/to/kvgate]   (default target/debug/kvgate)
+Usage: python3 scripts/kv48-scenario.py [path/to/kvgate [--same-prompt] [SERVE-ARGS...]]
+(default target/debug/kvgate; SERVE-ARGS are added to `kvgate serve`, e.g. --prefix-cache off:
+all 40 requests send the same prompt, so with the cache on they share its blocks)
 Needs KVGATE_CACHE_DIR (or the default cache) to hold the default model.
 """
 
@@ -23,6 +25,10 @@ from collections import defaultdict
 
 REQUESTS = 40
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 70  # ~700 tokens with the template
+# Each request's prompt starts with its own number, so that (past the chat template's shared
+# system header) no two share KV blocks: 40 different requests, as in the issue. `--same-prompt`
+# sends one prompt 40 times instead (then the prefix cache shares it).
+SAME_PROMPT = "--same-prompt" in sys.argv
 MAX_TOKENS = 300
 
 
@@ -35,7 +41,7 @@ def free_port():
 def post(base, results, index):
     body = json.dumps({
         "model": "SmolLM2-135M-Instruct.Q4_1",
-        "messages": [{"role": "user", "content": PROMPT}],
+        "messages": [{"role": "user", "content": PROMPT if SAME_PROMPT else f"Request {index}. {PROMPT}"}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
     }).encode()
@@ -57,7 +63,8 @@ def main():
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [binary, "serve", "--kv-memory", "48MiB", "--listen", f"127.0.0.1:{port}"],
+        [binary, "serve", "--kv-memory", "48MiB", "--listen", f"127.0.0.1:{port}",
+         *[arg for arg in sys.argv[2:] if arg != "--same-prompt"]],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):

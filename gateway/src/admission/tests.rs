@@ -479,6 +479,48 @@ async fn with_the_cost_model_a_burst_is_refused_at_enqueue_before_any_step() {
     }
 }
 
+/// A forecast just inside the deadline is refused at enqueue (within the margin kept for the
+/// forecast's error), where the same forecast for a queued request keeps it queued.
+#[tokio::test(start_paused = true)]
+async fn a_forecast_within_the_margin_of_the_deadline_is_refused_at_enqueue_not_later() {
+    // The first waiting request is forecast 2 s (10 blocks back at 25 ms per token, as above).
+    let policy = "[tenants.a]\nmax_queue_wait = \"2150ms\"\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, _pool, store) = setup(20, policy);
+    let cost = StepCost {
+        per_step_us: 25_000.0,
+        per_prefill_token_us: 0.0,
+        per_decode_seq_us: 0.0,
+        per_attended_token_ns: 0.0,
+    };
+    admission.set_service_time_probe(move || Some(ServiceTime::Model(cost)));
+    let holder = admission.admit(ticket(&store, "a", 240, 80)).await.unwrap();
+    // 2 s ≤ 2.15 s, but over 90% of it: refused now, not a few seconds into its wait.
+    match admission.admit(ticket(&store, "a", 80, 80)).await {
+        Err(Rejection::KvSaturated { estimated_wait, .. }) => {
+            assert_eq!(estimated_wait.as_millis(), 2000);
+        }
+        other => panic!("expected KvSaturated, got {other:?}"),
+    }
+    drop(holder);
+
+    // With 2.25 s the same forecast is within the margin: the request queues, and a re-forecast
+    // of 2 s against the 2 s it has left after the first re-forecast period keeps it queued (no
+    // engine runs here, so the forecast does not shrink as a real one would).
+    let policy = "[tenants.a]\nmax_queue_wait = \"2250ms\"\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, pool, store) = setup(20, policy);
+    admission.set_service_time_probe(move || Some(ServiceTime::Model(cost)));
+    let holder = admission.admit(ticket(&store, "a", 240, 80)).await.unwrap();
+    let waiting = spawn_admit(&admission, ticket(&store, "a", 80, 80));
+    until(|| queued(&admission) == 1).await;
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(queued(&admission), 1, "still queued after a re-forecast");
+    drop(holder);
+    let admitted = admitted(waiting).await;
+    assert_eq!(admitted.reserved_blocks(), 10);
+    drop(admitted);
+    assert_eq!(pool.snapshot().reserved_blocks, 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn rate_limits_apply_before_queueing() {
     let (admission, _pool, store) = setup(
