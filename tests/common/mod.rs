@@ -308,8 +308,11 @@ pub fn chat(content: &str, max_tokens: u32) -> serde_json::Value {
     })
 }
 
-/// A prompt the model answers at length (greedy): used to keep a request running.
-pub const LONG_ANSWER: &str = "Count from 1 to 500, separated by commas.";
+/// A prompt the model answers at length (greedy): used to keep a request running. Greedy, the
+/// default model writes past 2,000 tokens without an end-of-sequence token (where "Count from
+/// 1 to 500" stopped after 122 tokens, about a second on an idle machine: too short to hold a
+/// slot).
+pub const LONG_ANSWER: &str = "Write a very long story about a dragon.";
 
 /// Starts a long greedy stream for `key` and returns once its first token arrived, so the
 /// request is certainly admitted and running. Dropping the reply disconnects the client.

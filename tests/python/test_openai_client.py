@@ -83,7 +83,7 @@ def test_retry_honours_retry_after(server):
     # 1. Hold the running slot with a long stream, read in the background.
     stream = others.chat.completions.create(
         model=server["model"],
-        messages=[{"role": "user", "content": "Count from 1 to 500, separated by commas."}],
+        messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
         max_tokens=160,
         temperature=0,
         stream=True,
