@@ -362,7 +362,12 @@ pub fn quantize_bytes(
         let to = target_type(t, n_layers, tied, layer_of(&t.name))?;
         let (qk, _) = t.ty.block();
         let ne0 = t.dims[0] as usize;
-        let n: usize = t.dims.iter().map(|&d| d as usize).product();
+        let n = t
+            .dims
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d as usize))
+            .filter(|&n| n <= data.len().saturating_mul(8))
+            .ok_or_else(|| format!("tensor {}: dimensions {:?} are too large", t.name, t.dims))?;
         if !ne0.is_multiple_of(qk) || !ne0.is_multiple_of(to.block().0) {
             return Err(format!(
                 "tensor {}: row of {ne0} does not fit its blocks",
@@ -403,7 +408,7 @@ pub fn quantize_bytes(
     let mut row = Vec::new();
     for (t, p) in tensors.iter().zip(plan.iter_mut()) {
         let ne0 = t.dims[0] as usize;
-        let n: usize = t.dims.iter().map(|&d| d as usize).product();
+        let n: usize = t.dims.iter().map(|&d| d as usize).product(); // checked above
         let in_len = t.ty.row_bytes(ne0) * (n / ne0);
         let start = usize::try_from(t.offset)
             .ok()
