@@ -11,6 +11,7 @@ use kvgate_gateway::policy::parse_duration;
 use kvgate_gateway::upstream::UpstreamSpec;
 use kvgate_runtime::device::DeviceRequest;
 use kvgate_runtime::engine::{DEFAULT_TARGET_ITL, PrefillOrder};
+use kvgate_runtime::requant::QuantMix;
 use kvgate_runtime::synth::{SynthDtype, SynthShape};
 
 #[derive(Debug, Parser)]
@@ -45,6 +46,8 @@ pub enum Command {
     FetchModel,
     /// Write a llama-family GGUF with a real model's shape and deterministic random weights.
     SynthModel(SynthModelArgs),
+    /// Requantize a GGUF as llama.cpp's `llama-quantize --allow-requantize` does, byte for byte.
+    Quantize(QuantizeArgs),
 }
 
 /// Runtime knobs shared by every command that loads a model.
@@ -352,6 +355,19 @@ pub struct SynthModelArgs {
     /// The GGUF file to write.
     #[arg(value_name = "OUT.gguf")]
     pub out: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct QuantizeArgs {
+    /// The GGUF file to read (llama family; F32/F16/Q4_0/Q4_1/Q5_0/Q8_0/K-quant tensors).
+    #[arg(value_name = "IN.gguf")]
+    pub input: PathBuf,
+    /// The GGUF file to write.
+    #[arg(value_name = "OUT.gguf")]
+    pub out: PathBuf,
+    /// Target mix (llama.cpp's name): q4_k_m.
+    #[arg(long = "type", value_name = "TYPE", default_value = "q4_k_m")]
+    pub mix: QuantMix,
 }
 
 #[derive(Debug, Subcommand)]

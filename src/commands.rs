@@ -1,5 +1,5 @@
 //! The one-shot commands: generate, tokenize, bench, plan, policy, top, fetch-model,
-//! synth-model.
+//! synth-model, quantize.
 
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -25,7 +25,7 @@ use kvgate_runtime::tokenizer::Tokenizer;
 
 use crate::cli::{
     BenchArgs, BenchWorkload, GenerateArgs, LogFormat, ModelArgs, PlanCliArgs, PolicyCommand,
-    Switch, SynthModelArgs, TokenizeArgs, TopArgs,
+    QuantizeArgs, Switch, SynthModelArgs, TokenizeArgs, TopArgs,
 };
 
 /// Loads the model named by `args` (fetching the default one if needed) and starts the engine.
@@ -264,6 +264,19 @@ pub fn top(args: TopArgs) -> Result<()> {
 pub fn fetch_model() -> Result<()> {
     let path = provision::default_model_path()?;
     println!("{}", path.display());
+    Ok(())
+}
+
+pub fn quantize(args: QuantizeArgs) -> Result<()> {
+    let report = kvgate_runtime::requant::quantize_file(&args.input, &args.out, args.mix)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let requantized = report.tensors.iter().filter(|t| t.from != t.to).count();
+    println!(
+        "{}: {} tensors ({requantized} requantized), {}",
+        args.out.display(),
+        report.tensors.len(),
+        HumanSize(report.bytes as usize)
+    );
     Ok(())
 }
 

@@ -24,6 +24,7 @@ fn main() -> ExitCode {
         cli::Command::Top(args) => commands::top(args),
         cli::Command::FetchModel => commands::fetch_model(),
         cli::Command::SynthModel(args) => commands::synth_model(args),
+        cli::Command::Quantize(args) => commands::quantize(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

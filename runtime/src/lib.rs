@@ -15,6 +15,7 @@ pub mod loader;
 pub mod model;
 pub mod plan;
 pub mod provision;
+pub mod requant;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;

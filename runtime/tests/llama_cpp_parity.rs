@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{Part, argmax, backend, greedy, json_ids, step};
+use common::{assert_first_step_close, assert_greedy_matches, backend};
 
 const MAX_MARGIN_FOR_DIVERGENCE: f64 = 0.1;
 
@@ -17,50 +17,7 @@ fn fixtures() -> serde_json::Value {
 
 #[test]
 fn greedy_tokens_match_llama_cpp() {
-    let fixtures = fixtures();
-    let eos = fixtures["eos_id"].as_u64().map(|e| e as u32);
-    let steps = fixtures["steps"].as_u64().expect("steps") as usize;
-    let mut be = backend(64, 2);
-    let mut report = Vec::new();
-    for (n, case) in fixtures["cases"]
-        .as_array()
-        .expect("cases")
-        .iter()
-        .enumerate()
-    {
-        let prompt = json_ids(&case["prompt_ids"]);
-        let want = json_ids(&case["greedy_ids"]);
-        let margins: Vec<f64> = case["top2_margins"]
-            .as_array()
-            .expect("margins")
-            .iter()
-            .map(|m| m.as_f64().expect("a margin"))
-            .collect();
-        let got = greedy(&mut be, &prompt, steps, eos);
-        let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
-        match first_diff {
-            None => {
-                assert_eq!(
-                    got.len(),
-                    want.len(),
-                    "case {n}: same tokens but a different length"
-                );
-                report.push(format!("case {n}: identical ({} tokens)", got.len()));
-            }
-            Some(i) => {
-                assert!(
-                    margins[i] < MAX_MARGIN_FOR_DIVERGENCE,
-                    "case {n}: diverged at step {i} where llama.cpp's top-2 margin is {} \
-                     (only < {MAX_MARGIN_FOR_DIVERGENCE} is acceptable)\n  kvgate:    {got:?}\n  llama.cpp: {want:?}",
-                    margins[i]
-                );
-                report.push(format!(
-                    "case {n}: diverged at step {i} (margin {:.3})",
-                    margins[i]
-                ));
-            }
-        }
-    }
+    let report = assert_greedy_matches(&mut backend(64, 2), &fixtures(), MAX_MARGIN_FOR_DIVERGENCE);
     println!("{}", report.join("\n"));
 }
 
@@ -76,50 +33,15 @@ const MEAN_LOGIT_TOLERANCE: f64 = 0.25;
 
 #[test]
 fn first_step_logits_are_close_to_llama_cpp() {
-    let fixtures = fixtures();
-    let mut be = backend(64, 2);
-    let (mut total_deviation, mut compared) = (0.0f64, 0usize);
-    for (n, case) in fixtures["cases"]
-        .as_array()
-        .expect("cases")
-        .iter()
-        .enumerate()
-    {
-        let prompt = json_ids(&case["prompt_ids"]);
-        let blocks: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
-        let logits = step(
-            &mut be,
-            &[Part {
-                tokens: &prompt,
-                start: 0,
-                blocks: &blocks,
-            }],
-        );
-        let top = case["first_step_top10"].as_array().expect("top10");
-        for pair in top {
-            let id = pair[0].as_u64().expect("id") as usize;
-            let want = pair[1].as_f64().expect("logit") as f32;
-            let got = logits[0][id];
-            assert!(
-                (got - want).abs() < LOGIT_TOLERANCE,
-                "case {n}: logit of token {id} is {got}, llama.cpp has {want}"
-            );
-            total_deviation += f64::from((got - want).abs());
-            compared += 1;
-        }
-        let ours = argmax(&logits[0]) as u64;
-        let (first, second) = (&top[0], &top[1]);
-        let margin = first[1].as_f64().expect("logit") - second[1].as_f64().expect("logit");
-        assert!(
-            ours == first[0].as_u64().expect("id")
-                || (margin < MAX_MARGIN_FOR_DIVERGENCE && ours == second[0].as_u64().expect("id")),
-            "case {n}: argmax {ours}, llama.cpp's top two {first} {second}"
-        );
-    }
-    let mean = total_deviation / compared as f64;
+    let mean = assert_first_step_close(
+        &mut backend(64, 2),
+        &fixtures(),
+        LOGIT_TOLERANCE,
+        MAX_MARGIN_FOR_DIVERGENCE,
+    );
     assert!(
         mean < MEAN_LOGIT_TOLERANCE,
         "mean logit deviation {mean:.3}"
     );
-    println!("first-step logits: mean |deviation| {mean:.3} over {compared}");
+    println!("first-step logits: mean |deviation| {mean:.3}");
 }

@@ -31,7 +31,14 @@ pub const BLOCK: usize = 16;
 
 /// A CPU backend over the default model with `num_blocks` blocks of 16 tokens.
 pub fn backend(num_blocks: usize, threads: usize) -> CpuBackend {
-    let (gguf, config) = open_model();
+    backend_at(&model_path(), num_blocks, threads)
+}
+
+/// A CPU backend over the GGUF at `path`, as [`backend`].
+pub fn backend_at(path: &std::path::Path, num_blocks: usize, threads: usize) -> CpuBackend {
+    let gguf =
+        Arc::new(GgufFile::open(path).unwrap_or_else(|e| panic!("{} opens: {e}", path.display())));
+    let config = ModelConfig::from_gguf(&gguf).expect("the model's config parses");
     let options = CpuBackendOptions {
         num_blocks,
         block_size: BLOCK,
@@ -145,4 +152,110 @@ pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().expect("a token id") as u32)
         .collect()
+}
+
+/// Greedy decoding of every case of a llama.cpp greedy fixture (greedy.json's format): a
+/// divergence from llama.cpp's ids is accepted only at a step where llama.cpp's own top-2 logit
+/// margin is below `max_margin`; after it the contexts differ and that case's comparison stops.
+/// Returns one report line per case.
+pub fn assert_greedy_matches(
+    be: &mut CpuBackend,
+    fixtures: &serde_json::Value,
+    max_margin: f64,
+) -> Vec<String> {
+    let eos = fixtures["eos_id"].as_u64().map(|e| e as u32);
+    let steps = fixtures["steps"].as_u64().expect("steps") as usize;
+    let mut report = Vec::new();
+    for (n, case) in fixtures["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .enumerate()
+    {
+        let prompt = json_ids(&case["prompt_ids"]);
+        let want = json_ids(&case["greedy_ids"]);
+        let margins: Vec<f64> = case["top2_margins"]
+            .as_array()
+            .expect("margins")
+            .iter()
+            .map(|m| m.as_f64().expect("a margin"))
+            .collect();
+        let got = greedy(be, &prompt, steps, eos);
+        match got.iter().zip(&want).position(|(a, b)| a != b) {
+            None => {
+                assert_eq!(
+                    got.len(),
+                    want.len(),
+                    "case {n}: same tokens but a different length"
+                );
+                report.push(format!("case {n}: identical ({} tokens)", got.len()));
+            }
+            Some(i) => {
+                assert!(
+                    margins[i] < max_margin,
+                    "case {n}: diverged at step {i} where llama.cpp's top-2 margin is {} \
+                     (only < {max_margin} is acceptable)\n  kvgate:    {got:?}\n  llama.cpp: {want:?}",
+                    margins[i]
+                );
+                report.push(format!(
+                    "case {n}: diverged at step {i} (margin {:.3})",
+                    margins[i]
+                ));
+            }
+        }
+    }
+    report
+}
+
+/// First-step logits of every case of a greedy fixture against llama.cpp's recorded top 10:
+/// each within `tolerance`, and kvgate's argmax one of llama.cpp's top 10 whose logit is within
+/// `max_margin` of llama.cpp's best (llama.cpp's own pick, or a near tie). Returns the mean
+/// |deviation|.
+pub fn assert_first_step_close(
+    be: &mut CpuBackend,
+    fixtures: &serde_json::Value,
+    tolerance: f32,
+    max_margin: f64,
+) -> f64 {
+    let (mut total_deviation, mut compared) = (0.0f64, 0usize);
+    for (n, case) in fixtures["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .enumerate()
+    {
+        let prompt = json_ids(&case["prompt_ids"]);
+        let blocks: Vec<u32> = (0..prompt.len().div_ceil(BLOCK) as u32).collect();
+        let logits = step(
+            be,
+            &[Part {
+                tokens: &prompt,
+                start: 0,
+                blocks: &blocks,
+            }],
+        );
+        let top = case["first_step_top10"].as_array().expect("top10");
+        for pair in top {
+            let id = pair[0].as_u64().expect("id") as usize;
+            let want = pair[1].as_f64().expect("logit") as f32;
+            let got = logits[0][id];
+            assert!(
+                (got - want).abs() < tolerance,
+                "case {n}: logit of token {id} is {got}, llama.cpp has {want}"
+            );
+            total_deviation += f64::from((got - want).abs());
+            compared += 1;
+        }
+        let ours = argmax(&logits[0]) as u64;
+        let best = top[0][1].as_f64().expect("logit");
+        assert!(
+            top.iter().any(|pair| pair[0].as_u64() == Some(ours)
+                && best - pair[1].as_f64().expect("logit") < max_margin.max(f64::MIN_POSITIVE)),
+            "case {n}: argmax {ours} ({}), llama.cpp's top two {} {}",
+            logits[0][ours as usize],
+            top[0],
+            top[1]
+        );
+    }
+    total_deviation / compared as f64
 }
