@@ -70,31 +70,16 @@ pub async fn chat_completions(
                 }),
                 body_bytes: raw.len(),
             };
-            match upstream {
-                Some(route) => {
-                    proxy(
-                        &state,
-                        &tenant,
-                        (permit, cell),
-                        (request_id, arrived),
-                        &route,
-                        validate,
-                        raw,
-                    )
-                    .await
-                }
-                None => {
-                    generate(
-                        &state,
-                        &tenant,
-                        (permit, cell),
-                        request_id,
-                        arrived,
-                        validate,
-                    )
-                    .await
-                }
-            }
+            run(
+                &state,
+                &tenant,
+                (permit, cell),
+                (request_id, arrived),
+                upstream.as_ref(),
+                validate,
+                raw,
+            )
+            .await
         }
         Err(error) => Err(error),
     };
@@ -122,35 +107,48 @@ pub async fn completions(
                 }),
                 body_bytes: raw.len(),
             };
-            match upstream {
-                Some(route) => {
-                    proxy(
-                        &state,
-                        &tenant,
-                        (permit, cell),
-                        (request_id, arrived),
-                        &route,
-                        validate,
-                        raw,
-                    )
-                    .await
-                }
-                None => {
-                    generate(
-                        &state,
-                        &tenant,
-                        (permit, cell),
-                        request_id,
-                        arrived,
-                        validate,
-                    )
-                    .await
-                }
-            }
+            run(
+                &state,
+                &tenant,
+                (permit, cell),
+                (request_id, arrived),
+                upstream.as_ref(),
+                validate,
+                raw,
+            )
+            .await
         }
         Err(error) => Err(error),
     };
     respond(&tenant, "completions", outcome)
+}
+
+/// Both endpoints after parsing: relayed to the model's upstream pool when it has one, else
+/// served by the embedded engine.
+async fn run(
+    state: &AppState,
+    tenant: &Arc<TenantPolicy>,
+    intake: (IntakePermit, RequestCell),
+    (request_id, arrived): (String, Instant),
+    upstream: Option<&UpstreamRoute>,
+    validate: Validator,
+    raw: Bytes,
+) -> Result<Response, GatewayError> {
+    match upstream {
+        Some(route) => {
+            proxy(
+                state,
+                tenant,
+                intake,
+                (request_id, arrived),
+                route,
+                validate,
+                raw,
+            )
+            .await
+        }
+        None => generate(state, tenant, intake, request_id, arrived, validate).await,
+    }
 }
 
 /// Validation → admission → engine → response, for both endpoints.
