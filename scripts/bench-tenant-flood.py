@@ -46,6 +46,15 @@ WORDS = (
 ).split()
 
 
+def mode_flags(mode):
+    """Flags for a mode: a name in MODES, or ``itl<ms>`` (the new scheduling at that target)."""
+    if mode in MODES:
+        return MODES[mode]
+    if mode.startswith("itl") and mode[3:].isdigit() and int(mode[3:]) > 0:
+        return ["--target-itl", f"{int(mode[3:])}ms"]
+    return None
+
+
 def percentile(values, q):
     """Nearest-rank percentile of a non-empty list."""
     ordered = sorted(values)
@@ -171,16 +180,25 @@ def beta_run(port, words, stop_at=None, count=None):
     return latencies, rejected, failed, prompt_tokens
 
 
-def metric_sum(scrape, name):
+def metric_sum(scrape, name, label=None):
+    """Sum of a series' samples, optionally only those carrying `label` (e.g. 'tenant="beta"')."""
     total = 0.0
     for line in scrape.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
+            if label is None or label in line:
+                total += float(line.rsplit(" ", 1)[1])
     return total
 
 
+def metric_mean(before, after, name, label=None):
+    """Mean of a histogram over the window between two scrapes (None when nothing was observed)."""
+    total = metric_sum(after, name + "_sum", label) - metric_sum(before, name + "_sum", label)
+    count = metric_sum(after, name + "_count", label) - metric_sum(before, name + "_count", label)
+    return total / count if count else None
+
+
 def run_mode(args, mode, words):
-    server = Server(args.kvgate, args.policy, MODES[mode] + args.serve_args)
+    server = Server(args.kvgate, args.policy, mode_flags(mode) + args.serve_args)
     try:
         port = server.port
         Client.model = json.loads(server.get("/v1/models", ALPHA_KEY))["data"][0]["id"]
@@ -232,7 +250,7 @@ def run_mode(args, mode, words):
         span = t1 - t0
         result = {
             "mode": mode,
-            "flags": " ".join(MODES[mode] + args.serve_args),
+            "flags": " ".join(mode_flags(mode) + args.serve_args),
             "beta_prompt_tokens": round(sum(beta_prompt) / max(1, len(beta_prompt)), 1),
             "alpha_prompt_tokens": round(sum(p for p, _ in window) / max(1, len(window)), 1),
             "beta_alone_p50_s": percentile(alone, 50),
@@ -249,6 +267,11 @@ def run_mode(args, mode, words):
             "window_s": span,
             "mean_step_ms": 1e3 * step_sum / step_count if step_count else None,
         }
+        # Where beta's time goes under the flood: until its first token, then per token.
+        for key, name in (("beta_mean_ttft_ms", "kvgate_time_to_first_token_seconds"),
+                          ("beta_mean_itl_ms", "kvgate_inter_token_latency_seconds")):
+            mean = metric_mean(before, after, name, 'tenant="beta"')
+            result[key] = 1e3 * mean if mean is not None else None
         return result, words
     finally:
         server.stop()
@@ -258,7 +281,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kvgate", default=os.environ.get("KVGATE_BIN", "target/release/kvgate"))
     parser.add_argument("--policy", default="policies/multi-tenant.toml")
-    parser.add_argument("--modes", default="new,old", help="comma-separated: new, old")
+    parser.add_argument("--modes", default="new,old", help="comma-separated: new, old, itl<ms> (new at that --target-itl)")
     parser.add_argument("--clients", type=int, default=24, help="alpha's concurrent clients")
     parser.add_argument("--alone", type=int, default=20, help="beta requests on an idle server")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of flood before timing")
@@ -267,9 +290,9 @@ def main():
     parser.add_argument("serve_args", nargs="*", help="extra `kvgate serve` flags (after --)")
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if mode_flags(m) is None]
     if unknown:
-        sys.exit(f"unknown mode(s) {unknown}: use {', '.join(MODES)}")
+        sys.exit(f"unknown mode(s) {unknown}: use {', '.join(MODES)} or itl<ms>")
     if not os.access(args.kvgate, os.X_OK):
         sys.exit(f"{args.kvgate} is not an executable; build kvgate or pass --kvgate")
 
@@ -289,21 +312,28 @@ def main():
           f"max_tokens 32; beta: ~{results[0]['beta_prompt_tokens']:.0f}-token chats, max_tokens 8, "
           f"one after another; {args.window:.0f} s window after {args.warmup:.0f} s of flood")
     print(f"{'mode':<5} {'beta alone p50/p99 s':>21} {'beta flood p50/p99 s':>21} {'n':>4} "
-          f"{'alpha prompt tok/s':>19} {'alpha gen tok/s':>16} {'alpha reqs':>10} {'step ms':>8}  flags")
+          f"{'alpha prompt tok/s':>19} {'alpha gen tok/s':>16} {'alpha reqs':>10} {'step ms':>8} "
+          f"{'beta ttft/itl ms':>17}  flags")
     for r in results:
         print(f"{r['mode']:<5} {s(r['beta_alone_p50_s']) + ' / ' + s(r['beta_alone_p99_s']):>21} "
               f"{s(r['beta_flood_p50_s']) + ' / ' + s(r['beta_flood_p99_s']):>21} "
               f"{r['beta_flood_requests']:>4} {r['alpha_prompt_tok_s']:>19.1f} "
               f"{r['alpha_generated_tok_s']:>16.1f} {r['alpha_requests']:>10} "
-              f"{s(r['mean_step_ms']):>8}  {r['flags'] or '(defaults)'}")
+              f"{s(r['mean_step_ms']):>8} "
+              f"{s(r['beta_mean_ttft_ms']) + ' / ' + s(r['beta_mean_itl_ms']):>17}  "
+              f"{r['flags'] or '(defaults)'}")
         if r["beta_rejected"] or r["beta_failed"] or r["alpha_errors"]:
             print(f"      beta 429s {r['beta_rejected']}, beta failures {r['beta_failed']}, "
                   f"alpha non-200s {r['alpha_errors']}")
     by_mode = {r["mode"]: r for r in results}
-    if "new" in by_mode and "old" in by_mode and by_mode["old"]["alpha_prompt_tok_s"] > 0:
-        new, old = by_mode["new"], by_mode["old"]
-        print(f"alpha prompt tok/s new/old: {new['alpha_prompt_tok_s'] / old['alpha_prompt_tok_s']:.3f}; "
-              f"generated: {new['alpha_generated_tok_s'] / max(old['alpha_generated_tok_s'], 1e-9):.3f}")
+    old = by_mode.get("old")
+    if old is not None and old["alpha_prompt_tok_s"] > 0:
+        for r in results:
+            if r is old:
+                continue
+            print(f"alpha prompt tok/s {r['mode']}/old: "
+                  f"{r['alpha_prompt_tok_s'] / old['alpha_prompt_tok_s']:.3f}; generated: "
+                  f"{r['alpha_generated_tok_s'] / max(old['alpha_generated_tok_s'], 1e-9):.3f}")
 
 
 if __name__ == "__main__":

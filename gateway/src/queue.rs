@@ -410,6 +410,16 @@ impl<T> FairQueue<T> {
             .flat_map(|flow| flow.lanes.iter().flat_map(BTreeMap::values))
     }
 
+    /// Every queued entry's payload, mutably, in no particular order. The queue's own
+    /// bookkeeping (tokens, deadlines, order) lives outside the payload and is not affected.
+    pub fn payloads_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.flows.values_mut().flat_map(|flow| {
+            flow.lanes
+                .iter_mut()
+                .flat_map(|lane| lane.values_mut().map(|entry| &mut entry.payload))
+        })
+    }
+
     fn take(&mut self, id: EntryId) -> Option<QueueEntry<T>> {
         let (tenant, lane) = self.index.remove(&id)?;
         let flow = self.flows.get_mut(&tenant)?;

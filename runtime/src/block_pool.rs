@@ -107,6 +107,9 @@ struct PoolState {
     used: usize,
     /// Free capacity promised to reservations; `reserved ≤ free_count()` always.
     reserved: usize,
+    /// Bumped whenever a block is registered in or evicted from the prefix cache, so that a
+    /// caller holding estimates of cached prefixes knows when they may have gone stale.
+    cache_generation: u64,
 }
 
 impl PoolState {
@@ -127,6 +130,7 @@ impl PoolState {
                 let id = self.cached_free.pop_front()?;
                 if let Some(entry) = self.entries[id as usize].take() {
                     self.by_hash.remove(&entry.hash);
+                    self.cache_generation += 1;
                 }
                 id
             }
@@ -186,6 +190,7 @@ impl BlockPool {
                 by_hash: HashMap::new(),
                 used: 0,
                 reserved: 0,
+                cache_generation: 0,
             }),
             hasher: PrefixHasher::new(),
             block_size,
@@ -213,6 +218,12 @@ impl BlockPool {
             block_size: self.block_size,
             bytes_per_block: self.bytes_per_block,
         }
+    }
+
+    /// Changes whenever the prefix cache gains or loses a block: estimates made with
+    /// [`BlockPool::cached_prefix_blocks`] under another generation may be stale.
+    pub fn cache_generation(&self) -> u64 {
+        self.state.lock().cache_generation
     }
 
     /// Reserves `blocks` blocks of capacity if that many are free right now.
@@ -609,6 +620,7 @@ impl BlockPool {
                 tokens: computed[b * self.block_size..(b + 1) * self.block_size].into(),
             });
             state.by_hash.insert(hash, id);
+            state.cache_generation += 1;
         }
     }
 

@@ -157,6 +157,8 @@ struct PrefillCandidate {
     rank: (bool, u64, SeqId),
     /// Tokens it could compute this step (remaining prefill, capped per sequence).
     want: usize,
+    /// `want` is all of its remaining prompt: granted in full, it finishes its prefill.
+    completes: bool,
     /// Its part of its tenant's grant.
     granted: usize,
 }
@@ -522,6 +524,7 @@ impl Scheduler {
                         tenant: Arc::clone(&seq.label),
                         weight: seq.weight.get(),
                         want: 0,
+                        finish: 0,
                         granted: 0,
                     });
                     self.demands.len() - 1
@@ -538,6 +541,7 @@ impl Scheduler {
                 waiting: is_waiting,
                 rank: (needs_shared, aged, seq.id),
                 want,
+                completes: want == seq.num_uncomputed_tokens(),
                 granted: 0,
             });
         }
@@ -576,7 +580,13 @@ impl Scheduler {
                         }
                         slots[c.tenant] += 1;
                     }
-                    self.demands[c.tenant].want += c.want;
+                    let demand = &mut self.demands[c.tenant];
+                    // The tenant's first sequence in plan order is the one its grant serves
+                    // first: if its whole prompt fits, it may borrow to finish (fair.rs).
+                    if demand.want == 0 && c.completes {
+                        demand.finish = c.want;
+                    }
+                    demand.want += c.want;
                 }
                 self.shares.split(prefill_budget, &mut self.demands);
                 let mut left: Vec<usize> = self.demands.iter().map(|d| d.granted).collect();

@@ -27,7 +27,10 @@
 //! per-tenant counters kept up to date on every queue change, and the re-forecast looks at one
 //! entry per backlogged tenant (plus each one it refuses): O(T + log N) per command for T
 //! backlogged tenants and N queued requests (`benches/dispatch.rs`). Only a policy reload walks
-//! the whole queue, once.
+//! the whole queue, once; and a forecast about to refuse a request first re-estimates the
+//! queued entries' blocks against the prefix cache (entries queued before their prompt was
+//! cached count it in full), at most once per [`REFORECAST_EVERY`] per pool and only after the
+//! cache changed ([`Dispatcher::refresh_estimates`]).
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -105,6 +108,9 @@ pub(super) struct Dispatcher {
     keys: HashMap<u64, EntryId>,
     /// Queued max_tokens per tenant (all pools), for queue-full Retry-After estimates.
     queued_output: HashMap<String, u64>,
+    /// Per pool (indexed by [`PoolId`]): the prefix-cache generation and time of the last
+    /// re-estimate of queued entries' expected blocks (see [`Dispatcher::refresh_estimates`]).
+    estimated_at: Vec<Option<(u64, Instant)>>,
 }
 
 /// Queued KV blocks of one pool.
@@ -143,6 +149,7 @@ impl Dispatcher {
         limits: Arc<RateLimits>,
         ledger: Arc<Ledger>,
     ) -> Dispatcher {
+        let usable_len = usable.len();
         Dispatcher {
             commands,
             store,
@@ -157,6 +164,7 @@ impl Dispatcher {
             queue: FairQueue::new(),
             keys: HashMap::new(),
             queued_output: HashMap::new(),
+            estimated_at: vec![None; usable_len],
         }
     }
 
@@ -337,9 +345,17 @@ impl Dispatcher {
         }
         let pool = pending.ticket.pool;
         let max_wait = self.ledger.max_queue_wait(tenant.max_queue_wait);
-        let own_blocks = self.backlog[pool.0].of(&tenant.name) + pending.needed_blocks;
-        if let Some(estimated_wait) = self.kv_wait(pool, &tenant.name, tenant.weight, own_blocks)
-            && estimated_wait > max_wait.mul_f64(ENQUEUE_FORECAST_MARGIN)
+        let forecast = |this: &Self| {
+            let own_blocks = this.backlog[pool.0].of(&tenant.name) + pending.needed_blocks;
+            this.kv_wait(pool, &tenant.name, tenant.weight, own_blocks)
+        };
+        let too_late = |wait: Duration| wait > max_wait.mul_f64(ENQUEUE_FORECAST_MARGIN);
+        let mut estimate = forecast(self);
+        if estimate.is_some_and(too_late) && self.refresh_estimates(pool, Instant::now()) {
+            estimate = forecast(self);
+        }
+        if let Some(estimated_wait) = estimate
+            && too_late(estimated_wait)
         {
             let needed_blocks = pending.needed_blocks;
             drop(pending.debit);
@@ -452,9 +468,16 @@ impl Dispatcher {
                 let (id, pool) = (entry.id, entry.payload.ticket.pool);
                 let left = Instant::from_std(entry.deadline).saturating_duration_since(now);
                 let own_blocks = self.backlog[pool.0].of(&tenant);
-                let Some(wait) = self.kv_wait(pool, &tenant, weight, own_blocks) else {
+                let Some(mut wait) = self.kv_wait(pool, &tenant, weight, own_blocks) else {
                     break;
                 };
+                if wait > left && self.refresh_estimates(pool, now) {
+                    let own_blocks = self.backlog[pool.0].of(&tenant);
+                    let Some(refreshed) = self.kv_wait(pool, &tenant, weight, own_blocks) else {
+                        break;
+                    };
+                    wait = refreshed;
+                }
                 if wait <= left {
                     break;
                 }
@@ -475,6 +498,49 @@ impl Dispatcher {
                 self.reject(reply, rejection, &ticket.tenant);
             }
         }
+    }
+
+    /// Re-estimates the blocks every queued entry of `pool` is expected to add, against the
+    /// prefix cache as it is now; true when any estimate changed (the backlog counters follow).
+    ///
+    /// Entries count the blocks past their prefix cached *at enqueue*. When many requests share
+    /// a prompt nobody has computed yet, they all count it in full, while the running ones
+    /// return only the blocks they added: the backlog stays inflated and the forecast turns
+    /// pessimistic once the prompt is cached. Called only when a forecast is about to refuse
+    /// a request, and it walks the queue at most once per [`REFORECAST_EVERY`] per pool, and
+    /// only after the cache changed (its generation moved) — so the walk is amortised over
+    /// the commands of that period instead of paid on each.
+    fn refresh_estimates(&mut self, pool: PoolId, now: Instant) -> bool {
+        let Some(block_pool) = self.pools.get(pool.0) else {
+            return false;
+        };
+        let generation = block_pool.cache_generation();
+        if let Some((seen, at)) = self.estimated_at[pool.0]
+            && (seen == generation || now.saturating_duration_since(at) < REFORECAST_EVERY)
+        {
+            return false;
+        }
+        self.estimated_at[pool.0] = Some((generation, now));
+        let block_size = block_pool.block_size() as u64;
+        let backlog = &mut self.backlog[pool.0];
+        let mut changed = false;
+        for pending in self.queue.payloads_mut() {
+            if pending.ticket.pool != pool || pending.ticket.prefix.is_none() {
+                continue;
+            }
+            let expected =
+                super::expected_new_blocks(block_pool, &pending.ticket, pending.full_blocks);
+            if expected == pending.needed_blocks {
+                continue;
+            }
+            let tenant = &pending.ticket.tenant.name;
+            backlog.remove(tenant, pending.needed_blocks);
+            backlog.add(tenant, expected);
+            pending.needed_blocks = expected;
+            pending.reserved_tokens = expected as u64 * block_size;
+            changed = true;
+        }
+        changed
     }
 
     fn saturated(

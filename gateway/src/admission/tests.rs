@@ -1,7 +1,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvgate_runtime::block_pool::BlockPool;
+use kvgate_runtime::block_pool::{BlockId, BlockPool, Reservation};
 use tokio::task::JoinHandle;
 
 use super::*;
@@ -1263,4 +1263,86 @@ async fn a_queued_request_pins_its_prefix_when_it_is_dispatched() {
     );
     drop(admitted);
     assert_eq!(pool.snapshot().cached_blocks, 10);
+}
+
+/// Admission with a drain rate of 10 blocks a second, a 2.5 s queue wait, a running sequence
+/// computing a 160-token prompt (10 blocks, not registered yet) and the rest of the pool taken;
+/// two requests sharing that prompt queued before it is cached (11 blocks each, 2.2 s of drain).
+async fn two_queued_before_their_prompt_is_cached() -> (
+    Admission,
+    Arc<BlockPool>,
+    PolicyStore,
+    Vec<BlockId>,
+    Vec<JoinHandle<Result<Admitted, Rejection>>>,
+    Reservation,
+) {
+    let policy = "[tenants.a]\nmax_concurrency = 64\nmax_queue_wait = \"2500ms\"\n\
+                  [kv]\nhigh_watermark = 1.0\n";
+    let (admission, pool, store) = setup(50, policy);
+    teach_drain_rate(&admission, &store, "a").await;
+    let mut holder = Vec::new();
+    assert!(pool.allocate_n(10, &mut pool.empty_reservation(), &mut holder));
+    let full = pool.try_reserve(40).expect("the other 40 are free");
+    let waiting: Vec<_> = (0..2)
+        .map(|_| spawn_admit(&admission, prefixed_ticket(&store, 160, 15)))
+        .collect();
+    until(|| queued(&admission) == 2).await;
+    (admission, pool, store, holder, waiting, full)
+}
+
+fn register_prompt(pool: &BlockPool, holder: &[BlockId]) {
+    let prompt: Vec<u32> = (0..160).collect();
+    pool.register_full_blocks("tenant:a", holder, &prompt, &mut Vec::new());
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_queued_before_their_prompt_was_cached_do_not_refuse_a_newcomer() {
+    let (admission, pool, store, holder, waiting, _full) =
+        two_queued_before_their_prompt_is_cached().await;
+    // While the prompt is not cached a third would need 11 blocks too: 33 in all, 3.3 s. Once
+    // it is, the third adds 1 block. Counting the queued two as enqueued (22 blocks) it
+    // would still be forecast at 2.3 s and refused; re-estimated, the backlog is 3 blocks.
+    register_prompt(&pool, &holder);
+    let third = spawn_admit(&admission, prefixed_ticket(&store, 160, 15));
+    until(|| queued(&admission) == 3 || third.is_finished()).await;
+    assert!(!third.is_finished(), "{:?}", third.await.unwrap().err());
+    third.abort();
+    for handle in waiting {
+        handle.abort();
+    }
+}
+
+/// How many of the two stay queued 600 ms on, when the youngest has 1.9 s left and its
+/// forecast, counting what was queued as it was enqueued, is 2.2 s.
+async fn queued_after_600ms(prompt_cached: bool) -> usize {
+    let (admission, pool, _store, holder, waiting, _full) =
+        two_queued_before_their_prompt_is_cached().await;
+    if prompt_cached {
+        register_prompt(&pool, &holder);
+    }
+    for _ in 0..6 {
+        tokio::time::advance(Duration::from_millis(100)).await;
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let still = queued(&admission);
+    for handle in waiting {
+        handle.abort();
+    }
+    still
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_queued_before_their_prompt_was_cached_are_re_estimated_not_refused() {
+    assert_eq!(
+        queued_after_600ms(false).await,
+        1,
+        "uncached, the youngest cannot start in time and is refused at a re-forecast"
+    );
+    assert_eq!(
+        queued_after_600ms(true).await,
+        2,
+        "cached, each adds 1 block: both can start in time"
+    );
 }

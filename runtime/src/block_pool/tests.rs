@@ -336,8 +336,18 @@ fn a_hash_hit_with_other_tokens_is_a_miss() {
 #[test]
 fn fresh_blocks_come_from_plain_free_ones_before_evicting_the_oldest_cached() {
     let pool = BlockPool::new(4, 2, 1);
+    let empty = pool.cache_generation();
     let a = compute(&pool, "t", &[1, 1]);
     let b = compute(&pool, "t", &[2, 2]);
+    let registered = pool.cache_generation();
+    assert_ne!(registered, empty, "registering moves the cache generation");
+    let again = compute(&pool, "t", &[2, 2]);
+    assert_eq!(
+        pool.cache_generation(),
+        registered,
+        "content already cached registers nothing new"
+    );
+    pool.free(&again.table);
     pool.free(&a.table); // freed first: evicted first
     pool.free(&b.table);
     let mut table = Vec::new();
@@ -348,8 +358,10 @@ fn fresh_blocks_come_from_plain_free_ones_before_evicting_the_oldest_cached() {
         2,
         "two plain free blocks went first"
     );
+    assert_eq!(pool.cache_generation(), registered, "nothing evicted yet");
     assert!(pool.allocate_n(1, &mut credit, &mut table));
     assert_eq!(table[2], a.table[0]);
+    assert_ne!(pool.cache_generation(), registered, "an eviction moves it");
     assert_eq!(pool.cached_prefix_blocks("t", &[1, 1, 0], 1), 0, "evicted");
     assert_eq!(
         pool.cached_prefix_blocks("t", &[2, 2, 0], 1),

@@ -11,9 +11,26 @@
 //! tokens in proportion to their weights. Credit is bounded by one full step in either
 //! direction, so a tenant that could not use its share (its sequences waited for KV blocks)
 //! cannot later take over many steps in a burst.
+//!
+//! **A short prompt borrows to finish.** Shares alone would spread a tenant's short prompt over
+//! several steps (weight 2 of 5 of a 30-token step is 12 tokens: a 41-token chat takes four
+//! steps), and every step it waits is a whole step of its time to first token. So after the
+//! round, a tenant whose next prompt could finish within [`BORROW_STEPS`] steps takes what it
+//! needs to finish (at most the whole step) from the tenants granted the most, as a debt: its
+//! deficit goes negative by what it borrowed and the lenders' rise by the same, so while it
+//! stays backlogged it repays from its next shares, and over many steps the weights hold. A
+//! tenant owing more than [`MAX_DEBT_STEPS`] of a full step does not borrow, so a stream of
+//! short prompts from one tenant gets its share and no more; debt is forgotten with the tenant
+//! when it has no sequence left (as DRR forgets an emptied queue's deficit).
 
 use std::collections::HashMap;
 use std::sync::Arc;
+
+/// A prompt may borrow when its remaining tokens fit in this many of the current steps.
+pub const BORROW_STEPS: usize = 2;
+/// A tenant owing more than this share of a full step (the scheduler's token budget) does
+/// not borrow.
+const MAX_DEBT_STEPS: f64 = 0.5;
 
 /// One tenant's claim on this step's prompt tokens.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,6 +39,10 @@ pub struct TenantDemand {
     pub weight: u32,
     /// Prompt tokens its sequences could compute this step.
     pub want: usize,
+    /// Tokens that would complete its next prompt (the first of its sequences in prefill
+    /// order, when that one's whole remaining prompt fits in a step's per-sequence cap); 0
+    /// when none can.
+    pub finish: usize,
     /// Tokens it is granted (set by [`TenantShares::split`]).
     pub granted: usize,
 }
@@ -106,12 +127,80 @@ impl TenantShares {
                 remaining -= give;
             }
         }
+        self.lend_to_finishers(demands);
         for d in demands.iter() {
-            if d.granted >= d.want {
+            // A satisfied tenant forgets its credit, not a debt it just took on.
+            if d.granted >= d.want && self.deficit(&d.tenant) > -1.0 {
                 self.deficits.remove(&d.tenant);
             }
         }
         self.clamp();
+    }
+
+    /// The borrowing pass of the module docs: shortest finish first, each from the largest
+    /// grants.
+    fn lend_to_finishers(&mut self, demands: &mut [TenantDemand]) {
+        let budget: usize = demands.iter().map(|d| d.granted).sum();
+        let mut borrowers: Vec<usize> = (0..demands.len())
+            .filter(|&i| {
+                let d = &demands[i];
+                d.finish > d.granted
+                    && d.finish <= d.want
+                    && d.finish <= budget.saturating_mul(BORROW_STEPS)
+            })
+            .collect();
+        borrowers.sort_by_key(|&i| demands[i].finish);
+        for b in borrowers {
+            if self.deficit(&demands[b].tenant) < -self.limit * MAX_DEBT_STEPS {
+                continue;
+            }
+            let Some(gap) = demands[b]
+                .finish
+                .min(budget)
+                .checked_sub(demands[b].granted)
+            else {
+                continue;
+            };
+            // Never past the bound the deficits are clamped to: a clamped debt would be
+            // forgiven, and the weights would no longer hold.
+            let room = (self.deficit(&demands[b].tenant) + self.limit).max(0.0) as usize;
+            let mut gap = gap.min(room);
+            let lendable: usize = (0..demands.len())
+                .filter(|&i| i != b)
+                .map(|i| demands[i].granted)
+                .sum();
+            if gap > lendable {
+                continue;
+            }
+            while gap > 0 {
+                let Some(lender) = (0..demands.len())
+                    .filter(|&i| i != b && demands[i].granted > 0)
+                    .max_by_key(|&i| demands[i].granted)
+                else {
+                    break;
+                };
+                // Take from the largest grant down to the next largest, so several lenders
+                // share the loan instead of one paying it all.
+                let next = (0..demands.len())
+                    .filter(|&i| i != b && i != lender)
+                    .map(|i| demands[i].granted)
+                    .max()
+                    .unwrap_or(0);
+                let take = gap.min((demands[lender].granted - next).max(1));
+                demands[lender].granted -= take;
+                *self
+                    .deficits
+                    .entry(Arc::clone(&demands[lender].tenant))
+                    .or_insert(0.0) += take as f64;
+                let borrower = self
+                    .deficits
+                    .entry(Arc::clone(&demands[b].tenant))
+                    .or_insert(0.0);
+                *borrower -= take as f64;
+                demands[b].granted += take;
+                gap -= take;
+            }
+        }
     }
 
     /// Settles a tenant's account after the step: it was granted `granted` tokens and computed
@@ -154,8 +243,70 @@ mod tests {
             tenant: tenant.into(),
             weight,
             want,
+            finish: 0,
             granted: 0,
         }
+    }
+
+    fn finishing(tenant: &str, weight: u32, want: usize, finish: usize) -> TenantDemand {
+        TenantDemand {
+            finish,
+            ..demand(tenant, weight, want)
+        }
+    }
+
+    #[test]
+    fn a_prompt_that_can_finish_now_borrows_and_repays() {
+        let mut shares = TenantShares::new(512);
+        // Weight 2 of 5 of 60 tokens is 24: the 41-token chat borrows 17 from the flood.
+        let mut demands = vec![demand("flood", 3, 5000), finishing("chat", 2, 41, 41)];
+        shares.split(60, &mut demands);
+        assert_eq!((demands[0].granted, demands[1].granted), (19, 41));
+        assert_eq!(shares.deficit("chat"), -17.0);
+        assert_eq!(shares.deficit("flood"), 17.0);
+        // A prompt that needs two whole steps takes the whole of each while its debt is small.
+        let mut shares = TenantShares::new(512);
+        let mut demands = vec![demand("flood", 3, 5000), finishing("chat", 2, 41, 41)];
+        shares.split(30, &mut demands);
+        assert_eq!((demands[0].granted, demands[1].granted), (0, 30));
+        assert_eq!(shares.deficit("chat"), -18.0, "12 of its own, 18 borrowed");
+        let mut demands = vec![demand("flood", 3, 5000), finishing("chat", 2, 11, 11)];
+        shares.split(30, &mut demands);
+        assert_eq!(demands[1].granted, 11, "finished in the second step");
+        // One that would need more than two steps gets its share.
+        let mut shares = TenantShares::new(512);
+        let mut demands = vec![demand("flood", 3, 5000), finishing("chat", 2, 150, 150)];
+        shares.split(60, &mut demands);
+        assert_eq!(demands[1].granted, 24);
+        // So does a tenant that owes more than half a full step, and no debt goes past the
+        // bound (where it would be forgiven).
+        let mut shares = TenantShares::new(100);
+        let mut granted = Vec::new();
+        for _ in 0..4 {
+            let mut demands = vec![demand("flood", 1, 5000), finishing("chat", 1, 90, 90)];
+            shares.split(90, &mut demands);
+            granted.push(demands[1].granted);
+            assert!(shares.deficit("chat") >= -100.0);
+        }
+        // 45 own + 45 borrowed (owes 45); again (owes 90); then 45 earned leaves it owing 45,
+        // under half of 100: a loan up to the bound (10); then owing 100 − 45 = 55: its share.
+        assert_eq!(granted, [90, 90, 55, 0]);
+    }
+
+    #[test]
+    fn borrowing_keeps_the_weights_over_many_steps() {
+        let mut shares = TenantShares::new(512);
+        let mut totals = [0usize; 2];
+        for _ in 0..2000 {
+            // Both always backlogged; b's next prompt could always finish with 40 tokens.
+            let mut demands = vec![demand("a", 3, 10_000), finishing("b", 1, 10_000, 40)];
+            shares.split(64, &mut demands);
+            assert_eq!(demands.iter().map(|d| d.granted).sum::<usize>(), 64);
+            totals[0] += demands[0].granted;
+            totals[1] += demands[1].granted;
+        }
+        let share_b = totals[1] as f64 / (totals[0] + totals[1]) as f64;
+        assert!((share_b - 0.25).abs() < 0.01, "{totals:?}");
     }
 
     #[test]

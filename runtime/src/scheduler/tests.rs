@@ -426,8 +426,10 @@ fn a_short_prompt_is_not_stuck_behind_another_tenants_long_ones() {
         }
         panic!("the chat never got its first token");
     };
-    // Weight 2 of 5: 25 of each 64-token step, 40 tokens in two steps.
-    assert_eq!(steps_to_first_token(PrefillOrder::TenantFair), 2);
+    // Weight 2 of 5 is 25 of each 64-token step, but the whole 40-token prompt fits in one:
+    // it borrows the other 15 from the flood (repaid from its later shares, see fair.rs), so
+    // its first token comes after one step, not two.
+    assert_eq!(steps_to_first_token(PrefillOrder::TenantFair), 1);
     assert!(steps_to_first_token(PrefillOrder::Fcfs) >= 25);
 }
 
