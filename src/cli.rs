@@ -302,6 +302,30 @@ pub struct BenchArgs {
     /// What to measure.
     #[arg(long, value_enum, default_value_t = BenchWorkload::Throughput, conflicts_with = "kv_waste")]
     pub workload: BenchWorkload,
+    /// Concurrent stream counts of the aggregate decode measurement, or `none` to measure
+    /// prefill and single-stream decode only (what llama-bench's pp/tg compare with).
+    #[arg(long, value_name = "N,N,...|none", default_value = "1,4,16,64", value_parser = parse_streams)]
+    pub streams: Streams,
+}
+
+/// `--streams`: stream counts for the aggregate decode measurement (empty for `none`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Streams(pub Vec<usize>);
+
+fn parse_streams(text: &str) -> Result<Streams, String> {
+    if text.trim().eq_ignore_ascii_case("none") {
+        return Ok(Streams(Vec::new()));
+    }
+    text.split(',')
+        .map(|n| match n.trim().parse::<usize>() {
+            Ok(n) if (1..=1024).contains(&n) => Ok(n),
+            _ => Err(format!(
+                "expected stream counts from 1 to 1024 separated by commas, or `none`; got `{}`",
+                n.trim()
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Streams)
 }
 
 #[derive(Debug, Args)]
@@ -433,6 +457,20 @@ mod tests {
             let error = parse_listen_addr(bad).expect_err(bad);
             assert!(
                 error.starts_with("expected IP:PORT or HOST:PORT"),
+                "{bad}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn bench_streams_are_counts_or_none() {
+        assert_eq!(parse_streams("1,4,16,64"), Ok(Streams(vec![1, 4, 16, 64])));
+        assert_eq!(parse_streams(" 16 "), Ok(Streams(vec![16])));
+        assert_eq!(parse_streams("none"), Ok(Streams(Vec::new())));
+        for bad in ["", "0", "1,,4", "four", "2000", "-1"] {
+            let error = parse_streams(bad).expect_err(bad);
+            assert!(
+                error.starts_with("expected stream counts"),
                 "{bad}: {error}"
             );
         }

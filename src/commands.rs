@@ -151,6 +151,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let options = BenchOptions {
         decode_depth: args.decode_depth,
+        concurrency: args.streams.0.clone(),
         ..BenchOptions::default()
     };
     let report = kvgate_runtime::bench::run_bench(&runtime, &options)?;
