@@ -149,7 +149,11 @@ enum Command {
     Wake,
     /// Fit the step cost model with synthetic steps ([`Engine::calibrate`]) and answer with
     /// the fit.
-    Calibrate(SyncSender<StepCost>),
+    /// Fit the step cost model; the deepest context the model takes bounds the deep decodes.
+    Calibrate {
+        reply: SyncSender<StepCost>,
+        max_context: usize,
+    },
 }
 
 /// State shared between handles and the engine thread.
@@ -357,7 +361,9 @@ impl Engine {
     /// Fits the step cost model to this machine before the first request: the engine thread
     /// runs a few synthetic sequences through the real scheduler and backend (one warm-up
     /// sequence first, whose timing is discarded: the first forward pages in the weights) and
-    /// times every step as it times real ones, without streaming or counting them in the
+    /// times every step as it times real ones, then a few decode steps of one sequence whose
+    /// context is a thousand tokens deep (blocks taken from the pool and given back; their K/V
+    /// is not computed, only its reading is timed), without streaming or counting them in the
     /// stats. Until then the model holds a generic prior, and everything priced from it is
     /// off by the ratio between that guess and this machine: the prefill cap, and admission's
     /// forecasts of how long queued requests wait (the gateway refuses at once what cannot
@@ -369,7 +375,9 @@ impl Engine {
     /// `None` when the engine thread is gone.
     pub fn calibrate(&self) -> Option<StepCost> {
         let (reply, fit) = mpsc::sync_channel(1);
-        self.inner.commands.send(Command::Calibrate(reply)).ok()?;
+        let max_context = self.inner.config.max_model_len;
+        let command = Command::Calibrate { reply, max_context };
+        self.inner.commands.send(command).ok()?;
         fit.recv().ok()
     }
 

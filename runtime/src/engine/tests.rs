@@ -560,6 +560,77 @@ fn calibration_fits_the_cost_model_and_leaves_no_other_trace() {
     assert_eq!(engine.stats().finished_total, 1);
 }
 
+/// An engine whose backend reads unwritten K/V as zeros (as a real one reads whatever a block
+/// holds) and reports the deepest context it attended to.
+fn start_lenient(config: EngineConfig) -> (Engine, Arc<std::sync::atomic::AtomicUsize>) {
+    let mut backend = FakeBackend::new(Mode::Hash, config.block_size, config.num_blocks);
+    backend.unwritten_kv_reads_as_zero = true;
+    let deepest = Arc::clone(&backend.deepest_context);
+    let engine = Engine::spawn(Box::new(backend), Arc::new(FakeDecoder::letters()), config)
+        .expect("engine starts");
+    (engine, deepest)
+}
+
+#[test]
+fn calibration_times_decodes_a_thousand_tokens_deep_and_gives_their_blocks_back() {
+    let mut cfg = config(16, 96, 256, 0);
+    cfg.max_model_len = 4096;
+    let (engine, deepest) = start_lenient(cfg);
+    let before = engine.pool().snapshot();
+    engine.calibrate().expect("the engine runs");
+    assert_eq!(
+        deepest.load(std::sync::atomic::Ordering::Relaxed),
+        1024,
+        "the deep decodes ran"
+    );
+    let after = engine.pool().snapshot();
+    assert_eq!(after.free_blocks, before.free_blocks, "every block is back");
+    assert_eq!((after.used_blocks, after.reserved_blocks), (0, 0));
+    // The blocks it borrowed serve requests as usual.
+    let p = prompt(5, 40);
+    let mut handle = engine.submit(request(p.clone(), 6)).expect("accepted");
+    assert_eq!(tokens_of(&collect(&mut handle)), reference_greedy(&p, 6));
+}
+
+#[test]
+fn deep_calibration_decodes_stay_within_the_model_context_and_the_pool() {
+    // The model takes 512 tokens: no deeper.
+    let mut cfg = config(16, 96, 256, 0);
+    cfg.max_model_len = 512;
+    let (engine, deepest) = start_lenient(cfg);
+    engine.calibrate().expect("the engine runs");
+    assert_eq!(deepest.load(std::sync::atomic::Ordering::Relaxed), 512);
+    // 40 blocks of 16 = 640 tokens in all: the deep decodes take what is free.
+    let mut cfg = config(16, 40, 256, 0);
+    cfg.max_model_len = 4096;
+    let (engine, deepest) = start_lenient(cfg);
+    engine.calibrate().expect("the engine runs");
+    assert_eq!(deepest.load(std::sync::atomic::Ordering::Relaxed), 640);
+    let pool = engine.pool().snapshot();
+    assert_eq!(pool.free_blocks, pool.total_blocks);
+    // A model of 256 tokens is never decoded deeper than the calibration sequences reach on
+    // their own (~100): nothing to learn, nothing run.
+    let (engine, deepest) = start_lenient(config(16, 96, 256, 0));
+    engine.calibrate().expect("the engine runs");
+    assert!(deepest.load(std::sync::atomic::Ordering::Relaxed) <= 100);
+}
+
+#[test]
+fn a_backend_that_refuses_the_deep_decode_leaves_calibration_and_the_pool_intact() {
+    // The plain fake backend fails a forward whose context was never written.
+    let mut cfg = config(16, 96, 256, 0);
+    cfg.max_model_len = 4096;
+    let engine = start(Mode::Hash, FakeDecoder::letters(), cfg);
+    let prior = crate::scheduler::StepCostModel::default().cost();
+    let fit = engine.calibrate().expect("the engine runs");
+    assert_ne!(fit, prior, "the calibration sequences were still fitted");
+    let pool = engine.pool().snapshot();
+    assert_eq!(pool.free_blocks, pool.total_blocks, "every block is back");
+    let p = prompt(6, 30);
+    let mut handle = engine.submit(request(p.clone(), 4)).expect("accepted");
+    assert_eq!(tokens_of(&collect(&mut handle)), reference_greedy(&p, 4));
+}
+
 #[test]
 fn calibration_keeps_the_prior_when_the_pool_cannot_hold_it() {
     // 8 blocks of 4 tokens: the synthetic sequences need far more.

@@ -12,12 +12,14 @@ use tokio::sync::mpsc as tokio_mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 
 use super::{Command, EngineStats, SeqSnapshot, Shared, TokenDecoder};
-use crate::backend::{Backend, BatchInputs};
+use crate::backend::{Backend, BatchInputs, SeqInputs};
 use crate::batch::build_inputs;
 use crate::block_pool::BlockPool;
 use crate::kv_math::blocks_for_tokens;
 use crate::sampler::Sampler;
-use crate::scheduler::{ScheduledBatch, Scheduler, SchedulerConfig, StepCost, StepCostModel};
+use crate::scheduler::{
+    ScheduledBatch, Scheduler, SchedulerConfig, StepCost, StepCostModel, StepShape,
+};
 use crate::sequence::{
     FinishReason, SamplingParams, SeqId, SeqStatus, Sequence, StopParams, TokenEvent,
 };
@@ -34,6 +36,15 @@ const STALL_POLL: Duration = Duration::from_millis(5);
 /// Small enough for a 12-block pool of 16-token blocks and well under a second on a small
 /// idle CPU.
 const CALIBRATION: [(usize, usize); 3] = [(96, 4), (32, 8), (8, 16)];
+/// Context of the decode steps [`Worker::calibrate`] times after [`CALIBRATION`] (capped by the
+/// model's context and the pool), and how many. The calibration sequences attend at most ~100
+/// tokens deep, where attention is a few percent of a step and moves together with the other
+/// terms: the fit kept the attention coefficient at its prior (0.5 µs per attended token), and
+/// admission's forecast of a 700 + 300-token request came out at 10.6 s against 14.6 s measured
+/// on a two-core Xeon. One sequence decoding a thousand tokens deep is what long requests cost,
+/// for a few tens of milliseconds of start-up.
+const DEEP_DECODE_CONTEXT: usize = 1024;
+const DEEP_DECODE_STEPS: usize = 6;
 /// Runs first and is forgotten: the first forwards page in the weights and grow buffers,
 /// which would read as a slow machine.
 const CALIBRATION_WARMUP: [(usize, usize); 1] = [(8, 2)];
@@ -146,8 +157,8 @@ impl Worker {
                 self.scheduler.add(*seq);
             }
             Command::Wake => {}
-            Command::Calibrate(reply) => {
-                let fit = self.calibrate();
+            Command::Calibrate { reply, max_context } => {
+                let fit = self.calibrate(max_context);
                 let _ = reply.send(fit);
             }
         }
@@ -157,7 +168,7 @@ impl Worker {
     /// it. Afterwards the scheduler starts afresh with the fitted cost model (no fairness
     /// state or step clock left over from the synthetic sequences) and the stats are as
     /// before, but for the fit.
-    fn calibrate(&mut self) -> StepCost {
+    fn calibrate(&mut self, max_context: usize) -> StepCost {
         let block_size = self.scheduler.config().block_size;
         let blocks: usize = CALIBRATION
             .iter()
@@ -171,7 +182,8 @@ impl Worker {
         self.run_synthetic(&CALIBRATION_WARMUP);
         self.scheduler.set_cost_model(StepCostModel::default());
         self.run_synthetic(&CALIBRATION);
-        let model = self.scheduler.cost_model().clone();
+        let mut model = self.scheduler.cost_model().clone();
+        self.time_deep_decodes(max_context, &mut model);
         self.scheduler = Scheduler::new(*self.scheduler.config(), Arc::clone(&self.pool));
         self.scheduler.set_cost_model(model);
         self.stats = EngineStats {
@@ -182,6 +194,59 @@ impl Worker {
         };
         self.publish();
         self.stats.step_cost
+    }
+
+    /// Times [`DEEP_DECODE_STEPS`] decodes of one sequence at [`DEEP_DECODE_CONTEXT`] (or the
+    /// deepest the model and the free blocks allow) and feeds them to `model`. The context's
+    /// blocks are drawn from the pool like a sequence's and freed afterwards (which drops any
+    /// prefix-cache entry they held), so no live or cached K/V is touched; what they contain
+    /// does not matter, only the time to read it. Skipped when the depth would not reach well
+    /// beyond the calibration sequences', or the backend refuses the step.
+    fn time_deep_decodes(&mut self, max_context: usize, model: &mut StepCostModel) {
+        let block_size = self.scheduler.config().block_size;
+        let free_blocks = self.pool.snapshot().free_blocks;
+        let depth = DEEP_DECODE_CONTEXT
+            .min(max_context)
+            .min(free_blocks * block_size);
+        if depth < 4 * CALIBRATION[0].0 {
+            return;
+        }
+        let mut credit = self.pool.empty_reservation();
+        let mut table = Vec::new();
+        if !self.pool.allocate_n(
+            blocks_for_tokens(depth, block_size),
+            &mut credit,
+            &mut table,
+        ) {
+            return;
+        }
+        let position = depth - 1;
+        let last_block = table[position / block_size] as usize;
+        let mut inputs = BatchInputs::default();
+        // Any id in the vocabulary: the logits are thrown away.
+        inputs.token_ids.push(0);
+        inputs.positions.push(position as u32);
+        inputs
+            .slot_mapping
+            .push((last_block * block_size + position % block_size) as u32);
+        inputs.seqs.push(SeqInputs {
+            token_start: 0,
+            num_tokens: 1,
+            context_len: depth,
+            block_table: table.clone(),
+            needs_logits: true,
+        });
+        let mut shape = StepShape::default();
+        shape.add_decode(position);
+        for _ in 0..DEEP_DECODE_STEPS {
+            let started = Instant::now();
+            if let Err(e) = self.backend.forward(&inputs, &mut self.logits) {
+                tracing::debug!("deep decode calibration skipped: {e}");
+                break;
+            }
+            model.observe(&shape, started.elapsed());
+        }
+        self.pool.free(&table);
     }
 
     /// Runs `seqs` (prompt tokens, max_tokens) of arbitrary in-vocabulary tokens to the end,

@@ -6,6 +6,8 @@
 //! makes it fail or change its output, so comparing against [`reference_greedy`] checks the
 //! whole scheduler → batch → backend path.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 
 use crate::backend::{Backend, BackendError, BatchInputs, MemoryUsage};
@@ -33,6 +35,11 @@ pub struct FakeBackend {
     calls: usize,
     /// Before each forward: announce on `entered`, then wait for `gate` (until it is dropped).
     pub gate: Option<(Sender<()>, Receiver<()>)>,
+    /// Read a slot nothing was written to as token 0 instead of failing (a real backend reads
+    /// whatever the block holds: calibration's deep decodes time such reads).
+    pub unwritten_kv_reads_as_zero: bool,
+    /// The longest context any forward call attended to.
+    pub deepest_context: Arc<AtomicUsize>,
 }
 
 impl FakeBackend {
@@ -44,6 +51,8 @@ impl FakeBackend {
             fail_at_call: None,
             calls: 0,
             gate: None,
+            unwritten_kv_reads_as_zero: false,
+            deepest_context: Arc::default(),
         }
     }
 
@@ -55,6 +64,7 @@ impl FakeBackend {
                 let slot = block * self.block_size + pos % self.block_size;
                 match self.kv.get(slot).copied().flatten() {
                     Some((token, at)) if at as usize == pos => Ok(token),
+                    _ if self.unwritten_kv_reads_as_zero && slot < self.kv.len() => Ok(0),
                     other => Err(BackendError::InvalidInputs(format!(
                         "slot {slot} for position {pos} holds {other:?}"
                     ))),
@@ -119,6 +129,8 @@ impl Backend for FakeBackend {
             *cell = Some((inputs.token_ids[i], inputs.positions[i]));
         }
         logits.clear();
+        let deepest = inputs.seqs.iter().map(|s| s.context_len).max().unwrap_or(0);
+        self.deepest_context.fetch_max(deepest, Ordering::Relaxed);
         for (index, seq) in inputs.seqs.iter().enumerate() {
             if !seq.needs_logits {
                 continue;
