@@ -196,6 +196,33 @@ fn kvgate_tokenize_reads_vocabulary_only_files() {
     }
 }
 
+/// `kvgate tokenize --add-special` adds BOS / EOS as a prompt gets them (llama.cpp's
+/// `add_special`); without it the ids are the text's alone (above).
+#[test]
+fn kvgate_tokenize_add_special_adds_the_vocabulary_bos() {
+    let Some(models) = models_dir() else { return };
+    let home = scratch_dir("tokenize-add-special");
+    for (name, expected) in [
+        ("llama-spm", "[1,15043,3186]"),
+        ("llama-bpe", "[128000,9906,1917]"),
+        ("gpt-2", "[15496,995]"),
+    ] {
+        let path = vocab_path(&models, name);
+        let model = path.to_str().expect("UTF-8 path");
+        let out = run(
+            &["tokenize", "--add-special", "--model", model, "Hello world"],
+            &home,
+        );
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout.trim().replace(' ', ""), expected, "{name}");
+    }
+}
+
 /// A vocabulary kvgate does not implement is refused with one line naming it.
 #[test]
 fn unsupported_vocabularies_fail_with_one_line_naming_the_model() {
@@ -361,8 +388,9 @@ fn the_gguf_files_own_template_renders_and_tokenizes() {
 }
 
 /// A raw `/v1/completions` prompt starts with BOS when the vocabulary adds one (Llama 2 /
-/// Mistral SentencePiece), as llama.cpp's server tokenizes it (`add_special = true`), and gets
-/// none from a vocabulary that does not (GPT-2).
+/// Mistral SentencePiece; Llama 3, whose file has no `add_bos_token`, by llama.cpp's default
+/// for `llama-bpe`), as llama.cpp's server tokenizes it (`add_special = true`), and gets none
+/// from a vocabulary that does not (GPT-2). None of these files adds EOS.
 #[test]
 fn completion_prompts_start_with_bos_when_the_vocabulary_adds_one() {
     use kvgate_gateway::validate::PromptCodec;
@@ -373,6 +401,10 @@ fn completion_prompts_start_with_bos_when_the_vocabulary_adds_one() {
     assert_eq!(ids.first(), Some(&bos), "{ids:?}");
     assert_eq!(&ids[1..], spm.encode("Hello world", true).as_slice());
     assert_eq!(ids.iter().filter(|&&id| id == bos).count(), 1);
+
+    let llama3 = tokenizer(&models, "llama-bpe");
+    let ids = PromptCodec::encode(&llama3, "Hello world");
+    assert_eq!(ids, [128000, 9906, 1917], "<|begin_of_text|> Hello world");
 
     let gpt2 = tokenizer(&models, "gpt-2");
     let ids = PromptCodec::encode(&gpt2, "Hello world");

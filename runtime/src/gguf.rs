@@ -559,6 +559,34 @@ pub(crate) mod testutil {
             self
         }
 
+        pub fn bool(mut self, key: &str, v: bool) -> Self {
+            self.key(key, 7);
+            self.kv.push(u8::from(v));
+            self
+        }
+
+        /// An array of i32 (type 5), e.g. `tokenizer.ggml.token_type`.
+        pub fn i32_array(mut self, key: &str, items: &[i32]) -> Self {
+            self.key(key, 9);
+            self.kv.extend(5u32.to_le_bytes());
+            self.kv.extend((items.len() as u64).to_le_bytes());
+            for v in items {
+                self.kv.extend(v.to_le_bytes());
+            }
+            self
+        }
+
+        /// An array of f32 (type 6), e.g. `tokenizer.ggml.scores`.
+        pub fn f32_array(mut self, key: &str, items: &[f32]) -> Self {
+            self.key(key, 9);
+            self.kv.extend(6u32.to_le_bytes());
+            self.kv.extend((items.len() as u64).to_le_bytes());
+            for v in items {
+                self.kv.extend(v.to_le_bytes());
+            }
+            self
+        }
+
         pub fn str(mut self, key: &str, v: &str) -> Self {
             self.key(key, 8);
             self.kv.extend((v.len() as u64).to_le_bytes());

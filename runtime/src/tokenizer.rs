@@ -70,6 +70,7 @@ pub struct Tokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
+    add_eos: bool,
     eog: BTreeSet<u32>,
     chat_template: Result<ChatTemplate, TemplateError>,
 }
@@ -118,6 +119,7 @@ impl Tokenizer {
             bos: vocab.bos,
             eos: vocab.eos,
             add_bos: vocab.add_bos,
+            add_eos: vocab.add_eos,
             eog: vocab.eog_ids,
             chat_template,
         })
@@ -158,14 +160,31 @@ impl Tokenizer {
         ids
     }
 
-    /// [`Self::encode`], preceded by BOS when the vocabulary asks for it (`add_bos_token`).
-    pub fn encode_with_bos(&self, text: &str, parse_special: bool) -> Vec<u32> {
+    /// [`Self::encode`] with the vocabulary's own special tokens around it, as llama.cpp's
+    /// `llama_tokenize(text, add_special = true, parse_special)` (a `/completion` prompt): BOS
+    /// first when the vocabulary adds it (`add_bos_token`), EOS last when it adds that
+    /// (`add_eos_token`). Neither is checked for in the text: like llama.cpp, a prompt that
+    /// already starts with BOS text gets a second one.
+    pub fn encode_with_specials(&self, text: &str, parse_special: bool) -> Vec<u32> {
         let mut ids = Vec::new();
         if let (true, Some(bos)) = (self.add_bos, self.bos) {
             ids.push(bos);
         }
         ids.extend(self.encode(text, parse_special));
+        if let (true, Some(eos)) = (self.add_eos, self.eos) {
+            ids.push(eos);
+        }
         ids
+    }
+
+    /// Whether prompts encoded with the special tokens start with BOS (`add_bos_token`).
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos && self.bos.is_some()
+    }
+
+    /// Whether prompts encoded with the special tokens end with EOS (`add_eos_token`).
+    pub fn adds_eos(&self) -> bool {
+        self.add_eos && self.eos.is_some()
     }
 
     /// Text of `ids`, lossily. Control tokens (BOS, `<|im_end|>`, …) contribute nothing, as in

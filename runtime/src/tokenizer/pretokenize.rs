@@ -73,6 +73,13 @@ const LLAMA3: &[&str] = &[
 /// `tokenizer.ggml.pre` values whose llama.cpp regex is Qwen2's (Llama 3's with `\p{N}`).
 const QWEN2: &[&str] = &["qwen2", "deepseek-r1-qwen", "kormo", "megrez"];
 
+/// Whether llama.cpp starts prompts with BOS for a byte-level BPE vocabulary of this
+/// pre-tokenizer when the file has no `tokenizer.ggml.add_bos_token` (it sets `add_bos` for
+/// the Llama 3 family).
+pub(super) fn adds_bos_by_default(pre: &str) -> bool {
+    LLAMA3.contains(&pre)
+}
+
 /// The four disjoint classes the GPT-2 scanner distinguishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CharClass {
