@@ -2,7 +2,8 @@
 //!
 //! Encoding is llama.cpp's pipeline: cut out special tokens ([`special`]), then encode each
 //! remaining plain-text fragment with the vocabulary's model:
-//! - byte-level BPE (`tokenizer.ggml.model = gpt2`: GPT-2, SmolLM2, Llama 3, Qwen2; [`bpe`]):
+//! - byte-level BPE (`tokenizer.ggml.model = gpt2`: GPT-2, SmolLM2, Llama 3, Qwen2, Mistral's
+//!   Tekken; [`bpe`]):
 //!   pre-tokenize into words ([`pretokenize`]), then merge each word's bytes by merge rank on
 //!   tiktoken-rs's `CoreBPE`;
 //! - SentencePiece (`tokenizer.ggml.model = llama`: Llama 2, Mistral, Phi-3; [`spm`]): spaces
@@ -50,8 +51,8 @@ pub enum TokenizerError {
     )]
     UnsupportedModel(String),
     #[error(
-        "pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm, llama-bpe, qwen2 and \
-         their aliases)"
+        "pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm, llama-bpe, qwen2, \
+         tekken and their aliases)"
     )]
     UnsupportedPreTokenizer(String),
     #[error("invalid vocabulary: {0}")]

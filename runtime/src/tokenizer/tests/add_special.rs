@@ -141,9 +141,12 @@ fn chat_prompts_end_with_exactly_one_eos_when_the_vocabulary_adds_it() {
 
 #[test]
 fn byte_level_bpe_defaults_follow_llama_cpp_per_pre_tokenizer() {
-    // llama.cpp sets add_bos for Llama 3's pre-tokenizers when the file does not say.
+    // llama.cpp sets add_bos for Llama 3's pre-tokenizers when the file does not say...
     let t = load("bpe-llama3", bpe_file("llama-bpe", None, None, true)).expect("loads");
     assert!(t.adds_bos() && !t.adds_eos());
+    assert_eq!(t.encode_with_specials("hi", false), [0, 257]);
+    // ... and for Mistral's Tekken.
+    let t = load("bpe-tekken", bpe_file("tekken", None, None, true)).expect("loads");
     assert_eq!(t.encode_with_specials("hi", false), [0, 257]);
     // GPT-2 style vocabularies add nothing by default...
     let t = load("bpe-gpt2", bpe_file("gpt-2", None, None, true)).expect("loads");
