@@ -36,16 +36,24 @@ fn spm_file(add_bos: Option<bool>, add_eos: Option<bool>, template: Option<&str>
         .f32_array("tokenizer.ggml.scores", &scores)
         .u32("tokenizer.ggml.bos_token_id", 1)
         .u32("tokenizer.ggml.eos_token_id", 2);
-    if let Some(v) = add_bos {
-        file = file.bool("tokenizer.ggml.add_bos_token", v);
-    }
-    if let Some(v) = add_eos {
-        file = file.bool("tokenizer.ggml.add_eos_token", v);
-    }
     if let Some(t) = template {
         file = file.str("tokenizer.chat_template", t);
     }
-    file.build()
+    with_add_keys(file, add_bos, add_eos).build()
+}
+
+/// `tokenizer.ggml.add_bos_token` / `add_eos_token`, each when given.
+fn with_add_keys(
+    mut file: GgufBuilder,
+    add_bos: Option<bool>,
+    add_eos: Option<bool>,
+) -> GgufBuilder {
+    for (key, value) in [("add_bos_token", add_bos), ("add_eos_token", add_eos)] {
+        if let Some(v) = value {
+            file = file.bool(&format!("tokenizer.ggml.{key}"), v);
+        }
+    }
+    file
 }
 
 /// A byte-level BPE vocabulary with pre-tokenizer `pre`: `<|end|>` (id 0), the byte tokens and
@@ -71,13 +79,7 @@ fn bpe_file(pre: &str, add_bos: Option<bool>, add_eos: Option<bool>, with_eos: b
             .u32("tokenizer.ggml.bos_token_id", 0)
             .u32("tokenizer.ggml.eos_token_id", 0);
     }
-    if let Some(v) = add_bos {
-        file = file.bool("tokenizer.ggml.add_bos_token", v);
-    }
-    if let Some(v) = add_eos {
-        file = file.bool("tokenizer.ggml.add_eos_token", v);
-    }
-    file.build()
+    with_add_keys(file, add_bos, add_eos).build()
 }
 
 #[test]
