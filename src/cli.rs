@@ -282,6 +282,10 @@ pub struct TokenizeArgs {
     /// Do not treat special-token text (e.g. `<|im_start|>`) as special tokens.
     #[arg(long)]
     pub no_special: bool,
+    /// Add the vocabulary's BOS / EOS as a prompt gets them (`tokenizer.ggml.add_bos_token` /
+    /// `add_eos_token`; llama.cpp's `add_special`).
+    #[arg(long)]
+    pub add_special: bool,
     /// The text.
     pub text: String,
 }

@@ -77,7 +77,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     }
     let runtime = start_runtime(&args.model)?;
     let prompt = if args.raw {
-        runtime.tokenizer.encode_with_bos(&args.prompt, false)
+        runtime.tokenizer.encode_with_specials(&args.prompt, false)
     } else {
         // The prompt is message content: only the template's markup becomes control tokens.
         runtime
@@ -125,7 +125,11 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
     let path = provision::resolve_model(args.model.as_deref())?;
     let gguf = GgufFile::open(&path)?;
     let tokenizer = Tokenizer::from_gguf(&gguf)?;
-    let ids = tokenizer.encode(&args.text, !args.no_special);
+    let ids = if args.add_special {
+        tokenizer.encode_with_specials(&args.text, !args.no_special)
+    } else {
+        tokenizer.encode(&args.text, !args.no_special)
+    };
     println!("{}", serde_json::to_string(&ids)?);
     Ok(())
 }

@@ -7,20 +7,9 @@ mod common;
 use std::net::TcpListener;
 use std::path::Path;
 
-use common::process::{run, scratch_dir, serve};
+use common::process::{one_error_line, run, scratch_dir, serve};
 use common::{Client, MODEL, chat};
 use hyper::StatusCode;
-
-/// The stderr of a failed command: exactly one line, `kvgate: error: ...`, returned.
-fn one_error_line(output: &std::process::Output) -> String {
-    assert!(!output.status.success(), "expected a failure");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "one line on stderr, got:\n{stderr}");
-    let line = lines[0];
-    assert!(line.starts_with("kvgate: error: "), "{line}");
-    line.to_owned()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_runs_from_any_directory_on_the_built_in_policy_with_plain_piped_logs() {

@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::process::{run, scratch_dir};
+use common::process::{one_error_line, run, scratch_dir};
 use kvgate_runtime::chat_template::{ChatMessage, ChatTemplate};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::provision::{REQUIRE_MODEL_ENV, cache_dir};
@@ -168,31 +168,43 @@ fn every_vector_decodes_back_to_its_text() {
     }
 }
 
-/// `kvgate tokenize --model ggml-vocab-NAME.gguf TEXT`, run in `home`.
-fn kvgate_tokenize(models: &Path, name: &str, text: &str, home: &Path) -> std::process::Output {
+/// `kvgate tokenize FLAGS --model ggml-vocab-NAME.gguf TEXT`, run in `home`.
+fn kvgate_tokenize(
+    models: &Path,
+    name: &str,
+    flags: &[&str],
+    text: &str,
+    home: &Path,
+) -> std::process::Output {
     let path = vocab_path(models, name);
     let model = path.to_str().expect("UTF-8 path");
-    run(&["tokenize", "--model", model, text], home)
+    let args: Vec<&str> = [&["tokenize"][..], flags, &["--model", model, text][..]].concat();
+    run(&args, home)
 }
 
-/// `kvgate tokenize --model` works on the vocabulary-only files (they have no weights).
+/// `kvgate tokenize --model` works on the vocabulary-only files (they have no weights); with
+/// `--add-special` it adds BOS / EOS as a prompt gets them (llama.cpp's `add_special`).
 #[test]
 fn kvgate_tokenize_reads_vocabulary_only_files() {
     let Some(models) = models_dir() else { return };
     let home = scratch_dir("tokenize-vocab");
-    for (name, expected) in [
-        ("llama-spm", "[15043,3186]"),
-        ("llama-bpe", "[9906,1917]"),
-        ("qwen2", "[9707,1879]"),
+    let add_special: &[&str] = &["--add-special"];
+    for (name, flags, expected) in [
+        ("llama-spm", &[][..], "[15043,3186]"),
+        ("llama-bpe", &[], "[9906,1917]"),
+        ("qwen2", &[], "[9707,1879]"),
+        ("llama-spm", add_special, "[1,15043,3186]"),
+        ("llama-bpe", add_special, "[128000,9906,1917]"),
+        ("gpt-2", add_special, "[15496,995]"),
     ] {
-        let out = kvgate_tokenize(&models, name, "Hello world", &home);
+        let out = kvgate_tokenize(&models, name, flags, "Hello world", &home);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
             "{name}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        assert_eq!(stdout.trim().replace(' ', ""), expected, "{name}");
+        assert_eq!(stdout.trim().replace(' ', ""), expected, "{name} {flags:?}");
     }
 }
 
@@ -201,12 +213,43 @@ fn kvgate_tokenize_reads_vocabulary_only_files() {
 fn unsupported_vocabularies_fail_with_one_line_naming_the_model() {
     let Some(models) = models_dir() else { return };
     let home = scratch_dir("tokenize-unsupported");
-    let out = kvgate_tokenize(&models, "bert-bge", "hi", &home);
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "{stderr}");
-    assert!(lines[0].contains("`bert` is not supported"), "{stderr}");
+    let line = one_error_line(&kvgate_tokenize(&models, "bert-bge", &[], "hi", &home));
+    assert!(line.contains("`bert` is not supported"), "{line}");
+}
+
+/// Pre-tokenizers kvgate does not implement (llama.cpp's vocabulary files for Qwen3.5,
+/// DeepSeek LLM, Falcon; GPT-NeoX's names none: llama.cpp's "default") are refused by
+/// `kvgate tokenize` with one line naming them; architectures it does not run (Phi-3's file is
+/// `phi3`, BERT's `bert`) by `kvgate generate`, naming the architecture, before any weights.
+#[test]
+fn unsupported_pre_tokenizers_and_architectures_fail_with_one_line_naming_them() {
+    let Some(models) = models_dir() else { return };
+    let home = scratch_dir("tokenize-unsupported-pre");
+    for (name, pre) in [
+        ("qwen35", "qwen35"),
+        ("deepseek-llm", "deepseek-llm"),
+        ("falcon", "falcon"),
+        ("gpt-neox", "default"),
+    ] {
+        let line = one_error_line(&kvgate_tokenize(&models, name, &[], "hi", &home));
+        assert!(
+            line.contains(&format!("pre-tokenizer `{pre}` is not supported")),
+            "{name}: {line}"
+        );
+    }
+    for (name, arch) in [("phi-3", "phi3"), ("bert-bge", "bert")] {
+        let path = vocab_path(&models, name);
+        let model = path.to_str().expect("UTF-8 path");
+        let out = run(
+            &["generate", "--device", "cpu", "--model", model, "hi"],
+            &home,
+        );
+        let line = one_error_line(&out);
+        assert!(
+            line.contains(&format!("unsupported model architecture `{arch}`")),
+            "{name}: {line}"
+        );
+    }
 }
 
 /// The conversation llama.cpp's tests/test-chat-template.cpp renders with every template.
@@ -361,8 +404,9 @@ fn the_gguf_files_own_template_renders_and_tokenizes() {
 }
 
 /// A raw `/v1/completions` prompt starts with BOS when the vocabulary adds one (Llama 2 /
-/// Mistral SentencePiece), as llama.cpp's server tokenizes it (`add_special = true`), and gets
-/// none from a vocabulary that does not (GPT-2).
+/// Mistral SentencePiece; Llama 3, whose file has no `add_bos_token`, by llama.cpp's default
+/// for `llama-bpe`), as llama.cpp's server tokenizes it (`add_special = true`), and gets none
+/// from a vocabulary that does not (GPT-2). None of these files adds EOS.
 #[test]
 fn completion_prompts_start_with_bos_when_the_vocabulary_adds_one() {
     use kvgate_gateway::validate::PromptCodec;
@@ -373,6 +417,10 @@ fn completion_prompts_start_with_bos_when_the_vocabulary_adds_one() {
     assert_eq!(ids.first(), Some(&bos), "{ids:?}");
     assert_eq!(&ids[1..], spm.encode("Hello world", true).as_slice());
     assert_eq!(ids.iter().filter(|&&id| id == bos).count(), 1);
+
+    let llama3 = tokenizer(&models, "llama-bpe");
+    let ids = PromptCodec::encode(&llama3, "Hello world");
+    assert_eq!(ids, [128000, 9906, 1917], "<|begin_of_text|> Hello world");
 
     let gpt2 = tokenizer(&models, "gpt-2");
     let ids = PromptCodec::encode(&gpt2, "Hello world");

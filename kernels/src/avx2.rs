@@ -1,14 +1,16 @@
 //! AVX2 + FMA + F16C quantized matmul kernels (activation packing lives in `pack`, the Q4_1
 //! kernels in `q4_1`).
 //!
-//! Results are bit-identical to the scalar reference in `dot.rs`. For Q4_0 and Q8_0 (this
-//! module) that is ggml's AVX2 arithmetic:
+//! Results are bit-identical to the scalar reference in `dot.rs`. For Q4_0, Q5_0, Q5_1 and Q8_0
+//! (this module) that is ggml's AVX2 arithmetic:
 //! per weight-row × activation-row pair, eight f32 lanes receive `fma(dw·da, lane_sum, acc)` per
 //! block and are reduced with `hsum8`; integer lane sums are exact whichever instructions make
-//! them. Speed comes from reuse and memory-level parallelism, never from reordering the float
-//! arithmetic: decode (m = 1) interleaves 4 weight rows and prefetches ahead because it streams
-//! the weights from DRAM; prefill tiles 1 weight row × 8 activation rows so that each unpacked
-//! weight block is reused 8 times, over a block of rows that stays in L1.
+//! them. Q5_1's minimum adds ggml's second chain, `summs = fma(mw, s, summs)` per block (`s` the
+//! activation block's `da·Σq`), added to the reduced lanes at the end. Speed comes from reuse
+//! and memory-level parallelism, never from reordering the float arithmetic: decode (m = 1)
+//! interleaves 4 weight rows and prefetches ahead because it streams the weights from DRAM;
+//! prefill tiles 1 weight row × 8 activation rows so that each unpacked weight block is reused
+//! 8 times, over a block of rows that stays in L1.
 
 mod kquants;
 pub(crate) mod math;
@@ -30,7 +32,11 @@ use std::ops::Range;
 pub(crate) fn supports(ty: WeightType) -> bool {
     matches!(
         ty,
-        WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q5_0
+        WeightType::Q8_0
+            | WeightType::Q4_0
+            | WeightType::Q4_1
+            | WeightType::Q5_0
+            | WeightType::Q5_1
     )
 }
 
@@ -44,7 +50,9 @@ pub(crate) fn prepare_acts(
     packed: &mut PackedActs,
 ) {
     let with_sums = ty.vec_dot_type() == ActivationType::Q8_1;
-    pack::pack_acts(cpu, x, m, cols, with_sums, packed);
+    // Only the Q4_1 kernels read the grouped layout; Q5_1 runs on the block-major tiles.
+    let grouped = ty == WeightType::Q4_1;
+    pack::pack_acts(cpu, x, m, cols, with_sums, grouped, packed);
 }
 
 /// Weight rows `rows` of `w` × the `m` activation rows packed by [`prepare_acts`].
@@ -65,9 +73,10 @@ pub(crate) fn compute_rows(
         WeightType::Q8_0 => unsafe { rows_kernel::<Q8_0>(w, acts, m, rows, out) },
         // SAFETY: as for Q4_0.
         WeightType::Q5_0 => unsafe { rows_kernel::<Q5_0>(w, acts, m, rows, out) },
+        // SAFETY: as for Q4_0 (`rows_kernel` also checks the activation sums Q5_1 reads).
+        WeightType::Q5_1 => unsafe { rows_kernel::<Q5_1>(w, acts, m, rows, out) },
         WeightType::F32
         | WeightType::F16
-        | WeightType::Q5_1
         | WeightType::Q4_K
         | WeightType::Q5_K
         | WeightType::Q6_K => {
@@ -106,13 +115,21 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 
-/// One signed quantized weight format (Q4_0, Q8_0) as the kernels of this module see it.
+/// One quantized weight format (Q4_0, Q5_0, Q8_0: signed values; Q5_1: unsigned values and a
+/// minimum) as the kernels of this module see it.
 trait WeightBlock {
     const BYTES: usize;
-    /// The 32 signed values of the block at `p`.
+    /// Blocks carry a minimum `m` ([`WeightBlock::min`]) and take Q8_1 activations: each pair
+    /// then runs ggml's second chain `summs = fma(m, s, summs)`, added after `hsum8`.
+    const HAS_MIN: bool = false;
+    /// The 32 values of the block at `p` (signed, or unsigned below 128 when `HAS_MIN`).
     unsafe fn values(p: *const u8) -> __m256i;
     /// The scale `d` of the block at `p`.
     unsafe fn scale(p: *const u8) -> f32;
+    /// The minimum `m` of the block at `p` (only called when `HAS_MIN`).
+    unsafe fn min(_p: *const u8) -> f32 {
+        unreachable!("only formats with HAS_MIN have a minimum")
+    }
 }
 
 #[inline]
@@ -127,6 +144,7 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 
 struct Q4_0;
 struct Q5_0;
+struct Q5_1;
 struct Q8_0;
 
 /// 32 bytes, byte `j` = 0xFF where bit `j` of the little-endian u32 at `p` is set (ggml's
@@ -164,6 +182,31 @@ impl WeightBlock for Q5_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn scale(p: *const u8) -> f32 {
         unsafe { f16_at(p) }
+    }
+}
+
+impl WeightBlock for Q5_1 {
+    const BYTES: usize = crate::quant::Q5_1_BLOCK_BYTES;
+    const HAS_MIN: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values(p: *const u8) -> __m256i {
+        // nibble | 0x10 where the fifth bit is set: the value 0..31 (ggml's AVX2 q5_1 dot).
+        // SAFETY: a whole block at `p` (d at 0, m at 2, qh at 4, qs at 8).
+        unsafe {
+            let high = _mm256_and_si256(bytes_from_bits(p.add(4)), _mm256_set1_epi8(0x10));
+            _mm256_or_si256(nibbles(p.add(8)), high)
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale(p: *const u8) -> f32 {
+        unsafe { f16_at(p) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn min(p: *const u8) -> f32 {
+        unsafe { f16_at(p.add(2)) }
     }
 }
 
@@ -213,6 +256,12 @@ unsafe fn rows_kernel<T: WeightBlock>(
     assert!(rows.end <= w.rows && w.data.len() >= w.rows * row_bytes);
     assert!(acts.m == m && acts.nb * T::BYTES == row_bytes);
     assert!(!acts.grouped && acts.qs.len() == m * acts.nb * QK && acts.d.len() == m * acts.nb);
+    // Minimum chains read the sums of 8 activation rows from any row < m of a block.
+    assert!(
+        !T::HAS_MIN || (acts.s_stride >= m + 8 && acts.s.len() >= acts.nb * acts.s_stride),
+        "{} weights need block-major Q8_1 activation sums",
+        std::any::type_name::<T>()
+    );
     let base = w.data.as_ptr();
     let mut r = rows.start;
     if m == 1 {
@@ -265,7 +314,9 @@ unsafe fn rows_kernel<T: WeightBlock>(
     }
 }
 
-/// Integer lane sums of one weight block against one activation block, as f32.
+/// Integer lane sums of one weight block against one activation block, as f32. `w_abs` is
+/// `|wv|`; for unsigned values (Q5_1) it is `wv` itself and the sign step only zeroes
+/// activations facing a zero weight, which changes no product.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn lane_sums(wv: __m256i, w_abs: __m256i, av: __m256i) -> __m256 {
@@ -284,11 +335,12 @@ unsafe fn tile_rows<T: WeightBlock, const R: usize>(
     out: OutPtr<'_>,
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
+    let mut summs = [0.0f32; R];
     for b in 0..acts.nb {
         // SAFETY: block b of activation row 0 exists (nb blocks per row).
         let av = unsafe { _mm256_loadu_si256(acts.qs.as_ptr().add(b * QK).cast()) };
         let da = acts.d[b];
-        for (i, acc_i) in acc.iter_mut().enumerate() {
+        for (i, (acc_i, summs_i)) in acc.iter_mut().zip(&mut summs).enumerate() {
             // SAFETY: rows r0..r0+R each hold nb blocks of T::BYTES.
             let p = unsafe { wp.add(i * row_bytes + b * T::BYTES) };
             // Decode streams weights from DRAM and the hardware prefetcher alone falls behind
@@ -299,11 +351,21 @@ unsafe fn tile_rows<T: WeightBlock, const R: usize>(
             let wv = unsafe { T::values(p) };
             let sums = unsafe { lane_sums(wv, _mm256_sign_epi8(wv, wv), av) };
             *acc_i = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), sums, *acc_i);
+            if T::HAS_MIN {
+                // SAFETY: a whole block at `p`; row 0's sum of block b exists (asserted by
+                // the caller).
+                *summs_i = unsafe { T::min(p) }.mul_add(acts.s[b * acts.s_stride], *summs_i);
+            }
         }
     }
-    for (i, acc_i) in acc.iter().enumerate() {
+    for (i, (acc_i, summs_i)) in acc.iter().zip(summs).enumerate() {
+        // SAFETY: this function's own target features (the caller's contract).
+        let mut value = unsafe { hsum8(*acc_i) };
+        if T::HAS_MIN {
+            value += summs_i;
+        }
         // SAFETY: this thread owns weight rows r0..r0+R.
-        unsafe { out.write(r0 + i, hsum8(*acc_i)) };
+        unsafe { out.write(r0 + i, value) };
     }
 }
 
@@ -321,9 +383,17 @@ unsafe fn tile_acts<T: WeightBlock, const A: usize>(
 ) {
     let (nb, m) = (acts.nb, acts.m);
     let mut acc = [_mm256_setzero_ps(); A];
+    let mut summs = [0.0f32; A];
     for b in 0..nb {
         // SAFETY: block b of this weight row exists.
         let p = unsafe { wp.add(b * T::BYTES) };
+        if T::HAS_MIN {
+            let mw = unsafe { T::min(p) };
+            let s = &acts.s[b * acts.s_stride + a0..][..A];
+            for (summs_j, &s_j) in summs.iter_mut().zip(s) {
+                *summs_j = mw.mul_add(s_j, *summs_j);
+            }
+        }
         let dw = unsafe { T::scale(p) };
         let wv = unsafe { T::values(p) };
         let w_abs = _mm256_sign_epi8(wv, wv);
@@ -346,9 +416,14 @@ unsafe fn tile_acts<T: WeightBlock, const A: usize>(
             *acc_j = _mm256_fmadd_ps(_mm256_mul_ps(dwv, da), sums, *acc_j);
         }
     }
-    for (j, acc_j) in acc.iter().enumerate() {
+    for (j, (acc_j, summs_j)) in acc.iter().zip(summs).enumerate() {
+        // SAFETY: this function's own target features (the caller's contract).
+        let mut value = unsafe { hsum8(*acc_j) };
+        if T::HAS_MIN {
+            value += summs_j;
+        }
         // SAFETY: this thread owns weight row r.
-        unsafe { out.write((a0 + j) * rows + r, hsum8(*acc_j)) };
+        unsafe { out.write((a0 + j) * rows + r, value) };
     }
 }
 
@@ -379,6 +454,8 @@ unsafe fn tile_acts8<T: WeightBlock>(
 ) {
     let (nb, m) = (acts.nb, acts.m);
     let mut acc = [_mm256_setzero_ps(); 8];
+    // Lane j: activation row a0 + j's `Σ mw·s` chain (formats with a minimum).
+    let mut summs = _mm256_setzero_ps();
     // Uninitialised: every slot a pass reads was written by the same pass.
     let mut scales = [const { std::mem::MaybeUninit::<Scales8>::uninit() }; SCALE_CHUNK];
     let mut start = 0;
@@ -391,6 +468,12 @@ unsafe fn tile_acts8<T: WeightBlock>(
                 let da = _mm256_loadu_ps(acts.d.as_ptr().add(b * m + a0));
                 let product = _mm256_mul_ps(_mm256_set1_ps(dw), da);
                 _mm256_store_ps(slot.as_mut_ptr().cast::<f32>(), product);
+                if T::HAS_MIN {
+                    // Rows a0..a0+8 of block b's sums (s_stride ≥ m + 8, asserted by caller).
+                    let s = _mm256_loadu_ps(acts.s.as_ptr().add(b * acts.s_stride + a0));
+                    let mw = _mm256_set1_ps(T::min(wp.add(b * T::BYTES)));
+                    summs = _mm256_fmadd_ps(mw, s, summs);
+                }
             }
         }
         for (b, slot) in (start..end).zip(scales.iter()) {
@@ -410,9 +493,13 @@ unsafe fn tile_acts8<T: WeightBlock>(
         }
         start = end;
     }
+    let mut sums = hsum8x8(&acc);
+    if T::HAS_MIN {
+        sums = _mm256_add_ps(sums, summs);
+    }
     let mut results = [0.0f32; 8];
     // SAFETY: `results` holds 8 floats.
-    unsafe { _mm256_storeu_ps(results.as_mut_ptr(), hsum8x8(&acc)) };
+    unsafe { _mm256_storeu_ps(results.as_mut_ptr(), sums) };
     for (j, value) in results.into_iter().enumerate() {
         // SAFETY: this thread owns weight row r.
         unsafe { out.write((a0 + j) * rows + r, value) };

@@ -559,6 +559,37 @@ pub(crate) mod testutil {
             self
         }
 
+        pub fn bool(mut self, key: &str, v: bool) -> Self {
+            self.key(key, 7);
+            self.kv.push(u8::from(v));
+            self
+        }
+
+        /// An array of i32 (type 5), e.g. `tokenizer.ggml.token_type`.
+        pub fn i32_array(self, key: &str, items: &[i32]) -> Self {
+            self.number_array(key, 5, items.iter().map(|v| v.to_le_bytes()))
+        }
+
+        /// An array of f32 (type 6), e.g. `tokenizer.ggml.scores`.
+        pub fn f32_array(self, key: &str, items: &[f32]) -> Self {
+            self.number_array(key, 6, items.iter().map(|v| v.to_le_bytes()))
+        }
+
+        fn number_array<const N: usize>(
+            mut self,
+            key: &str,
+            elem_ty: u32,
+            items: impl ExactSizeIterator<Item = [u8; N]>,
+        ) -> Self {
+            self.key(key, 9);
+            self.kv.extend(elem_ty.to_le_bytes());
+            self.kv.extend((items.len() as u64).to_le_bytes());
+            for bytes in items {
+                self.kv.extend(bytes);
+            }
+            self
+        }
+
         pub fn str(mut self, key: &str, v: &str) -> Self {
             self.key(key, 8);
             self.kv.extend((v.len() as u64).to_le_bytes());

@@ -2,7 +2,8 @@
 //!
 //! Encoding is llama.cpp's pipeline: cut out special tokens ([`special`]), then encode each
 //! remaining plain-text fragment with the vocabulary's model:
-//! - byte-level BPE (`tokenizer.ggml.model = gpt2`: GPT-2, SmolLM2, Llama 3, Qwen2; [`bpe`]):
+//! - byte-level BPE (`tokenizer.ggml.model = gpt2`: GPT-2, SmolLM2, Llama 3, Qwen2, Mistral's
+//!   Tekken; [`bpe`]):
 //!   pre-tokenize into words ([`pretokenize`]), then merge each word's bytes by merge rank on
 //!   tiktoken-rs's `CoreBPE`;
 //! - SentencePiece (`tokenizer.ggml.model = llama`: Llama 2, Mistral, Phi-3; [`spm`]): spaces
@@ -50,8 +51,8 @@ pub enum TokenizerError {
     )]
     UnsupportedModel(String),
     #[error(
-        "pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm, llama-bpe, qwen2 and \
-         their aliases)"
+        "pre-tokenizer `{0}` is not supported (supported: gpt-2, smollm, llama-bpe, qwen2, \
+         tekken and their aliases)"
     )]
     UnsupportedPreTokenizer(String),
     #[error("invalid vocabulary: {0}")]
@@ -70,6 +71,7 @@ pub struct Tokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
+    add_eos: bool,
     eog: BTreeSet<u32>,
     chat_template: Result<ChatTemplate, TemplateError>,
 }
@@ -118,6 +120,7 @@ impl Tokenizer {
             bos: vocab.bos,
             eos: vocab.eos,
             add_bos: vocab.add_bos,
+            add_eos: vocab.add_eos,
             eog: vocab.eog_ids,
             chat_template,
         })
@@ -158,14 +161,31 @@ impl Tokenizer {
         ids
     }
 
-    /// [`Self::encode`], preceded by BOS when the vocabulary asks for it (`add_bos_token`).
-    pub fn encode_with_bos(&self, text: &str, parse_special: bool) -> Vec<u32> {
+    /// [`Self::encode`] with the vocabulary's own special tokens around it, as llama.cpp's
+    /// `llama_tokenize(text, add_special = true, parse_special)` (a `/completion` prompt): BOS
+    /// first when the vocabulary adds it (`add_bos_token`), EOS last when it adds that
+    /// (`add_eos_token`). Neither is checked for in the text: like llama.cpp, a prompt that
+    /// already starts with BOS text gets a second one.
+    pub fn encode_with_specials(&self, text: &str, parse_special: bool) -> Vec<u32> {
         let mut ids = Vec::new();
         if let (true, Some(bos)) = (self.add_bos, self.bos) {
             ids.push(bos);
         }
         ids.extend(self.encode(text, parse_special));
+        if let (true, Some(eos)) = (self.add_eos, self.eos) {
+            ids.push(eos);
+        }
         ids
+    }
+
+    /// Whether prompts encoded with the special tokens start with BOS (`add_bos_token`).
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos && self.bos.is_some()
+    }
+
+    /// Whether prompts encoded with the special tokens end with EOS (`add_eos_token`).
+    pub fn adds_eos(&self) -> bool {
+        self.add_eos && self.eos.is_some()
     }
 
     /// Text of `ids`, lossily. Control tokens (BOS, `<|im_end|>`, …) contribute nothing, as in

@@ -31,6 +31,17 @@ pub fn run(args: &[&str], cwd: &Path) -> Output {
         .expect("kvgate runs")
 }
 
+/// The stderr of a failed command: exactly one line, `kvgate: error: ...`, returned.
+pub fn one_error_line(output: &std::process::Output) -> String {
+    assert!(!output.status.success(), "expected a failure");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line on stderr, got:\n{stderr}");
+    let line = lines[0];
+    assert!(line.starts_with("kvgate: error: "), "{line}");
+    line.to_owned()
+}
+
 /// A fresh empty directory outside the repository (a user's home, say).
 pub fn scratch_dir(name: &str) -> PathBuf {
     static NEXT: AtomicUsize = AtomicUsize::new(0);

@@ -12,7 +12,8 @@ pub trait PromptCodec: Send + Sync {
     fn encode_chat(&self, turns: &[TemplateTurn]) -> Result<Vec<u32>, String>;
     /// Token ids of a raw `/v1/completions` prompt; special-token markup (`<|im_start|>`)
     /// becomes control tokens, since the caller writes the whole prompt. Starts with BOS when
-    /// the vocabulary adds one (Llama, Mistral, Phi-3), as llama.cpp's server does.
+    /// the vocabulary adds one (Llama, Mistral, Phi-3, Llama 3) and ends with EOS when it adds
+    /// that (`add_eos_token`), as llama.cpp's server does.
     fn encode(&self, text: &str) -> Vec<u32>;
 }
 
@@ -35,6 +36,6 @@ impl PromptCodec for Tokenizer {
     }
 
     fn encode(&self, text: &str) -> Vec<u32> {
-        Tokenizer::encode_with_bos(self, text, true)
+        Tokenizer::encode_with_specials(self, text, true)
     }
 }

@@ -12,8 +12,8 @@ use std::arch::x86_64::*;
 /// scale `d[b*m + a]` (broadcast by the kernels; one copy keeps the packed rows in L1), and (Q8_1) its sum
 /// `s[b*s_stride + a]`. Scales and sums are already rounded through f16.
 ///
-/// Q8_1 activations for two or more rows (the Q4_1 batched kernel) are instead stored
-/// *grouped*: rows in groups of [`GROUP`], and for block `b` of group `g` the 256 bytes at
+/// Q8_1 activations for two or more rows of the Q4_1 batched kernel are instead stored
+/// *grouped* (Q5_1's kernels read the block-major layout, sums included): rows in groups of [`GROUP`], and for block `b` of group `g` the 256 bytes at
 /// `qs[(b*groups + g)*256..]` hold eight registers, register `j` carrying elements `4j..4j+4` of
 /// each of the group's rows (row `r` of the group at bytes `4r..4r+4`); scales and sums at
 /// `d[(b*groups + g)*8 + r]`, `s[(b*groups + g)*8 + r]`. Rows past `m` in the last group are zero.
@@ -29,6 +29,14 @@ pub(crate) struct PackedActs {
     pub(super) qs: LineAligned,
     pub(super) d: Vec<f32>,
     pub(super) s: Vec<f32>,
+}
+
+#[cfg(test)]
+impl PackedActs {
+    /// (grouped layout, activation sums present): which layout a dispatch packed, for tests.
+    pub(crate) fn layout(&self) -> (bool, bool) {
+        (self.grouped, !self.s.is_empty())
+    }
 }
 
 /// Bytes starting on a cache line, so that no 32-byte block load of the kernels is split
@@ -75,19 +83,22 @@ impl std::ops::DerefMut for LineAligned {
 /// Activation rows per group of the grouped layout (one per f32 lane).
 pub(crate) const GROUP: usize = 8;
 
-/// Quantizes the `m` rows of `x` (`m × cols`) into `p`; `with_sums` for Q8_1 (Q4_1 weights).
+/// Quantizes the `m` rows of `x` (`m × cols`) into `p`; `with_sums` for Q8_1 (Q4_1, Q5_1
+/// weights); `grouped`: the grouped layout when `m ≥ 2` (Q4_1's kernels; needs `with_sums`).
 pub(super) fn pack_acts(
     _cpu: Avx2Fma,
     x: &[f32],
     m: usize,
     cols: usize,
     with_sums: bool,
+    grouped: bool,
     p: &mut PackedActs,
 ) {
+    assert!(with_sums || !grouped, "the grouped layout is Q8_1's");
     let nb = cols / QK;
     p.nb = nb;
     p.m = m;
-    p.grouped = with_sums && m >= 2;
+    p.grouped = grouped && m >= 2;
     p.groups = m.div_ceil(GROUP);
     p.s.clear();
     if p.grouped {
@@ -232,9 +243,16 @@ mod tests {
         };
         let cols = 96;
         let nb = cols / QK;
-        // m = 1 and Q8_0 are block-major; Q8_1 with m ≥ 2 is grouped (11 rows: a full group and
-        // a partial one).
-        for (m, with_sums) in [(1, true), (3, false), (3, true), (11, true)] {
+        // m = 1 and Q8_0 are block-major, and so is Q8_1 unless grouped (Q5_1); grouped Q8_1
+        // with m ≥ 2 (Q4_1; 11 rows: a full group and a partial one).
+        for (m, with_sums, grouped) in [
+            (1, true, true),
+            (3, false, false),
+            (3, true, true),
+            (11, true, true),
+            (3, true, false),
+            (11, true, false),
+        ] {
             let mut x: Vec<f32> = (0..m * cols)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.07)
                 .collect();
@@ -242,9 +260,17 @@ mod tests {
             x[5] = 2.5 * 127.0 / 50.0 * 0.07; // values near rounding ties
             let mut p = PackedActs::default();
             // Stale contents from a bigger call must not leak into the padding rows.
-            pack_acts(cpu, &vec![3.0; 16 * cols], 16, cols, with_sums, &mut p);
-            pack_acts(cpu, &x, m, cols, with_sums, &mut p);
-            assert_eq!(p.grouped, with_sums && m >= 2);
+            pack_acts(
+                cpu,
+                &vec![3.0; 16 * cols],
+                16,
+                cols,
+                with_sums,
+                grouped,
+                &mut p,
+            );
+            pack_acts(cpu, &x, m, cols, with_sums, grouped, &mut p);
+            assert_eq!(p.grouped, grouped && m >= 2);
             for a in 0..m {
                 let mut q1 = vec![0u8; nb * Q8_1_BLOCK_BYTES];
                 quantize_row_q8_1(&x[a * cols..(a + 1) * cols], &mut q1);
@@ -256,6 +282,8 @@ mod tests {
                     assert_eq!(d, read_f16(blk, 0), "m{m} d a{a} b{b}");
                     if with_sums {
                         assert_eq!(s, Some(read_f16(blk, 2)), "m{m} s a{a} b{b}");
+                    } else {
+                        assert_eq!(s, None, "Q8_0 has no sums");
                     }
                     assert_eq!(&qs[..], &blk[4..], "m{m} qs a{a} b{b}");
                     assert_eq!(&q0[b * 34 + 2..(b + 1) * 34], &blk[4..], "q8_0 vs q8_1");

@@ -125,6 +125,86 @@ fn eight_row_tiles_over_long_rows_are_bit_identical_to_reference() {
 }
 
 #[test]
+fn q5_matmul_is_bit_identical_to_reference_on_every_tile() {
+    // Q5_0 and Q5_1 on the AVX2 tiles: odd row counts (decode tiles of 4 plus single rows,
+    // uneven thread splits), every activation grouping (8-row tiles, 4/2/1 remainders) and
+    // rows of 1, 3 and 67 blocks (the last crosses the 64-block scale chunk of the 8-row tile).
+    for ty in [WeightType::Q5_0, WeightType::Q5_1] {
+        for (rows, cols) in [(1, 32), (3, 96), (7, 96), (9, 67 * 32), (31, 96)] {
+            for m in [1, 2, 3, 4, 5, 7, 8, 9, 15, 17] {
+                for threads in [1, 3] {
+                    let seed = rows as u64 * 131 + cols as u64 + m as u64 * 7 + threads as u64;
+                    check_against_reference(ty, rows, cols, m, threads, seed);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn q5_products_at_the_extremes_match_reference() {
+    // Every value at its largest (31; Q5_0: 15) or smallest (0; Q5_0: -16) against activations
+    // that quantize to +127 / -127 (the largest `maddubs` pair sums, 2·31·127 and 2·16·127,
+    // far from i16 saturation), with large scales and minimums of both signs.
+    let (rows, cols) = (11, 128);
+    for ty in [WeightType::Q5_0, WeightType::Q5_1] {
+        for fill in [0xFFu8, 0x00] {
+            let mut data = vec![fill; rows * ty.row_bytes(cols)];
+            for (i, b) in data.chunks_exact_mut(ty.block_bytes()).enumerate() {
+                b[0..2].copy_from_slice(&f16::from_f32(0.75).to_le_bytes());
+                if ty == WeightType::Q5_1 {
+                    let m = if i % 2 == 0 { -4.5 } else { 3.25 };
+                    b[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+                }
+            }
+            let w = QMatrix::new(ty, &data, rows, cols).unwrap();
+            for m in [1, 4, 8, 19] {
+                let x: Vec<f32> = (0..m * cols)
+                    .map(|i| {
+                        if (i / cols + i / QK).is_multiple_of(2) {
+                            5.0
+                        } else {
+                            -5.0
+                        }
+                    })
+                    .collect();
+                let mut want = vec![0.0; m * rows];
+                matmul_reference(&w, &x, m, &mut want);
+                let mut got = vec![f32::NAN; m * rows];
+                matmul(&w, &x, m, &mut got, &mut MatmulScratch::new(), &pool(2));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{ty:?} fill {fill:#x} m={m}");
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn q5_products_take_the_avx2_path_where_the_cpu_has_it() {
+    // The bit-identity tests above compare the dispatching matmul with the scalar reference;
+    // this makes sure the dispatcher really chose the AVX2 tiles (and block-major Q8_1 sums
+    // for Q5_1) on a CPU that has them, so those tests are not scalar against scalar.
+    let cpu_has_avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+        && std::env::var_os("KVGATE_KERNELS_SCALAR").is_none();
+    let (m, cols) = (3, 64);
+    let x = random_acts(&mut StdRng::seed_from_u64(5), m * cols);
+    for ty in [WeightType::Q5_0, WeightType::Q5_1] {
+        let mut scratch = MatmulScratch::new();
+        let path = prepare_acts(ty, &x, m, cols, &mut scratch);
+        if cpu_has_avx2 {
+            assert!(matches!(path, Path::Avx2(_)), "{ty:?} took {path:?}");
+            let sums = ty == WeightType::Q5_1;
+            assert_eq!(scratch.packed.layout(), (false, sums), "{ty:?}");
+        } else {
+            assert_eq!(path, Path::Scalar, "{ty:?}");
+        }
+    }
+}
+
+#[test]
 fn k_quant_matmul_is_bit_identical_to_reference() {
     // Rows split unevenly over threads and decode tiles; m covers decode, small and tiled
     // prefill; 1, 2 and 6 super-blocks per row.

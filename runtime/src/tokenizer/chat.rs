@@ -37,6 +37,9 @@ impl Tokenizer {
     /// control-token text, except that the prompt starts with BOS when the vocabulary adds one
     /// (`add_bos_token`: Llama, Mistral, Phi-3), as in llama.cpp's server: templates that write
     /// `{{ bos_token }}` already give it, the others get it added, and it is never doubled.
+    /// Likewise it ends with EOS when the vocabulary adds one (`add_eos_token`): llama.cpp's
+    /// server strips a trailing `eos_token` from the rendered template, then tokenizes with
+    /// `add_special`, which appends EOS.
     pub fn encode_chat(
         &self,
         messages: &[ChatMessage],
@@ -47,6 +50,11 @@ impl Tokenizer {
             && ids.first() != Some(&bos)
         {
             ids.insert(0, bos);
+        }
+        if let (true, Some(eos)) = (self.add_eos, self.eos)
+            && ids.last() != Some(&eos)
+        {
+            ids.push(eos);
         }
         Ok(ids)
     }

@@ -1,5 +1,6 @@
 //! Tokenizer behaviour on small synthetic vocabularies; `real_model` checks SmolLM2 itself.
 
+mod add_special;
 mod llama_cpp_parity;
 mod real_model;
 mod spm;
@@ -42,6 +43,7 @@ fn tiny_vocab(merges: &[(&str, &str)], missing_bytes: &[u8]) -> Vocab {
         bos: Some(1),
         eos: Some(2),
         add_bos: false,
+        add_eos: false,
         add_space_prefix: false,
         rstrip_specials: false,
         unk: None,
@@ -161,11 +163,11 @@ fn end_of_generation_follows_llama_cpp() {
 #[test]
 fn bos_is_added_only_when_the_vocabulary_asks() {
     let t = tiny(&[]);
-    assert_eq!(t.encode_with_bos("a", false), t.encode("a", false));
+    assert_eq!(t.encode_with_specials("a", false), t.encode("a", false));
     let mut vocab = tiny_vocab(&[], &[]);
     vocab.add_bos = true;
     let t = Tokenizer::from_vocab(vocab).expect("loads");
-    assert_eq!(t.encode_with_bos("a", false)[0], 1);
+    assert_eq!(t.encode_with_specials("a", false)[0], 1);
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! repo/separator/pad tokens also end generation. That patching is reproduced here so that
 //! [`Vocab::eog_ids`] is the set llama.cpp stops on for the same file.
 
-use super::TokenizerError;
+use super::{TokenizerError, pretokenize};
 use crate::gguf::GgufFile;
 use std::collections::{BTreeSet, HashMap};
 
@@ -105,7 +105,11 @@ pub(super) struct Vocab {
     pub(super) pre: String,
     pub(super) bos: Option<u32>,
     pub(super) eos: Option<u32>,
+    /// llama.cpp's `add_bos` / `add_eos`: a prompt tokenized with `add_special` starts with BOS
+    /// / ends with EOS (`tokenizer.ggml.add_bos_token` / `add_eos_token`, else llama.cpp's
+    /// default for the model and pre-tokenizer; see [`Vocab::from_gguf`]).
     pub(super) add_bos: bool,
+    pub(super) add_eos: bool,
     /// SentencePiece's leading-space rule: text after the start or a special token gets a
     /// space in front (`add_space_prefix`, on by default for SentencePiece vocabularies).
     pub(super) add_space_prefix: bool,
@@ -179,14 +183,27 @@ impl Vocab {
         let explicit_eog = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
             .into_iter()
             .filter_map(token_id);
+        let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        // llama.cpp's defaults when the keys are absent: SentencePiece vocabularies start with
+        // BOS and a space, byte-level BPE ones with neither, except the pre-tokenizers llama.cpp
+        // sets `add_bos` for (Llama 3's `llama-bpe` and its aliases, `tekken`); no supported
+        // model adds EOS by default. The keys, when present, win (as in llama.cpp).
+        let add_bos = gguf
+            .get_bool("tokenizer.ggml.add_bos_token")
+            .unwrap_or(spm || pretokenize::adds_bos_by_default(pre));
+        let add_eos = gguf
+            .get_bool("tokenizer.ggml.add_eos_token")
+            .unwrap_or(false);
+        if add_eos && eos.is_none() {
+            // llama.cpp asserts here at the first tokenization; refuse the file up front.
+            return Err(TokenizerError::Invalid(
+                "tokenizer.ggml.add_eos_token is set but the vocabulary names no EOS token".into(),
+            ));
+        }
         let mut vocab = Self {
-            pre: gguf
-                .get_str("tokenizer.ggml.pre")
-                .unwrap_or("default")
-                .to_string(),
-            // llama.cpp's defaults when the keys are absent: SentencePiece vocabularies start
-            // with BOS and a space, byte-level BPE ones with neither.
-            add_bos: gguf.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(spm),
+            pre: pre.to_string(),
+            add_bos,
+            add_eos,
             add_space_prefix: gguf
                 .get_bool("tokenizer.ggml.add_space_prefix")
                 .unwrap_or(spm),

@@ -64,7 +64,7 @@ fn metadata_matches_the_file() {
     // llama.cpp: eos, the text-detected <|endoftext|>/<|im_end|>, and <reponame> as FIM repo.
     assert_eq!(t.eog_ids().collect::<Vec<_>>(), [0, 2, 4]);
     assert_eq!(
-        t.encode_with_bos("hi", false),
+        t.encode_with_specials("hi", false),
         t.encode("hi", false),
         "add_bos is false"
     );

@@ -31,6 +31,7 @@ fn spm_vocab(pieces: &[(&str, f32)], add_space_prefix: bool) -> Vocab {
         bos: Some(1),
         eos: Some(2),
         add_bos: true,
+        add_eos: false,
         add_space_prefix,
         rstrip_specials: false,
         unk: Some(0),
@@ -108,7 +109,10 @@ fn characters_without_a_piece_fall_back_to_byte_tokens() {
 #[test]
 fn bos_is_added_by_default_for_sentencepiece() {
     let t = spm(PIECES);
-    assert_eq!(t.encode_with_bos("a", false), [1, t.encode("a", false)[0]]);
+    assert_eq!(
+        t.encode_with_specials("a", false),
+        [1, t.encode("a", false)[0]]
+    );
 }
 
 #[test]
