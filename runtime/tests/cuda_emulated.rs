@@ -20,11 +20,15 @@ const BLOCK: usize = 16;
 const NUM_BLOCKS: usize = 12;
 
 fn tiny_model(dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
+    synth_model(SynthShape::Tiny, dtype)
+}
+
+fn synth_model(shape: SynthShape, dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
     let dir = std::env::temp_dir().join(format!("kvgate-cuda-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let path: PathBuf = dir.join(format!("tiny-{dtype}.gguf"));
+    let path: PathBuf = dir.join(format!("{shape}-{dtype}.gguf"));
     let spec = SynthSpec {
-        shape: SynthShape::Tiny,
+        shape,
         dtype,
         seed: 12,
     };
@@ -100,8 +104,8 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
-fn whole_steps_match_the_cpu_backend(dtype: SynthDtype) {
-    let (gguf, config) = tiny_model(dtype);
+fn whole_steps_match_the_cpu_backend(shape: SynthShape, dtype: SynthDtype) {
+    let (gguf, config) = synth_model(shape, dtype);
     let mut cpu = CpuBackend::new(
         Arc::clone(&gguf),
         config.clone(),
@@ -171,18 +175,40 @@ fn whole_steps_match_the_cpu_backend(dtype: SynthDtype) {
         // Activations are requantized to 8 bits at every matmul (both sides, summed in other
         // orders) and K/V, q and probabilities are f16: logits agree to about one quantization
         // step of the largest logit.
-        assert_close(&format!("{dtype} step {i}"), &got, &want, 2e-2);
+        assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, 2e-2);
     }
 }
 
 #[test]
 fn emulated_steps_match_the_cpu_backend_q4_0() {
-    whole_steps_match_the_cpu_backend(SynthDtype::Q4_0);
+    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::Q4_0);
 }
 
 #[test]
 fn emulated_steps_match_the_cpu_backend_f16() {
-    whole_steps_match_the_cpu_backend(SynthDtype::F16);
+    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::F16);
+}
+
+/// llama.cpp's Q4_K_M mix on the 256-wide tiny shape: Q4_K matrices (and embedding), Q6_K for
+/// the output head and layer 1's `attn_v`/`ffn_down`. The CPU backend quantizes activations to
+/// Q8_K for these, the CUDA kernels to Q8_1 (as llama.cpp's CUDA backend): the same tolerance
+/// holds.
+#[test]
+fn emulated_steps_match_the_cpu_backend_q4_k_m() {
+    whole_steps_match_the_cpu_backend(SynthShape::TinyK, SynthDtype::Q4_K_M);
+}
+
+#[test]
+fn emulated_steps_match_the_cpu_backend_q5_k() {
+    whole_steps_match_the_cpu_backend(SynthShape::TinyK, SynthDtype::Q5_K);
+}
+
+/// On the 128-wide tiny shape no width is a multiple of 256, so the K-quant dtypes fall back
+/// to llama.cpp's 32-element types: `q4_k` writes Q5_0 matrices, `q5_k` Q5_1.
+#[test]
+fn emulated_steps_match_the_cpu_backend_q5_0_and_q5_1() {
+    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::Q4_K);
+    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::Q5_K);
 }
 
 #[test]
