@@ -196,7 +196,14 @@ fn every_weight_type_runs_whole_steps_like_the_cpu_backend() {
         ];
         for (i, step) in steps.iter().enumerate() {
             let (got, want) = (forward(&mut gpu, step), forward(&mut cpu, step));
-            assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, 2e-2);
+            // K-quant matrices: the CPU quantizes activations to Q8_K, the GPU to Q8_1, so
+            // the logits differ by activation rounding too (tests/cuda_emulated.rs, q4_k_m).
+            let tol = if shape == SynthShape::TinyK {
+                5e-2
+            } else {
+                2e-2
+            };
+            assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, tol);
         }
         println!("GPU-CHECK kernels_{shape}_{dtype}=passed");
     }
