@@ -98,16 +98,6 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     }
 }
 
-fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best
-}
-
 fn tokens(n: usize, seed: u32) -> Vec<u32> {
     (0..n as u32)
         .map(|i| (i * 37 + seed * 101 + 5) % 512)
@@ -236,22 +226,7 @@ fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, check: Check) {
         // Activations are requantized to 8 bits at every matmul (both sides, summed in other
         // orders) and K/V, q and probabilities are f16: logits agree to about one quantization
         // step of the largest logit.
-        let what = format!("{shape} {dtype} step {i}");
-        assert_close(&what, &got, &want, check.tol);
-        // Greedy tokens agree wherever the CPU's top two logits are further apart than the
-        // tolerance allows either to move.
-        let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-        for (r, (g, w)) in got
-            .chunks(config.vocab_size)
-            .zip(want.chunks(config.vocab_size))
-            .enumerate()
-        {
-            let mut sorted = w.to_vec();
-            sorted.sort_by(|x, y| y.total_cmp(x));
-            if sorted[0] - sorted[1] > 2.0 * check.tol * scale {
-                assert_eq!(argmax(g), argmax(w), "{what} row {r}: greedy token");
-            }
-        }
+        assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, check.tol);
     }
 }
 
@@ -271,8 +246,7 @@ fn emulated_steps_match_the_cpu_backend_f16() {
 /// llama.cpp's CUDA backend): the products differ by activation rounding at every matmul, not
 /// only by summation order (measured on the full schedule: an element 0.27 off on a largest
 /// logit of 12.9, 2.1%, over the 2e-2 the Q4_0 check allows). The kernels themselves match the
-/// exact Q8_1 product to 1e-5 (kvgate-kernels `cuda::emu`); here 5e-2, and the greedy token
-/// wherever it is clear.
+/// exact Q8_1 product to 1e-5 (kvgate-kernels `cuda::emu`); here 5e-2.
 #[test]
 fn emulated_steps_match_the_cpu_backend_q4_k_m() {
     let check = Check {
