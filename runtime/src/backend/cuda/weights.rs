@@ -1,7 +1,7 @@
 //! The model on the device: every weight matrix copied once, as its GGUF blocks (quantized
 //! weights stay quantized; the matvec kernels read Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants
-//! Q4_K/Q5_K/Q6_K and F16 directly), norm weights as f32. Shapes and types the kernels cannot run are refused here, at load, with the tensor
-//! named, never discovered mid-step.
+//! Q4_K/Q5_K/Q6_K and F16 directly), norm weights as f32. Shapes and types the kernels cannot
+//! run are refused here, at load, with the tensor named, never discovered mid-step.
 
 use kvgate_kernels::cuda::device::{DevBuf, DeviceOps};
 use kvgate_kernels::cuda::{ATTN_HEAD_DIMS, ATTN_MAX_GROUP, ggml_type_id, matvec_kernel};
