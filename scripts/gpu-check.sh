@@ -74,7 +74,10 @@ run() {
 
     # Models: built here from seeds (nothing can be downloaded). 13B Q4_0 is ~7.3 GB.
     local smol=$work/smollm2-135m-q4_0.gguf big=$work/llama2-13b-q4_0.gguf tiny=$work/tiny-q4_0.gguf
+    local tinyk=$work/tiny-k-q4_k_m.gguf
     "$bin/kvgate" synth-model --shape tiny --dtype q4_0 --seed 7 "$tiny"
+    # K-quants (Q4_K + Q6_K, llama.cpp's Q4_K_M mix) on the 256-wide tiny shape.
+    "$bin/kvgate" synth-model --shape tiny-k --dtype q4_k_m --seed 7 "$tinyk"
     "$bin/kvgate" synth-model --shape smollm2-135m --dtype q4_0 --seed 7 "$smol"
     if [ "$dry" = --dry-run ]; then
         echo "dry run: would write: $bin/kvgate synth-model --shape llama2-13b --dtype q4_0 --seed 7 $big"
@@ -82,13 +85,16 @@ run() {
         timeout 240 "$bin/kvgate" synth-model --shape llama2-13b --dtype q4_0 --seed 7 "$big"
     fi
     export KVGATE_GPU_MODEL_TINY_Q4_0=$tiny KVGATE_GPU_MODEL_SMOLLM2_135M_Q4_0=$smol
+    export KVGATE_GPU_MODEL_TINY_K_Q4_K_M=$tinyk
     export KVGATE_GPU_MODEL_LLAMA2_13B_Q4_0=$big KVGATE_REQUIRE_GPU=1
 
     local tests=(--ignored --test-threads=1 --nocapture)
     local auto=(generate --device auto --model "$tiny" --max-tokens 8 --temperature 0 --raw hello)
+    local kquant=(generate --device cuda --model "$tinyk" --max-tokens 8 --temperature 0 --raw hello)
     if [ "$dry" = --dry-run ]; then
         echo "dry run: would run: KVGATE_REQUIRE_GPU=1 timeout 420 $bin/gpu-tests ${tests[*]}"
         echo "dry run: would run: RUST_LOG=info timeout 60 $bin/kvgate ${auto[*]}"
+        echo "dry run: would run: timeout 60 $bin/kvgate ${kquant[*]}"
         "$bin/gpu-tests" --list --ignored
         return 0
     fi
@@ -96,6 +102,12 @@ run() {
     timeout 420 "$bin/gpu-tests" "${tests[@]}" 2>&1 | tee "$log" || status=$?
     echo "== kvgate --device auto on this host (device choice and memory plan) =="
     RUST_LOG=info timeout 60 "$bin/kvgate" "${auto[@]}" 2>&1 | grep -E "device:|GPU memory plan|KV cache|model " || true
+    echo "== kvgate --device cuda on a Q4_K_M file (K-quant weights load and generate) =="
+    if timeout 60 "$bin/kvgate" "${kquant[@]}" >"$work/kquant.out" 2>&1; then
+        echo "GPU-CHECK generate_q4_k_m=passed" | tee -a "$log"
+    else
+        echo "GPU-CHECK generate_q4_k_m=FAILED" | tee -a "$log"; tail -5 "$work/kquant.out"; status=1
+    fi
 
     echo "== summary =="
     echo "tests passed: $(grep -c '^test .* ok$' "$log" || true), failed: $(grep -c '^test .* FAILED$' "$log" || true)"

@@ -26,6 +26,47 @@ DEVICE float dequant_element(const uint8_t* row, int ty, int j) {
         const uint8_t* b = row + (j / 32) * Q8_0_BYTES;
         return (float)(int8_t)b[2 + j % 32] * f16_to_f32(load_u16(b));
     }
+    case GGML_Q5_0:
+    case GGML_Q5_1: {
+        // d, (Q5_1: m), qh (bit k = element k's fifth bit), qs nibbles as Q4_0/Q4_1.
+        const bool q51 = ty == GGML_Q5_1;
+        const uint8_t* b = row + (j / 32) * (q51 ? Q5_1_BYTES : Q5_0_BYTES);
+        const int k = j % 32;
+        const uint8_t* qh = b + (q51 ? 4 : 2);
+        const uint8_t q = qh[4 + (k % 16)];
+        const int nib = k < 16 ? (q & 15) : (q >> 4);
+        const int v = nib | (((qh[k / 8] >> (k % 8)) & 1) << 4);
+        const float d = f16_to_f32(load_u16(b));
+        // Both exact but for one rounding, as the CPU: d(q - 16), and fma(q, d, m).
+        return q51 ? fmaf((float)v, d, f16_to_f32(load_u16(b + 2))) : (float)(v - 16) * d;
+    }
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        // Element e of a super-block: sub-block e / 32 (its 6-bit scale and minimum), nibble
+        // (e / 32) % 2 of qs[32 (e / 64) + e % 32]; Q5_K's fifth bit is bit e / 32 of qh[e % 32].
+        const bool q5 = ty == GGML_Q5_K;
+        const uint8_t* b = row + (j / QK_K) * (q5 ? Q5_K_BYTES : Q4_K_BYTES);
+        const int e = j % QK_K, sub = e / 32, l = e % 32;
+        int sc, m;
+        scale_min_k4(b + 4, sub, &sc, &m);
+        const uint8_t* qs = b + (q5 ? 48 : 16);
+        int v = (qs[32 * (sub / 2) + l] >> (4 * (sub % 2))) & 15;
+        if (q5) v |= ((b[16 + l] >> sub) & 1) << 4;
+        // (d sc) q - dmin m: every product exact, one rounding (kernels/src/quant/kquants.rs).
+        const float scale = f16_to_f32(load_u16(b)) * (float)sc;
+        const float minimum = f16_to_f32(load_u16(b + 2)) * (float)m;
+        return scale * (float)v - minimum;
+    }
+    case GGML_Q6_K: {
+        // Half h = e / 128, run r = (e % 128) / 32: nibble r / 2 of ql[64h + 32(r % 2) + l],
+        // bits 2r, 2r + 1 of qh[32h + l]; signed 8-bit scale per 16 elements; d(sc)(q - 32).
+        const uint8_t* b = row + (j / QK_K) * Q6_K_BYTES;
+        const int e = j % QK_K, half = e / 128, r = (e % 128) / 32, l = e % 32;
+        const int lo = (b[64 * half + 32 * (r % 2) + l] >> (4 * (r / 2))) & 15;
+        const int hi = (b[128 + 32 * half + l] >> (2 * r)) & 3;
+        const float scale = f16_to_f32(load_u16(b + 208)) * (float)(int8_t)b[192 + e / 16];
+        return scale * (float)((lo | (hi << 4)) - 32);
+    }
     default:
         return 0.0f;
     }

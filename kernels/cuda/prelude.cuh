@@ -74,13 +74,25 @@ DEVICE float warp_max_f(float v) {
 #define GGML_F16 1
 #define GGML_Q4_0 2
 #define GGML_Q4_1 3
+#define GGML_Q5_0 6
+#define GGML_Q5_1 7
 #define GGML_Q8_0 8
+#define GGML_Q4_K 12
+#define GGML_Q5_K 13
+#define GGML_Q6_K 14
 
 // Bytes of one 32-element block (Q8_1 activations: d, s = d*sum(q) as f16, 32 x int8).
 #define Q4_0_BYTES 18
 #define Q4_1_BYTES 20
+#define Q5_0_BYTES 22
+#define Q5_1_BYTES 24
 #define Q8_0_BYTES 34
 #define Q8_1_BYTES 36
+// Bytes of one 256-element K-quant super-block (layouts: kernels/src/quant/kquants.rs).
+#define QK_K 256
+#define Q4_K_BYTES 144
+#define Q5_K_BYTES 176
+#define Q6_K_BYTES 210
 
 DEVICE uint16_t load_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
 
@@ -91,3 +103,22 @@ DEVICE int load_i32_a2(const uint8_t* p) {
 }
 
 DEVICE int load_i32_a4(const uint8_t* p) { return *reinterpret_cast<const int*>(p); }
+
+// The four low bits of `bits` moved to bit 4 of bytes 0..3: the fifth bits of four 5-bit
+// values (Q5_0/Q5_1's qh), ready to OR onto their nibbles.
+DEVICE int spread_bit4(uint32_t bits) {
+    return (int)(((bits & 1u) << 4) | ((bits & 2u) << 11) | ((bits & 4u) << 18) |
+                 ((bits & 8u) << 25));
+}
+
+// Q4_K/Q5_K sub-block j's 6-bit scale and minimum from the 12 packed bytes (ggml's
+// get_scale_min_k4; kernels/src/quant/kquants.rs scale_min_k4).
+DEVICE void scale_min_k4(const uint8_t* q, int j, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}

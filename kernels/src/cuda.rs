@@ -58,7 +58,12 @@ pub const PROGRAMS: &[Program] = &[
             "quantize_q8_1",
             "matvec_q4_0",
             "matvec_q4_1",
+            "matvec_q5_0",
+            "matvec_q5_1",
             "matvec_q8_0",
+            "matvec_q4_k",
+            "matvec_q5_k",
+            "matvec_q6_k",
             "matvec_f16",
         ],
     },
@@ -115,9 +120,34 @@ pub fn ggml_type_id(ty: crate::quant::WeightType) -> Option<i32> {
         WeightType::F16 => Some(1),
         WeightType::Q4_0 => Some(2),
         WeightType::Q4_1 => Some(3),
+        WeightType::Q5_0 => Some(6),
+        WeightType::Q5_1 => Some(7),
         WeightType::Q8_0 => Some(8),
+        WeightType::Q4_K => Some(12),
+        WeightType::Q5_K => Some(13),
+        WeightType::Q6_K => Some(14),
         _ => None,
     }
+}
+
+/// The matvec kernel for weights of `ty` (in `matvec.cu`), `None` for types that have none
+/// (F32 is read only as an embedding table). Every quantized one takes Q8_1 activations
+/// (`quantize_q8_1`), `matvec_f16` the f32 rows.
+#[allow(unreachable_patterns)] // new CPU-only weight types must not break this build
+pub fn matvec_kernel(ty: crate::quant::WeightType) -> Option<&'static str> {
+    use crate::quant::WeightType;
+    Some(match ty {
+        WeightType::F16 => "matvec_f16",
+        WeightType::Q4_0 => "matvec_q4_0",
+        WeightType::Q4_1 => "matvec_q4_1",
+        WeightType::Q5_0 => "matvec_q5_0",
+        WeightType::Q5_1 => "matvec_q5_1",
+        WeightType::Q8_0 => "matvec_q8_0",
+        WeightType::Q4_K => "matvec_q4_k",
+        WeightType::Q5_K => "matvec_q5_k",
+        WeightType::Q6_K => "matvec_q6_k",
+        _ => return None,
+    })
 }
 
 /// Dynamic shared memory of one paged-attention block for a query group of `group` heads of

@@ -20,11 +20,15 @@ const BLOCK: usize = 16;
 const NUM_BLOCKS: usize = 12;
 
 fn tiny_model(dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
+    synth_model(SynthShape::Tiny, dtype)
+}
+
+fn synth_model(shape: SynthShape, dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
     let dir = std::env::temp_dir().join(format!("kvgate-cuda-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let path: PathBuf = dir.join(format!("tiny-{dtype}.gguf"));
+    let path: PathBuf = dir.join(format!("{shape}-{dtype}.gguf"));
     let spec = SynthSpec {
-        shape: SynthShape::Tiny,
+        shape,
         dtype,
         seed: 12,
     };
@@ -100,8 +104,28 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
-fn whole_steps_match_the_cpu_backend(dtype: SynthDtype) {
-    let (gguf, config) = tiny_model(dtype);
+/// How a check runs: the full schedule (three steps: A's 34-token prompt chunked at 20 beside
+/// B's 9-token prefill and decode) or a short one (two steps: A's prompt chunked at 14, whose
+/// second chunk crosses into the next block and reads the first from the cache, beside B's
+/// prefill and decode) that keeps the slower emulated checks of further weight types cheap.
+#[derive(Clone, Copy)]
+struct Check {
+    short: bool,
+    /// Tolerance as a fraction of the largest logit.
+    tol: f32,
+}
+
+const FULL: Check = Check {
+    short: false,
+    tol: 2e-2,
+};
+
+fn whole_steps_match_the_cpu_backend(shape: SynthShape, dtype: SynthDtype) {
+    whole_steps_match(shape, dtype, FULL);
+}
+
+fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, check: Check) {
+    let (gguf, config) = synth_model(shape, dtype);
     let mut cpu = CpuBackend::new(
         Arc::clone(&gguf),
         config.clone(),
@@ -117,7 +141,7 @@ fn whole_steps_match_the_cpu_backend(dtype: SynthDtype) {
     let (a, b) = (tokens(34, 1), tokens(9, 2));
     // Scattered, out-of-order block ids; A's prompt is chunked at 20 (mid-block).
     let (blocks_a, blocks_b): (&[u32], &[u32]) = (&[9, 2, 6], &[4]);
-    let steps: Vec<Vec<Part>> = vec![
+    let full: Vec<Vec<Part>> = vec![
         vec![
             Part {
                 tokens: &a[..20],
@@ -153,6 +177,37 @@ fn whole_steps_match_the_cpu_backend(dtype: SynthDtype) {
             needs_logits: true,
         }],
     ];
+    let short: Vec<Vec<Part>> = vec![
+        vec![
+            Part {
+                tokens: &a[..14],
+                start: 0,
+                blocks: blocks_a,
+                needs_logits: false,
+            },
+            Part {
+                tokens: &b[..3],
+                start: 0,
+                blocks: blocks_b,
+                needs_logits: true,
+            },
+        ],
+        vec![
+            Part {
+                tokens: &b[3..4],
+                start: 3,
+                blocks: blocks_b,
+                needs_logits: true,
+            },
+            Part {
+                tokens: &a[14..18],
+                start: 14,
+                blocks: blocks_a,
+                needs_logits: true,
+            },
+        ],
+    ];
+    let steps = if check.short { short } else { full };
     let (mut want, mut got) = (Vec::new(), Vec::new());
     for (i, parts) in steps.iter().enumerate() {
         let inputs = batch(parts);
@@ -171,18 +226,47 @@ fn whole_steps_match_the_cpu_backend(dtype: SynthDtype) {
         // Activations are requantized to 8 bits at every matmul (both sides, summed in other
         // orders) and K/V, q and probabilities are f16: logits agree to about one quantization
         // step of the largest logit.
-        assert_close(&format!("{dtype} step {i}"), &got, &want, 2e-2);
+        assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, check.tol);
     }
 }
 
 #[test]
 fn emulated_steps_match_the_cpu_backend_q4_0() {
-    whole_steps_match_the_cpu_backend(SynthDtype::Q4_0);
+    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::Q4_0);
 }
 
 #[test]
 fn emulated_steps_match_the_cpu_backend_f16() {
-    whole_steps_match_the_cpu_backend(SynthDtype::F16);
+    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::F16);
+}
+
+/// llama.cpp's Q4_K_M mix on the 256-wide tiny shape: Q4_K matrices (and embedding), Q6_K for
+/// the output head and layer 1's `attn_v`/`ffn_down`. The CPU backend quantizes activations to
+/// Q8_K for these (one scale per 256 values), the CUDA kernels to Q8_1 (one per 32, as
+/// llama.cpp's CUDA backend): the products differ by activation rounding at every matmul, not
+/// only by summation order (measured on the full schedule: an element 0.27 off on a largest
+/// logit of 12.9, 2.1%, over the 2e-2 the Q4_0 check allows). The kernels themselves match the
+/// exact Q8_1 product to 1e-5 (kvgate-kernels `cuda::emu`); here 5e-2.
+#[test]
+fn emulated_steps_match_the_cpu_backend_q4_k_m() {
+    let check = Check {
+        short: true,
+        tol: 5e-2,
+    };
+    whole_steps_match(SynthShape::TinyK, SynthDtype::Q4_K_M, check);
+}
+
+/// On the 128-wide tiny shape no width is a multiple of 256, so the K-quant dtypes fall back
+/// to llama.cpp's 32-element types: `q4_k` writes Q5_0 matrices, `q5_k` Q5_1. Same activations
+/// as the CPU (Q8_0's quants are Q8_1's), so the Q4_0 tolerance.
+#[test]
+fn emulated_steps_match_the_cpu_backend_q5_0_and_q5_1() {
+    let check = Check {
+        short: true,
+        tol: 2e-2,
+    };
+    whole_steps_match(SynthShape::Tiny, SynthDtype::Q4_K, check);
+    whole_steps_match(SynthShape::Tiny, SynthDtype::Q5_K, check);
 }
 
 #[test]

@@ -151,12 +151,24 @@ fn argmax(row: &[f32]) -> usize {
 #[test]
 #[ignore = "requires a CUDA device"]
 fn every_weight_type_runs_whole_steps_like_the_cpu_backend() {
-    // Every kernel on the device: a prefill, then a mixed step, per weight type.
-    for dtype in SynthDtype::ALL {
+    // Every kernel on the device: a prefill, then a mixed step, per weight type. On the
+    // 128-wide tiny shape the K-quant dtypes store llama.cpp's fallbacks (Q5_0, Q5_1, Q8_0);
+    // the 256-wide tiny-k shape stores Q4_K, Q5_K, Q6_K and the Q4_K_M mix themselves.
+    let k_dtypes = [
+        SynthDtype::Q4_K,
+        SynthDtype::Q5_K,
+        SynthDtype::Q6_K,
+        SynthDtype::Q4_K_M,
+    ];
+    let cases = SynthDtype::ALL
+        .map(|dtype| (SynthShape::Tiny, dtype))
+        .into_iter()
+        .chain(k_dtypes.map(|dtype| (SynthShape::TinyK, dtype)));
+    for (shape, dtype) in cases {
         let Some(dev) = gpu_or_skip("every_weight_type") else {
             return;
         };
-        let (gguf, config) = synth(SynthShape::Tiny, dtype);
+        let (gguf, config) = synth(shape, dtype);
         let mut gpu = cuda_backend(dev, &gguf, &config, 16, 8);
         let mut cpu = cpu_backend(&gguf, &config, 16);
         let (a, b) = (
@@ -184,9 +196,16 @@ fn every_weight_type_runs_whole_steps_like_the_cpu_backend() {
         ];
         for (i, step) in steps.iter().enumerate() {
             let (got, want) = (forward(&mut gpu, step), forward(&mut cpu, step));
-            assert_close(&format!("{dtype} step {i}"), &got, &want, 2e-2);
+            // K-quant matrices: the CPU quantizes activations to Q8_K, the GPU to Q8_1, so
+            // the logits differ by activation rounding too (tests/cuda_emulated.rs, q4_k_m).
+            let tol = if shape == SynthShape::TinyK {
+                5e-2
+            } else {
+                2e-2
+            };
+            assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, tol);
         }
-        println!("GPU-CHECK kernels_{dtype}=passed");
+        println!("GPU-CHECK kernels_{shape}_{dtype}=passed");
     }
 }
 

@@ -52,7 +52,12 @@ EMU_LAUNCHER(quantize_q8_1, (uint8_t* out, const float* x, long long n_blocks),
                  (out, w, x, rows, cols, batch))
 EMU_MATVEC(matvec_q4_0, uint8_t)
 EMU_MATVEC(matvec_q4_1, uint8_t)
+EMU_MATVEC(matvec_q5_0, uint8_t)
+EMU_MATVEC(matvec_q5_1, uint8_t)
 EMU_MATVEC(matvec_q8_0, uint8_t)
+EMU_MATVEC(matvec_q4_k, uint8_t)
+EMU_MATVEC(matvec_q5_k, uint8_t)
+EMU_MATVEC(matvec_q6_k, uint8_t)
 EMU_LAUNCHER(matvec_f16,
              (float* out, const uint16_t* w, const float* x, int rows, int cols, int batch),
              (out, w, x, rows, cols, batch))
@@ -89,7 +94,9 @@ inline const Entry ENTRIES[] = {
     EMU_ENTRY(argmax_rows),    EMU_ENTRY(write_kv),            EMU_ENTRY(paged_attention_d32),
     EMU_ENTRY(paged_attention_d64), EMU_ENTRY(paged_attention_d128), EMU_ENTRY(attention_reduce),
     EMU_ENTRY(quantize_q8_1),  EMU_ENTRY(matvec_q4_0),         EMU_ENTRY(matvec_q4_1),
-    EMU_ENTRY(matvec_q8_0),    EMU_ENTRY(matvec_f16),
+    EMU_ENTRY(matvec_q5_0),    EMU_ENTRY(matvec_q5_1),         EMU_ENTRY(matvec_q8_0),
+    EMU_ENTRY(matvec_q4_k),    EMU_ENTRY(matvec_q5_k),         EMU_ENTRY(matvec_q6_k),
+    EMU_ENTRY(matvec_f16),
 };
 
 }  // namespace emu

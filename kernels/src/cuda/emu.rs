@@ -13,7 +13,9 @@ use crate::attention::{KvLayout, ReductionOrder, paged_attention_reference, writ
 use crate::matmul::tests::random_matrix;
 use crate::matmul::{QMatrix, matmul_reference};
 use crate::ops::{RopeMode, rms_norm, rope, swiglu_reference};
-use crate::quant::{WeightType, dequantize_row, quantize_row_q8_1};
+use crate::quant::{
+    Q8_K_BLOCK_BYTES, QK_K, WeightType, dequantize_row, quantize_row_q8_1, quantize_row_q8_k,
+};
 use half::f16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -197,19 +199,27 @@ fn ggml_id(ty: WeightType) -> i32 {
     super::ggml_type_id(ty).expect("a type the kernels read")
 }
 
-const ALL_TYPES: [WeightType; 5] = [
+/// The types in 32-element blocks (and the float types) the kernels read.
+const ALL_TYPES: [WeightType; 7] = [
     WeightType::F32,
     WeightType::F16,
     WeightType::Q4_0,
     WeightType::Q4_1,
+    WeightType::Q5_0,
+    WeightType::Q5_1,
     WeightType::Q8_0,
 ];
+
+/// The K-quants (256-element super-blocks).
+const K_TYPES: [WeightType; 3] = [WeightType::Q4_K, WeightType::Q5_K, WeightType::Q6_K];
 
 #[test]
 fn embedding_and_f16_dequantization_match_cpu_dequantize() {
     let mut rng = StdRng::seed_from_u64(4);
-    let (vocab, cols) = (11, 96);
-    for ty in ALL_TYPES {
+    let vocab = 11;
+    // K-quant rows are whole 256-element super-blocks: two of them.
+    let cases = ALL_TYPES.map(|ty| (ty, 96)).into_iter();
+    for (ty, cols) in cases.chain(K_TYPES.map(|ty| (ty, 512))) {
         let table = random_matrix(&mut rng, ty, vocab, cols);
         let row_bytes = ty.row_bytes(cols);
         let ids = [3i32, 0, 10, 3];
@@ -302,6 +312,8 @@ fn quantized_matvec_matches_cpu_matmul_for_every_type_and_batch() {
         for ty in [
             WeightType::Q4_0,
             WeightType::Q4_1,
+            WeightType::Q5_0,
+            WeightType::Q5_1,
             WeightType::Q8_0,
             WeightType::F16,
         ] {
@@ -319,6 +331,89 @@ fn quantized_matvec_matches_cpu_matmul_for_every_type_and_batch() {
                     &want,
                     1e-5,
                 );
+            }
+        }
+    }
+}
+
+/// Per (activation row, weight row), in f64: `Σ dequantize(w) · dequantize(Q8_1(x))`, what the
+/// K-quant matvec kernels compute, exactly but for their f32 roundings; and a bound on how far
+/// the CPU's product (x quantized to Q8_K instead) can be from it: `Σ |w| · (e₁ + e_K)` with
+/// `e` the largest rounding error of an activation in each format (0.6 of its step: half a
+/// step, plus Q8_1's f16 scale rounding of at most 127 · 2⁻¹¹ steps). The weights go through
+/// the CPU's dequantization (checked bit for bit against the `gguf` package), the activations
+/// through the CPU's quantizers (Q8_1's bit-identical to `quantize_q8_1`).
+fn q8_1_exact_products(
+    ty: WeightType,
+    w: &[u8],
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut xq = vec![0u8; x.len() / 32 * 36];
+    quantize_row_q8_1(x, &mut xq);
+    let mut xk = vec![0u8; x.len() / QK_K * Q8_K_BLOCK_BYTES];
+    quantize_row_q8_k(x, &mut xk);
+    let mut xd = Vec::with_capacity(x.len());
+    let mut err = Vec::with_capacity(x.len());
+    for (e, b) in xq.chunks_exact(36).enumerate() {
+        let d = f64::from(f16::from_le_bytes([b[0], b[1]]).to_f32());
+        let kb = &xk[e * 32 / QK_K * Q8_K_BLOCK_BYTES..];
+        let dk = f64::from(f32::from_le_bytes([kb[0], kb[1], kb[2], kb[3]]).abs());
+        for &q in &b[4..] {
+            xd.push(d * f64::from(q as i8));
+            err.push(0.6 * (d + dk));
+        }
+    }
+    let row_bytes = ty.row_bytes(cols);
+    let mut wd = vec![0f32; rows * cols];
+    for (wr, out) in w.chunks_exact(row_bytes).zip(wd.chunks_exact_mut(cols)) {
+        dequantize_row(ty, wr, out).expect("valid row");
+    }
+    let (mut exact, mut bound) = (Vec::new(), Vec::new());
+    for (xr, er) in xd.chunks_exact(cols).zip(err.chunks_exact(cols)) {
+        for wr in wd.chunks_exact(cols) {
+            let dot: f64 = wr.iter().zip(xr).map(|(&a, &b)| f64::from(a) * b).sum();
+            let b: f64 = wr
+                .iter()
+                .zip(er)
+                .map(|(&a, &e)| f64::from(a).abs() * e)
+                .sum();
+            exact.push(dot as f32);
+            bound.push(b as f32);
+        }
+    }
+    (exact, bound)
+}
+
+#[test]
+fn k_quant_matvec_matches_the_exact_q8_1_product_and_the_cpu_matmul() {
+    let mut rng = StdRng::seed_from_u64(16);
+    // 13 rows: the last CUDA block has one busy warp. 256 columns: 8 sub-blocks, so 24 lanes
+    // idle; 1280: 40 sub-blocks over 32 lanes, so lanes wrap into the fifth super-block.
+    for (rows, cols) in [(13usize, 256usize), (6, 1280)] {
+        for ty in K_TYPES {
+            let w = random_matrix(&mut rng, ty, rows, cols);
+            let wb = Buf::of(&w);
+            for batch in [1usize, 3, MV_MAX_BATCH] {
+                let x = random(&mut rng, batch * cols, 1.0);
+                let got = emu_matvec(ty, &wb, &Buf::of(&x), rows, cols, batch).to_vec();
+                let what = format!("{ty:?} {rows}x{cols} batch {batch}");
+                // The kernel's own arithmetic: integer sums per sub-block, f32 across them.
+                let (exact, bound) = q8_1_exact_products(ty, &w, &x, rows, cols);
+                assert_close(&format!("{what} vs exact"), &got, &exact, 1e-5);
+                // The CPU backend's product quantizes x to Q8_K (one scale per 256 values)
+                // instead of Q8_1 (one per 32): the same product up to activation rounding.
+                let mut cpu = vec![0f32; batch * rows];
+                let m = QMatrix::new(ty, &w, rows, cols).expect("valid matrix");
+                matmul_reference(&m, &x, batch, &mut cpu);
+                let scale = cpu.iter().fold(1.0f32, |a, v| a.max(v.abs()));
+                for (i, ((g, c), b)) in got.iter().zip(&cpu).zip(&bound).enumerate() {
+                    assert!(
+                        (g - c).abs() <= b + 1e-5 * scale,
+                        "{what} vs CPU (Q8_K): element {i}: got {g}, CPU {c}, bound {b}"
+                    );
+                }
             }
         }
     }
@@ -599,7 +694,12 @@ fn emu_matvec(
     let matvec = match ty {
         WeightType::Q4_0 => Emu::matvec_q4_0,
         WeightType::Q4_1 => Emu::matvec_q4_1,
+        WeightType::Q5_0 => Emu::matvec_q5_0,
+        WeightType::Q5_1 => Emu::matvec_q5_1,
         WeightType::Q8_0 => Emu::matvec_q8_0,
+        WeightType::Q4_K => Emu::matvec_q4_k,
+        WeightType::Q5_K => Emu::matvec_q5_k,
+        WeightType::Q6_K => Emu::matvec_q6_k,
         other => panic!("no matvec kernel for {other:?}"),
     };
     matvec(emu(), launch, out.mut_ptr(), w.ptr(), xq.ptr(), r, c, b);

@@ -11,11 +11,10 @@
 //! Unlike the CPU path, the last layer runs for every row, not only the logit rows: each row's
 //! result is the same either way, and one code path is simpler to check.
 
-use kvgate_kernels::WeightType;
 use kvgate_kernels::cuda::device::{DevBuf, DeviceOps, KernelArg, LaunchDims};
 use kvgate_kernels::cuda::{
     ATTN_THREADS, MV_MAX_BATCH, MV_ROWS_PER_BLOCK, MV_THREADS, NORM_THREADS, attention_partitions,
-    attention_smem_bytes, ggml_type_id,
+    attention_smem_bytes, ggml_type_id, matvec_kernel,
 };
 
 use super::weights::{DeviceMat, DeviceModel};
@@ -116,8 +115,8 @@ impl<D: DeviceOps> Launcher<'_, D> {
     }
 
     /// `out[m][w.rows] = x[m][w.cols] · wᵀ` for each `(w, out)`, reading `x` once: quantized
-    /// weights take `x` as Q8_1 blocks (quantized here once for all of them), F16 weights the
-    /// f32 rows. The matvec kernels take at most `MV_MAX_BATCH` rows, so larger steps run in
+    /// weights (32-element blocks and K-quants alike) take `x` as Q8_1 blocks (quantized here
+    /// once for all of them), F16 weights the f32 rows. The matvec kernels take at most `MV_MAX_BATCH` rows, so larger steps run in
     /// chunks of that many rows, each a fixed slice, so a row's result never depends on which
     /// rows share its step.
     /// Each output is a buffer and the byte offset its rows start at.
@@ -141,22 +140,13 @@ impl<D: DeviceOps> Launcher<'_, D> {
             for start in (0..m).step_by(MV_MAX_BATCH) {
                 let batch = MV_MAX_BATCH.min(m - start);
                 let out_at = out.at(out_offset + start * w.rows * F32);
-                let (name, x_at) = match w.ty {
-                    WeightType::F16 => ("matvec_f16", x.at(start * cols * F32)),
-                    WeightType::Q4_0 => {
-                        ("matvec_q4_0", self.ws.xq.at(start * cols / 32 * Q8_1_BYTES))
-                    }
-                    WeightType::Q4_1 => {
-                        ("matvec_q4_1", self.ws.xq.at(start * cols / 32 * Q8_1_BYTES))
-                    }
-                    WeightType::Q8_0 => {
-                        ("matvec_q8_0", self.ws.xq.at(start * cols / 32 * Q8_1_BYTES))
-                    }
-                    other => {
-                        return Err(BackendError::Other(format!(
-                            "no CUDA matvec for {other:?} weights"
-                        )));
-                    }
+                let name = matvec_kernel(w.ty).ok_or_else(|| {
+                    BackendError::Other(format!("no CUDA matvec for {:?} weights", w.ty))
+                })?;
+                let x_at = if w.is_quantized() {
+                    self.ws.xq.at(start * cols / 32 * Q8_1_BYTES)
+                } else {
+                    x.at(start * cols * F32)
                 };
                 self.launch(
                     name,

@@ -1,10 +1,10 @@
 //! The model on the device: every weight matrix copied once, as its GGUF blocks (quantized
-//! weights stay quantized; the matvec kernels read Q4_0/Q4_1/Q8_0/F16 directly), norm weights
-//! as f32. Shapes and types the kernels cannot run are refused here, at load, with the tensor
-//! named, never discovered mid-step.
+//! weights stay quantized; the matvec kernels read Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants
+//! Q4_K/Q5_K/Q6_K and F16 directly), norm weights as f32. Shapes and types the kernels cannot
+//! run are refused here, at load, with the tensor named, never discovered mid-step.
 
 use kvgate_kernels::cuda::device::{DevBuf, DeviceOps};
-use kvgate_kernels::cuda::{ATTN_HEAD_DIMS, ATTN_MAX_GROUP, ggml_type_id};
+use kvgate_kernels::cuda::{ATTN_HEAD_DIMS, ATTN_MAX_GROUP, ggml_type_id, matvec_kernel};
 use kvgate_kernels::{RopeMode, WeightType};
 
 use super::device_error;
@@ -115,15 +115,28 @@ impl<D: DeviceOps> Uploader<'_, D> {
             GgmlType::F16 => WeightType::F16,
             GgmlType::Q4_0 => WeightType::Q4_0,
             GgmlType::Q4_1 => WeightType::Q4_1,
+            GgmlType::Q5_0 => WeightType::Q5_0,
+            GgmlType::Q5_1 => WeightType::Q5_1,
             GgmlType::Q8_0 => WeightType::Q8_0,
+            GgmlType::Q4_K => WeightType::Q4_K,
+            GgmlType::Q5_K => WeightType::Q5_K,
+            GgmlType::Q6_K => WeightType::Q6_K,
             GgmlType::F32 if lookup_only => WeightType::F32,
-            _ => return refuse("no matvec kernel for this type (have Q4_0, Q4_1, Q8_0, F16)"),
+            _ => {
+                return refuse(
+                    "no matvec kernel for this type (have Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, \
+                     Q5_K, Q6_K, F16)",
+                );
+            }
         };
-        if ggml_type_id(ty).is_none() {
+        if ggml_type_id(ty).is_none() || (!lookup_only && matvec_kernel(ty).is_none()) {
             return refuse("no CUDA kernel reads this type");
         }
         if !t.cols.is_multiple_of(32) {
             return refuse("rows must be a multiple of 32 values (Q8_1 activation blocks)");
+        }
+        if !t.cols.is_multiple_of(ty.block_elems()) {
+            return refuse("rows must be whole blocks of the type");
         }
         let data = t.data(self.gguf);
         if data.len() != ty.row_bytes(t.cols) * t.rows {
