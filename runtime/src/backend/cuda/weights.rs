@@ -194,7 +194,8 @@ impl DeviceModel {
             gguf,
             bytes: 0,
         };
-        let embd = up.mat(&weights.token_embd, config.tied_embeddings)?;
+        // Only looked up unless tied (then it is the output head too, and needs a matvec type).
+        let embd = up.mat(&weights.token_embd, !config.tied_embeddings)?;
         let mut layers = Vec::with_capacity(weights.layers.len());
         for l in &weights.layers {
             layers.push(DeviceLayer {
