@@ -205,33 +205,44 @@ pub fn record_queue_wait(tenant: &str, wait: Duration) {
         .record(wait.as_secs_f64());
 }
 
-/// From the request's arrival to its first generated token leaving the server.
-pub fn record_time_to_first_token(tenant: &str, elapsed: Duration) {
-    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "tenant" => tenant.to_string())
-        .record(elapsed.as_secs_f64());
+/// From the request's arrival to its first generated token leaving the server. `model` is
+/// the name the request was served under: the embedded model's or a configured upstream's,
+/// never a client-supplied unknown name (those end in 404 before any token), so the label's
+/// values are bounded by the configuration.
+pub fn record_time_to_first_token(tenant: &str, model: &str, elapsed: Duration) {
+    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "tenant" => tenant.to_string(),
+                        "model" => model.to_string())
+    .record(elapsed.as_secs_f64());
 }
 
-/// Gap between two successive tokens of one stream.
-pub fn record_inter_token_latency(tenant: &str, gap: Duration) {
-    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS, "tenant" => tenant.to_string())
-        .record(gap.as_secs_f64());
+/// Gap between two successive tokens of one stream (labels as [`record_time_to_first_token`]).
+pub fn record_inter_token_latency(tenant: &str, model: &str, gap: Duration) {
+    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS, "tenant" => tenant.to_string(),
+                        "model" => model.to_string())
+    .record(gap.as_secs_f64());
 }
 
-/// A request that ran in the engine has ended (finished, stopped, cancelled or failed).
+/// A request that ran in the engine, or was relayed from an upstream, has ended (finished,
+/// stopped, cancelled or failed); `model` as for [`record_time_to_first_token`].
 pub fn record_request_finished(
     tenant: &str,
+    model: &str,
     duration: Duration,
     prompt_tokens: usize,
     generation_tokens: usize,
     cached_tokens: Option<usize>,
 ) {
-    metrics::histogram!(REQUEST_DURATION_SECONDS).record(duration.as_secs_f64());
-    metrics::histogram!(PROMPT_TOKENS).record(prompt_tokens as f64);
-    metrics::histogram!(GENERATION_TOKENS).record(generation_tokens as f64);
-    metrics::counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string())
-        .increment(prompt_tokens as u64);
-    metrics::counter!(GENERATION_TOKENS_TOTAL, "tenant" => tenant.to_string())
-        .increment(generation_tokens as u64);
+    metrics::histogram!(REQUEST_DURATION_SECONDS, "model" => model.to_string())
+        .record(duration.as_secs_f64());
+    metrics::histogram!(PROMPT_TOKENS, "model" => model.to_string()).record(prompt_tokens as f64);
+    metrics::histogram!(GENERATION_TOKENS, "model" => model.to_string())
+        .record(generation_tokens as f64);
+    metrics::counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string(),
+                      "model" => model.to_string())
+    .increment(prompt_tokens as u64);
+    metrics::counter!(GENERATION_TOKENS_TOTAL, "tenant" => tenant.to_string(),
+                      "model" => model.to_string())
+    .increment(generation_tokens as u64);
     // Only requests the engine finished report their cached tokens; a cancelled one's lookup
     // is not counted, so queries and hits stay a true ratio.
     if let Some(cached) = cached_tokens {

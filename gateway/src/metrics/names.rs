@@ -126,37 +126,37 @@ pub const RECORDED: &[Family] = &[
     family(
         TIME_TO_FIRST_TOKEN_SECONDS,
         Histogram,
-        &["tenant"],
+        &["tenant", "model"],
         "Time from request arrival to the first generated token.",
     ),
     family(
         INTER_TOKEN_LATENCY_SECONDS,
         Histogram,
-        &["tenant"],
+        &["tenant", "model"],
         "Time between successive tokens of one stream.",
     ),
     family(
         REQUEST_DURATION_SECONDS,
         Histogram,
-        &[],
+        &["model"],
         "Time from request arrival to the end of its response.",
     ),
     family(
         PROMPT_TOKENS,
         Histogram,
-        &[],
+        &["model"],
         "Prompt length of finished requests, in tokens.",
     ),
     family(
         GENERATION_TOKENS,
         Histogram,
-        &[],
+        &["model"],
         "Generated tokens per finished request.",
     ),
     family(
         PROMPT_TOKENS_TOTAL,
         Counter,
-        &["tenant"],
+        &["tenant", "model"],
         "Prompt tokens of finished requests.",
     ),
     family(
@@ -174,7 +174,7 @@ pub const RECORDED: &[Family] = &[
     family(
         GENERATION_TOKENS_TOTAL,
         Counter,
-        &["tenant"],
+        &["tenant", "model"],
         "Tokens generated for finished requests.",
     ),
     family(
