@@ -567,3 +567,72 @@ async fn the_served_binary_reloads_its_upstreams_file_and_keeps_it_on_a_bad_edit
     );
     std::fs::remove_dir_all(&home).ok();
 }
+
+// === Capacity gauges ===
+
+/// `kvgate_upstream_capacity_tokens{model}` and `kvgate_upstream_replicas{model,state}` by
+/// state (healthy, ejected, half_open) from the gateway's `/metrics`.
+async fn capacity_gauges(gateway: &TestServer) -> (f64, [f64; 3]) {
+    let reply = gateway.client().get("/metrics", None).await;
+    let scrape = Scrape::parse(std::str::from_utf8(&reply.body).unwrap()).unwrap();
+    let replicas = |state| {
+        scrape
+            .value(
+                "kvgate_upstream_replicas",
+                &[("model", POOLED), ("state", state)],
+            )
+            .unwrap_or_else(|| panic!("no {state} replicas series"))
+    };
+    let capacity = scrape
+        .value("kvgate_upstream_capacity_tokens", &[("model", POOLED)])
+        .expect("a capacity series");
+    (
+        capacity,
+        [
+            replicas("healthy"),
+            replicas("ejected"),
+            replicas("half_open"),
+        ],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_gauges_follow_the_breakers_and_reloads() {
+    let stub = Stub::start().await;
+    // A replica address nothing listens on (bound, then released).
+    let dead = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let dead_spec = format!("http://{dead_addr},capacity=8192");
+    let gateway = gateway(&[stub.spec(), dead_spec.clone()]).await;
+    assert_eq!(
+        capacity_gauges(&gateway).await,
+        (100_000.0 + 8192.0, [2.0, 0.0, 0.0]),
+        "both replicas start healthy"
+    );
+
+    // Requests that land on the dead replica fail over to the stub (each still answers 200)
+    // and count against its breaker until it is ejected.
+    for i in 0.. {
+        if ejected(&gateway, dead_addr.port()) {
+            break;
+        }
+        assert!(i < 50, "the dead replica was never ejected");
+        ask(&gateway, &format!("spread {i}")).await;
+    }
+    let (capacity, [healthy, ejected_now, half_open]) = capacity_gauges(&gateway).await;
+    assert_eq!(capacity, 100_000.0, "only the healthy replica's capacity");
+    assert_eq!(healthy, 1.0);
+    // Its half-open probe may be out at the moment of the scrape.
+    assert_eq!(ejected_now + half_open, 1.0, "{ejected_now} + {half_open}");
+
+    // A reload that drops the dead replica: the gauges follow at once.
+    gateway
+        .upstreams
+        .reload(vec![format!("{POOLED}={}", stub.spec()).parse().unwrap()])
+        .unwrap();
+    assert_eq!(
+        capacity_gauges(&gateway).await,
+        (100_000.0, [1.0, 0.0, 0.0])
+    );
+}

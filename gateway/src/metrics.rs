@@ -50,6 +50,24 @@ pub trait QueueSource: Send + Sync {
     fn tenant_queues(&self) -> Vec<TenantQueueSnapshot>;
 }
 
+/// One upstream model's replicas as their circuit breakers stand now, for
+/// [`UPSTREAM_CAPACITY_TOKENS`] and [`UPSTREAM_REPLICAS`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UpstreamCapacitySnapshot {
+    /// The configured model name.
+    pub model: String,
+    /// Declared capacity (tokens) of the healthy replicas.
+    pub capacity_tokens: u64,
+    pub healthy: usize,
+    pub ejected: usize,
+    pub half_open: usize,
+}
+
+/// Whoever owns the upstream replica pools: their state at scrape time, one row per model.
+pub trait UpstreamSource: Send + Sync {
+    fn upstream_capacity(&self) -> Vec<UpstreamCapacitySnapshot>;
+}
+
 /// Whether extra, foreign-named metrics are exported for tools built for another server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Compat {
@@ -316,6 +334,7 @@ struct Inner {
     config: MetricsConfig,
     engine: Engine,
     queues: Option<Arc<dyn QueueSource>>,
+    upstreams: Option<Arc<dyn UpstreamSource>>,
     state: state::StateTracker,
 }
 
@@ -327,6 +346,16 @@ impl Metrics {
         engine: Engine,
         queues: Option<Arc<dyn QueueSource>>,
     ) -> Result<Metrics, MetricsError> {
+        Metrics::with_upstreams(config, engine, queues, None)
+    }
+
+    /// [`Metrics::new`], also reporting the capacity of the upstream models of `upstreams`.
+    pub fn with_upstreams(
+        config: MetricsConfig,
+        engine: Engine,
+        queues: Option<Arc<dyn QueueSource>>,
+        upstreams: Option<Arc<dyn UpstreamSource>>,
+    ) -> Result<Metrics, MetricsError> {
         let handle = install_recorder()?;
         Ok(Metrics {
             inner: Arc::new(Inner {
@@ -334,6 +363,7 @@ impl Metrics {
                 config,
                 engine,
                 queues,
+                upstreams,
                 state: state::StateTracker::default(),
             }),
         })
@@ -345,6 +375,9 @@ impl Metrics {
         let snapshot = state::Snapshot::take(&inner.engine, inner.queues.as_deref());
         let mut out = exposition::Writer::default();
         inner.state.write(&mut out, &snapshot, &inner.config);
+        if let Some(upstreams) = &inner.upstreams {
+            state::write_upstreams(&mut out, &upstreams.upstream_capacity());
+        }
         if inner.config.compat == Compat::Vllm {
             vllm::write(&mut out, &snapshot, &inner.config);
         }

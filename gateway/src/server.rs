@@ -28,7 +28,7 @@ use tokio::net::TcpListener;
 use crate::admission::{Admission, PoolId, engine_service_time};
 use crate::generate;
 use crate::handlers;
-use crate::metrics::{Metrics, MetricsConfig, MetricsError, QueueSource};
+use crate::metrics::{Metrics, MetricsConfig, MetricsError, QueueSource, UpstreamSource};
 use crate::reload::PolicyStore;
 use crate::shutdown::{self, ConnectionLimits};
 use crate::stack::{self, GatewayService, StackConfig};
@@ -179,7 +179,9 @@ pub async fn bind_on(
         metrics_config.model = config.model_name.clone();
     }
     let queues: Arc<dyn QueueSource> = Arc::new(admission.clone());
-    let metrics = Metrics::new(metrics_config, engine.clone(), Some(queues))?;
+    let capacity: Arc<dyn UpstreamSource> = Arc::new(upstreams.clone());
+    let metrics =
+        Metrics::with_upstreams(metrics_config, engine.clone(), Some(queues), Some(capacity))?;
     let rate_view = admission.clone();
     // Until completions have measured a drain rate, forecasts and Retry-After estimates price
     // the queued work with the engine's step cost model (fitted at start, refitted every step).

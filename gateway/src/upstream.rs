@@ -53,7 +53,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kvgate_runtime::block_pool::BlockPool;
 
-pub use breaker::{BASE_BACKOFF, FAILURE_THRESHOLD, MAX_BACKOFF};
+pub use breaker::{BASE_BACKOFF, BreakerState, FAILURE_THRESHOLD, MAX_BACKOFF};
 pub use capacity::HealthyCapacity;
 pub use count::{FRAMING_TOKEN, REPLY_PRIMING, TOKENS_PER_MESSAGE, TiktokenCounter};
 pub use health::{CALL_TIMEOUT, PROBE_EVERY, SCRAPE_EVERY};
@@ -66,6 +66,7 @@ pub use spec::{
 };
 
 use crate::admission::{PoolId, PoolLimit};
+use crate::metrics::{UpstreamCapacitySnapshot, UpstreamSource};
 
 /// Longest time to open a TCP connection to an upstream before answering 502.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -257,6 +258,16 @@ impl Upstreams {
                     pool,
                 })
             })
+            .collect()
+    }
+}
+
+impl UpstreamSource for Upstreams {
+    /// Every configured model's replicas as their breakers stand now: read at scrape time, so
+    /// the gauges follow every breaker transition and every reload.
+    fn upstream_capacity(&self) -> Vec<UpstreamCapacitySnapshot> {
+        self.iter()
+            .map(|upstream| upstream.replicas.capacity_snapshot(&upstream.name))
             .collect()
     }
 }
