@@ -636,3 +636,179 @@ async fn capacity_gauges_follow_the_breakers_and_reloads() {
         (100_000.0, [1.0, 0.0, 0.0])
     );
 }
+
+// === Models added and removed by an upstreams-file reload ===
+
+/// A replica whose chat answers are SSE streams that send one chunk at once and finish only
+/// when the test releases them (one release per stream).
+struct HeldStreams {
+    addr: SocketAddr,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+type AnyBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+
+fn sse_chunk(content: &str) -> String {
+    let chunk = json!({"id": "chatcmpl-held", "object": "chat.completion.chunk", "created": 0,
+                       "model": "held", "choices": [{"index": 0, "delta": {"content": content},
+                       "finish_reason": null}]});
+    format!("data: {chunk}\n\n")
+}
+
+impl HeldStreams {
+    async fn start() -> HeldStreams {
+        use http_body_util::{BodyExt, StreamBody};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let release = Arc::new(tokio::sync::Semaphore::new(0));
+        let gate = Arc::clone(&release);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let gate = Arc::clone(&gate);
+                let service = service_fn(move |request: Request<hyper::body::Incoming>| {
+                    let gate = Arc::clone(&gate);
+                    async move {
+                        if request.uri().path() != "/v1/chat/completions" {
+                            let ok: AnyBody = Full::new(Bytes::from("ok")).boxed_unsync();
+                            return Ok::<_, Infallible>(Response::new(ok));
+                        }
+                        let frames = futures::stream::unfold(0u8, move |step| {
+                            let gate = Arc::clone(&gate);
+                            async move {
+                                let text = match step {
+                                    0 => sse_chunk("Hello"),
+                                    1 => {
+                                        gate.acquire().await.unwrap().forget();
+                                        format!("{}data: [DONE]\n\n", sse_chunk(" world"))
+                                    }
+                                    _ => return None,
+                                };
+                                let frame = hyper::body::Frame::data(Bytes::from(text));
+                                Some((Ok::<_, Infallible>(frame), step + 1))
+                            }
+                        });
+                        let body: AnyBody = StreamBody::new(frames).boxed_unsync();
+                        let response = Response::builder()
+                            .header("content-type", "text/event-stream")
+                            .body(body)
+                            .unwrap();
+                        Ok(response)
+                    }
+                });
+                tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+            }
+        });
+        HeldStreams { addr, release }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_adds_a_routable_model_and_removes_one_while_its_stream_finishes() {
+    const EXTRA: &str = "extra";
+    let (plain, held) = (Stub::start().await, HeldStreams::start().await);
+    let home = scratch_dir("scaleout-models");
+    let file = home.join("upstreams.toml");
+    let pooled = format!(
+        "[[replica]]\nname = \"{POOLED}\"\nurl = \"http://{}\"\ncapacity = 100000\n",
+        plain.addr
+    );
+    let extra = format!(
+        "[[replica]]\nname = \"{EXTRA}\"\nurl = \"http://{}\"\ncapacity = 50000\n",
+        held.addr
+    );
+    // Written whole, then renamed over the file: the watcher never reads half a file.
+    let write = |text: &str| {
+        let staged = home.join("upstreams.toml.new");
+        std::fs::write(&staged, text).unwrap();
+        std::fs::rename(&staged, &file).unwrap();
+    };
+    write(&pooled);
+    let upstreams = file.display().to_string();
+    let server = serve(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-memory",
+            "64MiB",
+            "--upstreams",
+            &upstreams,
+        ],
+        &home,
+    );
+    let client = common::Client::new(server.addr);
+    let listed = |client: common::Client| async move {
+        let models = client.get("/v1/models", None).await.json();
+        let ids = models["data"].as_array().unwrap().iter();
+        ids.map(|card| card["id"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let mut streamed = chat("Say hello.", 8);
+    streamed["model"] = json!(EXTRA);
+    streamed["stream"] = json!(true);
+    let missing = client.post("/v1/chat/completions", None, &streamed).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND, "{:?}", missing.body);
+
+    // Added: listed and routable without a restart.
+    write(&format!("{pooled}{extra}"));
+    wait_for(
+        || listed(client.clone()),
+        |ids| ids.iter().any(|id| id == EXTRA),
+    )
+    .await;
+    let mut stream = client.stream("/v1/chat/completions", None, &streamed).await;
+    assert_eq!(stream.status, StatusCode::OK);
+    let first: Value = serde_json::from_str(&stream.next_data().await.unwrap()).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["content"], "Hello");
+    assert_eq!(first["model"], EXTRA, "renamed to the added model's name");
+
+    // Removed while that stream is held: new requests get 404, the stream is untouched.
+    write(&pooled);
+    wait_for(
+        || listed(client.clone()),
+        |ids| ids.iter().all(|id| id != EXTRA),
+    )
+    .await;
+    let gone = client.post("/v1/chat/completions", None, &streamed).await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND, "{:?}", gone.body);
+    assert_eq!(gone.json()["error"]["code"], "model_not_found");
+    held.release.add_permits(1);
+    let rest = stream.collect_data().await;
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
+    assert!(rest.iter().any(|data| data.contains(" world")), "{rest:?}");
+    assert!(
+        !rest.iter().any(|data| data.contains("\"error\"")),
+        "{rest:?}"
+    );
+
+    // The model that stayed serves as before.
+    let reply = client
+        .post(
+            "/v1/chat/completions",
+            None,
+            &for_pool(chat("Still there?", 4)),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(plain.completions(), 1);
+    let _ = server.stop();
+    std::fs::remove_dir_all(&home).ok();
+}
+
+/// Polls `read` every 100 ms until `done` holds for what it read; panics after 30 s.
+async fn wait_for<T: std::fmt::Debug, F: std::future::Future<Output = T>>(
+    mut read: impl FnMut() -> F,
+    done: impl Fn(&T) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let value = read().await;
+        if done(&value) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not reloaded: {value:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

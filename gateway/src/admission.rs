@@ -72,8 +72,9 @@ pub struct Admission {
     /// Closed when the last handle drops, which ends the dispatcher's upkeep task.
     _alive: mpsc::Sender<std::convert::Infallible>,
     store: PolicyStore,
-    /// Indexed by [`PoolId`]; the first is [`PoolId::LOCAL`].
-    pools: Arc<[Arc<BlockPool>]>,
+    /// Indexed by [`PoolId`]; the first is [`PoolId::LOCAL`]. Grows when a reload adds an
+    /// upstream model ([`Admission::add_pool`]); ids are never reused.
+    pools: Arc<parking_lot::RwLock<Arc<[Arc<BlockPool>]>>>,
     limits: Arc<RateLimits>,
     /// The shared-store limiter for the policy's `[shared]` section, rebuilt when a reload
     /// changes that section (`None` while the policy has none).
@@ -148,7 +149,7 @@ impl Admission {
             core,
             _alive: alive,
             store,
-            pools,
+            pools: Arc::new(parking_lot::RwLock::new(pools)),
             limits,
             shared: Arc::default(),
             ledger,
@@ -159,9 +160,28 @@ impl Admission {
     /// The id of `pool` if admission gates it (the same `Arc`), else `None`.
     pub fn pool_id(&self, pool: &Arc<BlockPool>) -> Option<PoolId> {
         self.pools
+            .read()
             .iter()
             .position(|known| Arc::ptr_eq(known, pool))
             .map(PoolId)
+    }
+
+    /// Gates `limit`'s pool from now on, with the same rules as the pools given at start
+    /// (an upstream model added by an upstreams-file reload); returns its id. A pool is never
+    /// removed: a model taken out of service keeps its id (queued and running requests of it
+    /// finish), and one brought back reuses it.
+    pub fn add_pool(&self, limit: Arc<PoolLimit>) -> PoolId {
+        let mut dispatcher = self.core.dispatcher.lock();
+        if let Some(known) = self.pool_id(limit.pool()) {
+            return known;
+        }
+        let id = dispatcher.add_pool(limit);
+        // Under the dispatcher's lock, so ids and the two lists stay in the same order.
+        *self.pools.write() = Arc::clone(dispatcher.pools());
+        drop(dispatcher);
+        // The upkeep task must watch the new pool's freed blocks too.
+        self.core.changed.notify_one();
+        id
     }
 
     /// Waits until the request may start, or says why it may not.
@@ -178,7 +198,8 @@ impl Admission {
     ) -> Result<Admitted, Rejection> {
         let policy = self.store.current();
         let tenant = Arc::clone(&ticket.tenant);
-        let Some(pool) = self.pools.get(ticket.pool.0) else {
+        let pool = self.pools.read().get(ticket.pool.0).cloned();
+        let Some(pool) = pool else {
             // Tickets only name pools that `pool_id` returned: this is a wiring bug.
             tracing::error!(
                 pool = ticket.pool.0,
@@ -211,7 +232,7 @@ impl Admission {
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let lane = lane_of(&policy, ticket.prompt_tokens);
         let (reply, answer) = oneshot::channel();
-        let expected_blocks = expected_new_blocks(pool, &ticket, needed_blocks);
+        let expected_blocks = expected_new_blocks(&pool, &ticket, needed_blocks);
         let pending = Pending {
             key,
             ticket,

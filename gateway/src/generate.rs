@@ -63,7 +63,7 @@ pub async fn chat_completions(
     let arrived = Instant::now();
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
-            let upstream = state.upstream(&request.model).cloned();
+            let upstream = state.upstream(&request.model);
             let validate = Validator {
                 run: Box::new(move |limits, codec, model| {
                     validate_chat(&request, model, limits, codec)
@@ -100,7 +100,7 @@ pub async fn completions(
     let arrived = Instant::now();
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
-            let upstream = state.upstream(&request.model).cloned();
+            let upstream = state.upstream(&request.model);
             let validate = Validator {
                 run: Box::new(move |limits, codec, model| {
                     validate_completion(&request, model, limits, codec)

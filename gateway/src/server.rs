@@ -167,7 +167,8 @@ pub async fn bind_on(
     admission: Admission,
     upstreams: Upstreams,
 ) -> Result<Server, ServeError> {
-    let upstream_routes = upstreams.routes(&config.model_name, |pool| admission.pool_id(pool))?;
+    // From here on a reload may also add models: each gets its own pool in `admission`.
+    upstreams.attach(&config.model_name, &admission)?;
     // Replica scrapes and health probes run while the upstreams live (they end with them).
     upstreams.start_upkeep();
     let operator_listener = match config.metrics_listen {
@@ -198,7 +199,7 @@ pub async fn bind_on(
         admission,
         metrics,
         model_name: config.model_name.clone(),
-        upstreams: upstream_routes,
+        upstreams,
         body: BodyLimits {
             max_bytes: config.body_limit_bytes,
             idle_timeout: config.idle_timeout,

@@ -245,6 +245,33 @@ impl Dispatcher {
         }
     }
 
+    /// Gates one more pool from now on (an upstream model added by a reload); its id.
+    pub fn add_pool(&mut self, limit: Arc<PoolLimit>) -> PoolId {
+        let id = PoolId(self.pools.len());
+        let pools: Vec<Arc<BlockPool>> = self
+            .pools
+            .iter()
+            .cloned()
+            .chain(std::iter::once(Arc::clone(limit.pool())))
+            .collect();
+        let usable: Vec<Arc<PoolLimit>> = self
+            .usable
+            .iter()
+            .cloned()
+            .chain(std::iter::once(limit))
+            .collect();
+        self.pools = pools.into();
+        self.usable = usable.into();
+        self.backlog.push(PoolBacklog::default());
+        self.estimated_at.push(None);
+        id
+    }
+
+    /// The pools gated now, indexed by [`PoolId`].
+    pub fn pools(&self) -> &Arc<[Arc<BlockPool>]> {
+        &self.pools
+    }
+
     /// Requests queued now.
     #[cfg(test)]
     pub fn queued_len(&self) -> usize {
@@ -833,16 +860,14 @@ impl Dispatcher {
 /// refuse one (see the module docs), until `closed` says every [`super::Admission`] handle is
 /// gone. Queued requests then get `Unavailable` (their reply channels close).
 pub(super) async fn run(core: Arc<Core>, mut closed: mpsc::Receiver<std::convert::Infallible>) {
-    let (pools, ledger, store) = {
+    let (ledger, store) = {
         let dispatcher = core.dispatcher.lock();
-        (
-            Arc::clone(&dispatcher.pools),
-            Arc::clone(&dispatcher.ledger),
-            dispatcher.store.clone(),
-        )
+        (Arc::clone(&dispatcher.ledger), dispatcher.store.clone())
     };
     let mut policy_updates = store.subscribe();
     loop {
+        // Read each time: a reload may add a pool (it wakes this task through `changed`).
+        let pools = Arc::clone(core.dispatcher.lock().pools());
         // Register for wake-ups *before* looking at the state, so a release that happens
         // while the step runs is not missed (a pool notifies only current waiters). They stay
         // registered while the timer is re-armed below.
@@ -895,6 +920,10 @@ pub(super) async fn run(core: Arc<Core>, mut closed: mpsc::Receiver<std::convert
                     // A caller's step needs an earlier wake-up than planned: re-arm the timer,
                     // no step (the caller's did the work).
                     let mut dispatcher = core.dispatcher.lock();
+                    if dispatcher.pools().len() != pools.len() {
+                        // A pool was added: watch its freed blocks too (from the top).
+                        break;
+                    }
                     #[cfg(test)]
                     if dispatcher.step_requested {
                         break;

@@ -795,6 +795,39 @@ async fn an_upstream_without_usable_capacity_queues_until_its_capacity_comes_bac
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_pool_added_while_serving_gates_its_requests_like_the_others() {
+    let (admission, _pool, store) = setup(100, "[tenants.a]\nmax_queue_wait = \"30s\"\n");
+    let remote = BlockPool::new(20, BLOCK_SIZE, 0);
+    let limit = PoolLimit::new(Arc::clone(&remote));
+    limit.set_usable_blocks(0);
+    let id = admission.add_pool(Arc::clone(&limit));
+    assert_ne!(id, PoolId::LOCAL);
+    assert_eq!(admission.pool_id(&remote), Some(id));
+    assert_eq!(admission.add_pool(Arc::clone(&limit)), id, "added once");
+    // No usable capacity yet: the request waits in the fair queue, and the upkeep task, which
+    // learnt of the pool when it was added, starts it once its capacity is raised.
+    let waiting = spawn_admit(&admission, upstream_ticket(&store, id, "a", 32, 32));
+    until(|| queued(&admission) == 1).await;
+    assert!(!waiting.is_finished());
+    limit.set_usable_blocks(20);
+    until(|| waiting.is_finished()).await;
+    let started = admitted(waiting).await;
+    assert_eq!((started.pool(), started.reserved_blocks()), (id, 4));
+    assert_eq!(remote.snapshot().reserved_blocks, 4);
+    // Its watermark is its own: 90% of 20 = 18 blocks, so 14 more fit and 15 do not.
+    drop(
+        admission
+            .admit(upstream_ticket(&store, id, "a", 14 * 16, 0))
+            .await
+            .unwrap(),
+    );
+    let over = spawn_admit(&admission, upstream_ticket(&store, id, "a", 15 * 16, 0));
+    until(|| queued(&admission) == 1).await;
+    drop(started);
+    drop(admitted(over).await);
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_upstream_without_usable_capacity_answers_queue_timeout_at_the_deadline() {
     let policy = "[tenants.a]\nmax_queue_wait = \"1s\"\n";
     let (admission, _remote, _limit, id, store) = setup_with_ejected_upstream(20, policy);
