@@ -497,6 +497,21 @@ async fn the_upstreams_reported_usage_settles_the_token_debit() {
     );
 }
 
+/// `kvgate serve` (the built-in policy: anonymous tenant) proxying the models of the upstreams
+/// `file`, run in `home`.
+fn serve_upstreams_file(file: &std::path::Path, home: &std::path::Path) -> Served {
+    let upstreams = file.display().to_string();
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-memory",
+        "64MiB",
+        "--upstreams",
+        &upstreams,
+    ];
+    serve(&args, home)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_served_binary_reloads_its_upstreams_file_and_keeps_it_on_a_bad_edit() {
     let (a, b) = (Stub::start().await, Stub::start().await);
@@ -509,18 +524,7 @@ async fn the_served_binary_reloads_its_upstreams_file_and_keeps_it_on_a_bad_edit
         )
     };
     std::fs::write(&file, replica(&a)).unwrap();
-    let upstreams = file.display().to_string();
-    let server = serve(
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--kv-memory",
-            "64MiB",
-            "--upstreams",
-            &upstreams,
-        ],
-        &home,
-    );
+    let server = serve_upstreams_file(&file, &home);
     let client = common::Client::new(server.addr);
     let ask_pool = |content: &'static str| {
         let client = client.clone();
@@ -723,18 +727,7 @@ async fn a_reload_adds_a_routable_model_and_removes_one_while_its_stream_finishe
         std::fs::rename(&staged, &file).unwrap();
     };
     write(&pooled);
-    let upstreams = file.display().to_string();
-    let server = serve(
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--kv-memory",
-            "64MiB",
-            "--upstreams",
-            &upstreams,
-        ],
-        &home,
-    );
+    let server = serve_upstreams_file(&file, &home);
     let client = common::Client::new(server.addr);
     let listed = |client: common::Client| async move {
         let models = client.get("/v1/models", None).await.json();
