@@ -214,7 +214,7 @@ pub fn policy(cmd: PolicyCommand) -> Result<()> {
             // Grouping finds what the file alone cannot (a replica URL twice for one model).
             let upstreams = kvgate_gateway::upstream::Upstreams::new(specs.clone())?;
             println!("{}: OK", file.display());
-            for upstream in upstreams.iter() {
+            for upstream in upstreams.list().iter() {
                 println!(
                     "{}: {} replica(s)",
                     upstream.name(),

@@ -155,6 +155,21 @@ async fn occupancy_rises_under_load_returns_to_baseline_and_the_peak_never_drops
     // Latencies carry the tenant whose streams saw them.
     let first_tokens = gauge(&last, "kvgate_time_to_first_token_seconds_count", &tenant);
     assert!(first_tokens >= 1.0, "TTFT per tenant: {first_tokens}");
+    // ... and the model that served them: the embedded one's name, here for every series.
+    let served = [("tenant", "m-occ"), ("model", common::MODEL)];
+    for family in [
+        "kvgate_time_to_first_token_seconds_count",
+        "kvgate_prompt_tokens_total",
+        "kvgate_generation_tokens_total",
+    ] {
+        assert_eq!(
+            gauge(&last, family, &served),
+            gauge(&last, family, &tenant),
+            "{family}: the tenant's series is the embedded model's"
+        );
+    }
+    let durations = [("model", common::MODEL)];
+    assert!(gauge(&last, "kvgate_request_duration_seconds_count", &durations) >= 2.0);
     let cap = gauge(&last, "kvgate_engine_prefill_cap_tokens", &[]);
     assert!(cap >= 1.0, "prefill cap {cap}");
     let sequences = gauge(&last, "kvgate_batch_size_sum", &[]);

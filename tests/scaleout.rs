@@ -497,6 +497,21 @@ async fn the_upstreams_reported_usage_settles_the_token_debit() {
     );
 }
 
+/// `kvgate serve` (the built-in policy: anonymous tenant) proxying the models of the upstreams
+/// `file`, run in `home`.
+fn serve_upstreams_file(file: &std::path::Path, home: &std::path::Path) -> Served {
+    let upstreams = file.display().to_string();
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-memory",
+        "64MiB",
+        "--upstreams",
+        &upstreams,
+    ];
+    serve(&args, home)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_served_binary_reloads_its_upstreams_file_and_keeps_it_on_a_bad_edit() {
     let (a, b) = (Stub::start().await, Stub::start().await);
@@ -509,18 +524,7 @@ async fn the_served_binary_reloads_its_upstreams_file_and_keeps_it_on_a_bad_edit
         )
     };
     std::fs::write(&file, replica(&a)).unwrap();
-    let upstreams = file.display().to_string();
-    let server = serve(
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--kv-memory",
-            "64MiB",
-            "--upstreams",
-            &upstreams,
-        ],
-        &home,
-    );
+    let server = serve_upstreams_file(&file, &home);
     let client = common::Client::new(server.addr);
     let ask_pool = |content: &'static str| {
         let client = client.clone();
@@ -566,4 +570,238 @@ async fn the_served_binary_reloads_its_upstreams_file_and_keeps_it_on_a_bad_edit
         "{log:#?}"
     );
     std::fs::remove_dir_all(&home).ok();
+}
+
+// === Capacity gauges ===
+
+/// `kvgate_upstream_capacity_tokens{model}` and `kvgate_upstream_replicas{model,state}` by
+/// state (healthy, ejected, half_open) from the gateway's `/metrics`.
+async fn capacity_gauges(gateway: &TestServer) -> (f64, [f64; 3]) {
+    let reply = gateway.client().get("/metrics", None).await;
+    let scrape = Scrape::parse(std::str::from_utf8(&reply.body).unwrap()).unwrap();
+    let replicas = |state| {
+        scrape
+            .value(
+                "kvgate_upstream_replicas",
+                &[("model", POOLED), ("state", state)],
+            )
+            .unwrap_or_else(|| panic!("no {state} replicas series"))
+    };
+    let capacity = scrape
+        .value("kvgate_upstream_capacity_tokens", &[("model", POOLED)])
+        .expect("a capacity series");
+    (
+        capacity,
+        [
+            replicas("healthy"),
+            replicas("ejected"),
+            replicas("half_open"),
+        ],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_gauges_follow_the_breakers_and_reloads() {
+    let stub = Stub::start().await;
+    // A replica address nothing listens on (bound, then released).
+    let dead = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let dead_spec = format!("http://{dead_addr},capacity=8192");
+    let gateway = gateway(&[stub.spec(), dead_spec.clone()]).await;
+    assert_eq!(
+        capacity_gauges(&gateway).await,
+        (100_000.0 + 8192.0, [2.0, 0.0, 0.0]),
+        "both replicas start healthy"
+    );
+
+    // Requests that land on the dead replica fail over to the stub (each still answers 200)
+    // and count against its breaker until it is ejected.
+    for i in 0.. {
+        if ejected(&gateway, dead_addr.port()) {
+            break;
+        }
+        assert!(i < 50, "the dead replica was never ejected");
+        ask(&gateway, &format!("spread {i}")).await;
+    }
+    let (capacity, [healthy, ejected_now, half_open]) = capacity_gauges(&gateway).await;
+    assert_eq!(capacity, 100_000.0, "only the healthy replica's capacity");
+    assert_eq!(healthy, 1.0);
+    // Its half-open probe may be out at the moment of the scrape.
+    assert_eq!(ejected_now + half_open, 1.0, "{ejected_now} + {half_open}");
+
+    // A reload that drops the dead replica: the gauges follow at once.
+    gateway
+        .upstreams
+        .reload(vec![format!("{POOLED}={}", stub.spec()).parse().unwrap()])
+        .unwrap();
+    assert_eq!(
+        capacity_gauges(&gateway).await,
+        (100_000.0, [1.0, 0.0, 0.0])
+    );
+}
+
+// === Models added and removed by an upstreams-file reload ===
+
+/// A replica whose chat answers are SSE streams that send one chunk at once and finish only
+/// when the test releases them (one release per stream).
+struct HeldStreams {
+    addr: SocketAddr,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+type AnyBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+
+fn sse_chunk(content: &str) -> String {
+    let chunk = json!({"id": "chatcmpl-held", "object": "chat.completion.chunk", "created": 0,
+                       "model": "held", "choices": [{"index": 0, "delta": {"content": content},
+                       "finish_reason": null}]});
+    format!("data: {chunk}\n\n")
+}
+
+impl HeldStreams {
+    async fn start() -> HeldStreams {
+        use http_body_util::{BodyExt, StreamBody};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let release = Arc::new(tokio::sync::Semaphore::new(0));
+        let gate = Arc::clone(&release);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let gate = Arc::clone(&gate);
+                let service = service_fn(move |request: Request<hyper::body::Incoming>| {
+                    let gate = Arc::clone(&gate);
+                    async move {
+                        if request.uri().path() != "/v1/chat/completions" {
+                            let ok: AnyBody = Full::new(Bytes::from("ok")).boxed_unsync();
+                            return Ok::<_, Infallible>(Response::new(ok));
+                        }
+                        let frames = futures::stream::unfold(0u8, move |step| {
+                            let gate = Arc::clone(&gate);
+                            async move {
+                                let text = match step {
+                                    0 => sse_chunk("Hello"),
+                                    1 => {
+                                        gate.acquire().await.unwrap().forget();
+                                        format!("{}data: [DONE]\n\n", sse_chunk(" world"))
+                                    }
+                                    _ => return None,
+                                };
+                                let frame = hyper::body::Frame::data(Bytes::from(text));
+                                Some((Ok::<_, Infallible>(frame), step + 1))
+                            }
+                        });
+                        let body: AnyBody = StreamBody::new(frames).boxed_unsync();
+                        let response = Response::builder()
+                            .header("content-type", "text/event-stream")
+                            .body(body)
+                            .unwrap();
+                        Ok(response)
+                    }
+                });
+                tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+            }
+        });
+        HeldStreams { addr, release }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_adds_a_routable_model_and_removes_one_while_its_stream_finishes() {
+    const EXTRA: &str = "extra";
+    let (plain, held) = (Stub::start().await, HeldStreams::start().await);
+    let home = scratch_dir("scaleout-models");
+    let file = home.join("upstreams.toml");
+    let pooled = format!(
+        "[[replica]]\nname = \"{POOLED}\"\nurl = \"http://{}\"\ncapacity = 100000\n",
+        plain.addr
+    );
+    let extra = format!(
+        "[[replica]]\nname = \"{EXTRA}\"\nurl = \"http://{}\"\ncapacity = 50000\n",
+        held.addr
+    );
+    // Written whole, then renamed over the file: the watcher never reads half a file.
+    let write = |text: &str| {
+        let staged = home.join("upstreams.toml.new");
+        std::fs::write(&staged, text).unwrap();
+        std::fs::rename(&staged, &file).unwrap();
+    };
+    write(&pooled);
+    let server = serve_upstreams_file(&file, &home);
+    let client = common::Client::new(server.addr);
+    let listed = |client: common::Client| async move {
+        let models = client.get("/v1/models", None).await.json();
+        let ids = models["data"].as_array().unwrap().iter();
+        ids.map(|card| card["id"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let mut streamed = chat("Say hello.", 8);
+    streamed["model"] = json!(EXTRA);
+    streamed["stream"] = json!(true);
+    let missing = client.post("/v1/chat/completions", None, &streamed).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND, "{:?}", missing.body);
+
+    // Added: listed and routable without a restart.
+    write(&format!("{pooled}{extra}"));
+    wait_for(
+        || listed(client.clone()),
+        |ids| ids.iter().any(|id| id == EXTRA),
+    )
+    .await;
+    let mut stream = client.stream("/v1/chat/completions", None, &streamed).await;
+    assert_eq!(stream.status, StatusCode::OK);
+    let first: Value = serde_json::from_str(&stream.next_data().await.unwrap()).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["content"], "Hello");
+    assert_eq!(first["model"], EXTRA, "renamed to the added model's name");
+
+    // Removed while that stream is held: new requests get 404, the stream is untouched.
+    write(&pooled);
+    wait_for(
+        || listed(client.clone()),
+        |ids| ids.iter().all(|id| id != EXTRA),
+    )
+    .await;
+    let gone = client.post("/v1/chat/completions", None, &streamed).await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND, "{:?}", gone.body);
+    assert_eq!(gone.json()["error"]["code"], "model_not_found");
+    held.release.add_permits(1);
+    let rest = stream.collect_data().await;
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
+    assert!(rest.iter().any(|data| data.contains(" world")), "{rest:?}");
+    assert!(
+        !rest.iter().any(|data| data.contains("\"error\"")),
+        "{rest:?}"
+    );
+
+    // The model that stayed serves as before.
+    let reply = client
+        .post(
+            "/v1/chat/completions",
+            None,
+            &for_pool(chat("Still there?", 4)),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(plain.completions(), 1);
+    let _ = server.stop();
+    std::fs::remove_dir_all(&home).ok();
+}
+
+/// Polls `read` every 100 ms until `done` holds for what it read; panics after 30 s.
+async fn wait_for<T: std::fmt::Debug, F: std::future::Future<Output = T>>(
+    mut read: impl FnMut() -> F,
+    done: impl Fn(&T) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let value = read().await;
+        if done(&value) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not reloaded: {value:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -676,6 +676,21 @@ async fn relayed_answers_are_timed_and_counted_under_their_tenant() {
     let ttft = "kvgate_time_to_first_token_seconds_count";
     let itl = "kvgate_inter_token_latency_seconds_count";
     assert_eq!(tenant_metric(&gateway, ttft, TENANT).await, 1.0);
+    // Labelled with the model name the client asked for (the upstream's configured NAME).
+    let reply = gateway.client().get("/metrics", None).await;
+    let scrape = Scrape::parse(std::str::from_utf8(&reply.body).unwrap()).unwrap();
+    let relayed = [("tenant", TENANT), ("model", REMOTE)];
+    assert_eq!(scrape.value(ttft, &relayed), Some(1.0));
+    assert_eq!(
+        scrape.value("kvgate_prompt_tokens_total", &relayed),
+        Some(prompt)
+    );
+    // Other tests of this binary relay to a model of the same name: at least this one.
+    let durations = scrape.value(
+        "kvgate_request_duration_seconds_count",
+        &[("model", REMOTE)],
+    );
+    assert!(durations.is_some_and(|count| count >= 1.0), "{durations:?}");
     assert_eq!(
         tenant_metric(&gateway, itl, TENANT).await,
         (text_chunks - 1) as f64,

@@ -2,12 +2,14 @@
 //!
 //! In order, cheapest first: a request that can never fit the KV pool is refused at once
 //! (400); the tenant's request and token rate limits are debited (429 with governor's exact
-//! wait); then the request joins the dispatcher's fair queue. A single dispatcher task owns the
-//! queue (an actor: commands over a bounded channel, so no check-then-act races) and starts a
-//! request only when its tenant and lane have a free concurrency slot *and* the block pool
-//! atomically reserves its KV blocks under the high watermark. The caller gets an [`Admitted`]
-//! guard (not Clone) that owns the slot, the rate-limit debit and the [`Reservation`]; dropping
-//! it gives all three back exactly once.
+//! wait); then the request joins the dispatcher's fair queue. One dispatcher state owns the
+//! queue, behind one lock (so no check-then-act races), and starts a request only when its
+//! tenant and lane have a free concurrency slot *and* the block pool atomically reserves its KV
+//! blocks under the high watermark. The caller runs a dispatcher step itself right after
+//! queueing, so a request that can start now is admitted on its own task; a queued one is
+//! started by a later step (another caller's, or the upkeep task's when capacity comes back).
+//! The caller gets an [`Admitted`] guard (not Clone) that owns the slot, the rate-limit debit
+//! and the [`Reservation`]; dropping it gives all three back exactly once.
 //!
 //! [`Admission::admit`] is cancel-safe: if the client goes away and the future is dropped, the
 //! queued entry is removed (and nothing it did not get is released).
@@ -51,11 +53,8 @@ use crate::ratelimit::{
 use crate::reload::PolicyStore;
 #[cfg(test)]
 use dispatcher::REFORECAST_EVERY;
-use dispatcher::{Command, Dispatcher, Pending};
+use dispatcher::{Core, Dispatcher, Pending};
 use ledger::{Footprint, Ledger};
-
-/// Commands waiting for the dispatcher; senders wait when it is full (backpressure).
-const COMMAND_CAPACITY: usize = 1024;
 
 /// Which block pool a request reserves its capacity from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -69,10 +68,13 @@ impl PoolId {
 /// The admission handle that handlers use. Cheap to clone.
 #[derive(Clone)]
 pub struct Admission {
-    commands: mpsc::Sender<Command>,
+    core: Arc<Core>,
+    /// Closed when the last handle drops, which ends the dispatcher's upkeep task.
+    _alive: mpsc::Sender<std::convert::Infallible>,
     store: PolicyStore,
-    /// Indexed by [`PoolId`]; the first is [`PoolId::LOCAL`].
-    pools: Arc<[Arc<BlockPool>]>,
+    /// Indexed by [`PoolId`]; the first is [`PoolId::LOCAL`]. Grows when a reload adds an
+    /// upstream model ([`Admission::add_pool`]); ids are never reused.
+    pools: Arc<parking_lot::RwLock<Arc<[Arc<BlockPool>]>>>,
     limits: Arc<RateLimits>,
     /// The shared-store limiter for the policy's `[shared]` section, rebuilt when a reload
     /// changes that section (`None` while the policy has none).
@@ -127,21 +129,27 @@ impl Admission {
             .iter()
             .map(|limit| Arc::clone(limit.pool()))
             .collect();
-        let (commands, receiver) = mpsc::channel(COMMAND_CAPACITY);
         let limits = Arc::new(RateLimits::new());
         let ledger = Arc::new(Ledger::default());
         let dispatcher = Dispatcher::new(
-            receiver,
             store.clone(),
             usable,
             Arc::clone(&limits),
             Arc::clone(&ledger),
         );
-        tokio::spawn(dispatcher.run());
+        let core = Arc::new(Core {
+            dispatcher: parking_lot::Mutex::new(dispatcher),
+            changed: tokio::sync::Notify::new(),
+            #[cfg(test)]
+            queue_only: std::sync::atomic::AtomicBool::new(false),
+        });
+        let (alive, closed) = mpsc::channel(1);
+        tokio::spawn(dispatcher::run(Arc::clone(&core), closed));
         Admission {
-            commands,
+            core,
+            _alive: alive,
             store,
-            pools,
+            pools: Arc::new(parking_lot::RwLock::new(pools)),
             limits,
             shared: Arc::default(),
             ledger,
@@ -152,9 +160,28 @@ impl Admission {
     /// The id of `pool` if admission gates it (the same `Arc`), else `None`.
     pub fn pool_id(&self, pool: &Arc<BlockPool>) -> Option<PoolId> {
         self.pools
+            .read()
             .iter()
             .position(|known| Arc::ptr_eq(known, pool))
             .map(PoolId)
+    }
+
+    /// Gates `limit`'s pool from now on, with the same rules as the pools given at start
+    /// (an upstream model added by an upstreams-file reload); returns its id. A pool is never
+    /// removed: a model taken out of service keeps its id (queued and running requests of it
+    /// finish), and one brought back reuses it.
+    pub fn add_pool(&self, limit: Arc<PoolLimit>) -> PoolId {
+        let mut dispatcher = self.core.dispatcher.lock();
+        if let Some(known) = self.pool_id(limit.pool()) {
+            return known;
+        }
+        let id = dispatcher.add_pool(limit);
+        // Under the dispatcher's lock, so ids and the two lists stay in the same order.
+        *self.pools.write() = Arc::clone(dispatcher.pools());
+        drop(dispatcher);
+        // The upkeep task must watch the new pool's freed blocks too.
+        self.core.changed.notify_one();
+        id
     }
 
     /// Waits until the request may start, or says why it may not.
@@ -171,7 +198,8 @@ impl Admission {
     ) -> Result<Admitted, Rejection> {
         let policy = self.store.current();
         let tenant = Arc::clone(&ticket.tenant);
-        let Some(pool) = self.pools.get(ticket.pool.0) else {
+        let pool = self.pools.read().get(ticket.pool.0).cloned();
+        let Some(pool) = pool else {
             // Tickets only name pools that `pool_id` returned: this is a wiring bug.
             tracing::error!(
                 pool = ticket.pool.0,
@@ -204,7 +232,7 @@ impl Admission {
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let lane = lane_of(&policy, ticket.prompt_tokens);
         let (reply, answer) = oneshot::channel();
-        let expected_blocks = expected_new_blocks(pool, &ticket, needed_blocks);
+        let expected_blocks = expected_new_blocks(&pool, &ticket, needed_blocks);
         let pending = Pending {
             key,
             ticket,
@@ -216,16 +244,27 @@ impl Admission {
             enqueued_at: Instant::now(),
             reply,
         };
-        // From here on, dropping this future must take the entry out of the queue.
+        // Queued and, if it can start now, started, under the dispatcher's lock: no other task
+        // has to run for a request that can start at once.
+        if self.core.submit(pending) {
+            // The upkeep task must look at the queue's new deadlines.
+            self.core.changed.notify_one();
+        }
+        self.answer(key, answer).await
+    }
+
+    /// Waits for the dispatcher's answer to the request queued under `key`. If this future is
+    /// dropped first (the client left), the entry leaves the queue.
+    async fn answer(
+        &self,
+        key: u64,
+        answer: oneshot::Receiver<Result<Admitted, Rejection>>,
+    ) -> Result<Admitted, Rejection> {
         let mut cancel = CancelOnDrop {
             key,
-            commands: self.commands.clone(),
+            core: Arc::clone(&self.core),
             armed: true,
         };
-        if self.commands.send(Command::Enqueue(pending)).await.is_err() {
-            cancel.armed = false;
-            return Err(Rejection::Unavailable);
-        }
         let answer = answer.await;
         cancel.armed = false;
         answer.unwrap_or(Err(Rejection::Unavailable))
@@ -425,18 +464,18 @@ impl QueueSource for Admission {
     }
 }
 
-/// Sends `Cancel` when an `admit` future is dropped while its entry may be queued. If the
-/// channel is full the dispatcher still finds the entry later: its reply channel is closed.
+/// Takes the entry out of the queue when an `admit` future is dropped while it may be queued
+/// (an entry whose reply channel closed is also skipped by dispatch, should this ever miss).
 struct CancelOnDrop {
     key: u64,
-    commands: mpsc::Sender<Command>,
+    core: Arc<Core>,
     armed: bool,
 }
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.commands.try_send(Command::Cancel(self.key));
+            self.core.dispatcher.lock().withdraw(self.key);
         }
     }
 }

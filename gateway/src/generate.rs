@@ -63,7 +63,7 @@ pub async fn chat_completions(
     let arrived = Instant::now();
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
-            let upstream = state.upstream(&request.model).cloned();
+            let upstream = state.upstream(&request.model);
             let validate = Validator {
                 run: Box::new(move |limits, codec, model| {
                     validate_chat(&request, model, limits, codec)
@@ -100,7 +100,7 @@ pub async fn completions(
     let arrived = Instant::now();
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
-            let upstream = state.upstream(&request.model).cloned();
+            let upstream = state.upstream(&request.model);
             let validate = Validator {
                 run: Box::new(move |limits, codec, model| {
                     validate_completion(&request, model, limits, codec)
@@ -169,7 +169,12 @@ async fn generate(
     let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
     let mut admitted = admit(state, tenant, &valid, cell, request_id, PoolId::LOCAL).await?;
     let meta = ResponseMeta::new(valid.endpoint, &state.inner.model_name, valid.include_usage);
-    let telemetry = GenerationTelemetry::new(&tenant.name, arrived, valid.prompt_ids.len());
+    let telemetry = GenerationTelemetry::new(
+        &tenant.name,
+        &state.inner.model_name,
+        arrived,
+        valid.prompt_ids.len(),
+    );
     let (stream, dropped) = (valid.stream, valid.dropped_messages);
     let rate_headers = admitted.rate_headers();
     let request = generation_request(valid, &mut admitted, tenant);
@@ -276,7 +281,14 @@ async fn proxy(
                 let telemetry = if answer.status().is_success() {
                     admitted.mark_started();
                     let prompt = valid.prompt_ids.len();
-                    Some(GenerationTelemetry::new(&tenant.name, arrived, prompt))
+                    // Labelled by the configured name the client asked for (the route's).
+                    let model = upstream.name();
+                    Some(GenerationTelemetry::new(
+                        &tenant.name,
+                        model,
+                        arrived,
+                        prompt,
+                    ))
                 } else {
                     admitted.mark_failed_before_start();
                     None

@@ -26,8 +26,8 @@ pub async fn list_models(State(state): State<AppState>, Tenant(_tenant): Tenant)
         owned_by: owned_by.to_owned(),
     };
     let mut data = vec![card(&state.inner.model_name, "kvgate")];
-    for route in &state.inner.upstreams {
-        data.push(card(route.upstream().name(), "upstream"));
+    for upstream in state.upstreams().list().iter() {
+        data.push(card(upstream.name(), "upstream"));
     }
     axum::Json(ModelList {
         object: "list".to_owned(),

@@ -50,6 +50,24 @@ pub trait QueueSource: Send + Sync {
     fn tenant_queues(&self) -> Vec<TenantQueueSnapshot>;
 }
 
+/// One upstream model's replicas as their circuit breakers stand now, for
+/// [`UPSTREAM_CAPACITY_TOKENS`] and [`UPSTREAM_REPLICAS`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UpstreamCapacitySnapshot {
+    /// The configured model name.
+    pub model: String,
+    /// Declared capacity (tokens) of the healthy replicas.
+    pub capacity_tokens: u64,
+    pub healthy: usize,
+    pub ejected: usize,
+    pub half_open: usize,
+}
+
+/// Whoever owns the upstream replica pools: their state at scrape time, one row per model.
+pub trait UpstreamSource: Send + Sync {
+    fn upstream_capacity(&self) -> Vec<UpstreamCapacitySnapshot>;
+}
+
 /// Whether extra, foreign-named metrics are exported for tools built for another server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Compat {
@@ -205,33 +223,44 @@ pub fn record_queue_wait(tenant: &str, wait: Duration) {
         .record(wait.as_secs_f64());
 }
 
-/// From the request's arrival to its first generated token leaving the server.
-pub fn record_time_to_first_token(tenant: &str, elapsed: Duration) {
-    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "tenant" => tenant.to_string())
-        .record(elapsed.as_secs_f64());
+/// From the request's arrival to its first generated token leaving the server. `model` is
+/// the name the request was served under: the embedded model's or a configured upstream's,
+/// never a client-supplied unknown name (those end in 404 before any token), so the label's
+/// values are bounded by the configuration.
+pub fn record_time_to_first_token(tenant: &str, model: &str, elapsed: Duration) {
+    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "tenant" => tenant.to_string(),
+                        "model" => model.to_string())
+    .record(elapsed.as_secs_f64());
 }
 
-/// Gap between two successive tokens of one stream.
-pub fn record_inter_token_latency(tenant: &str, gap: Duration) {
-    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS, "tenant" => tenant.to_string())
-        .record(gap.as_secs_f64());
+/// Gap between two successive tokens of one stream (labels as [`record_time_to_first_token`]).
+pub fn record_inter_token_latency(tenant: &str, model: &str, gap: Duration) {
+    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS, "tenant" => tenant.to_string(),
+                        "model" => model.to_string())
+    .record(gap.as_secs_f64());
 }
 
-/// A request that ran in the engine has ended (finished, stopped, cancelled or failed).
+/// A request that ran in the engine, or was relayed from an upstream, has ended (finished,
+/// stopped, cancelled or failed); `model` as for [`record_time_to_first_token`].
 pub fn record_request_finished(
     tenant: &str,
+    model: &str,
     duration: Duration,
     prompt_tokens: usize,
     generation_tokens: usize,
     cached_tokens: Option<usize>,
 ) {
-    metrics::histogram!(REQUEST_DURATION_SECONDS).record(duration.as_secs_f64());
-    metrics::histogram!(PROMPT_TOKENS).record(prompt_tokens as f64);
-    metrics::histogram!(GENERATION_TOKENS).record(generation_tokens as f64);
-    metrics::counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string())
-        .increment(prompt_tokens as u64);
-    metrics::counter!(GENERATION_TOKENS_TOTAL, "tenant" => tenant.to_string())
-        .increment(generation_tokens as u64);
+    metrics::histogram!(REQUEST_DURATION_SECONDS, "model" => model.to_string())
+        .record(duration.as_secs_f64());
+    metrics::histogram!(PROMPT_TOKENS, "model" => model.to_string()).record(prompt_tokens as f64);
+    metrics::histogram!(GENERATION_TOKENS, "model" => model.to_string())
+        .record(generation_tokens as f64);
+    metrics::counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string(),
+                      "model" => model.to_string())
+    .increment(prompt_tokens as u64);
+    metrics::counter!(GENERATION_TOKENS_TOTAL, "tenant" => tenant.to_string(),
+                      "model" => model.to_string())
+    .increment(generation_tokens as u64);
     // Only requests the engine finished report their cached tokens; a cancelled one's lookup
     // is not counted, so queries and hits stay a true ratio.
     if let Some(cached) = cached_tokens {
@@ -305,6 +334,7 @@ struct Inner {
     config: MetricsConfig,
     engine: Engine,
     queues: Option<Arc<dyn QueueSource>>,
+    upstreams: Option<Arc<dyn UpstreamSource>>,
     state: state::StateTracker,
 }
 
@@ -316,6 +346,16 @@ impl Metrics {
         engine: Engine,
         queues: Option<Arc<dyn QueueSource>>,
     ) -> Result<Metrics, MetricsError> {
+        Metrics::with_upstreams(config, engine, queues, None)
+    }
+
+    /// [`Metrics::new`], also reporting the capacity of the upstream models of `upstreams`.
+    pub fn with_upstreams(
+        config: MetricsConfig,
+        engine: Engine,
+        queues: Option<Arc<dyn QueueSource>>,
+        upstreams: Option<Arc<dyn UpstreamSource>>,
+    ) -> Result<Metrics, MetricsError> {
         let handle = install_recorder()?;
         Ok(Metrics {
             inner: Arc::new(Inner {
@@ -323,6 +363,7 @@ impl Metrics {
                 config,
                 engine,
                 queues,
+                upstreams,
                 state: state::StateTracker::default(),
             }),
         })
@@ -334,6 +375,9 @@ impl Metrics {
         let snapshot = state::Snapshot::take(&inner.engine, inner.queues.as_deref());
         let mut out = exposition::Writer::default();
         inner.state.write(&mut out, &snapshot, &inner.config);
+        if let Some(upstreams) = &inner.upstreams {
+            state::write_upstreams(&mut out, &upstreams.upstream_capacity());
+        }
         if inner.config.compat == Compat::Vllm {
             vllm::write(&mut out, &snapshot, &inner.config);
         }

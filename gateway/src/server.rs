@@ -28,7 +28,7 @@ use tokio::net::TcpListener;
 use crate::admission::{Admission, PoolId, engine_service_time};
 use crate::generate;
 use crate::handlers;
-use crate::metrics::{Metrics, MetricsConfig, MetricsError, QueueSource};
+use crate::metrics::{Metrics, MetricsConfig, MetricsError, QueueSource, UpstreamSource};
 use crate::reload::PolicyStore;
 use crate::shutdown::{self, ConnectionLimits};
 use crate::stack::{self, GatewayService, StackConfig};
@@ -167,7 +167,8 @@ pub async fn bind_on(
     admission: Admission,
     upstreams: Upstreams,
 ) -> Result<Server, ServeError> {
-    let upstream_routes = upstreams.routes(&config.model_name, |pool| admission.pool_id(pool))?;
+    // From here on a reload may also add models: each gets its own pool in `admission`.
+    upstreams.attach(&config.model_name, &admission)?;
     // Replica scrapes and health probes run while the upstreams live (they end with them).
     upstreams.start_upkeep();
     let operator_listener = match config.metrics_listen {
@@ -179,7 +180,9 @@ pub async fn bind_on(
         metrics_config.model = config.model_name.clone();
     }
     let queues: Arc<dyn QueueSource> = Arc::new(admission.clone());
-    let metrics = Metrics::new(metrics_config, engine.clone(), Some(queues))?;
+    let capacity: Arc<dyn UpstreamSource> = Arc::new(upstreams.clone());
+    let metrics =
+        Metrics::with_upstreams(metrics_config, engine.clone(), Some(queues), Some(capacity))?;
     let rate_view = admission.clone();
     // Until completions have measured a drain rate, forecasts and Retry-After estimates price
     // the queued work with the engine's step cost model (fitted at start, refitted every step).
@@ -196,7 +199,7 @@ pub async fn bind_on(
         admission,
         metrics,
         model_name: config.model_name.clone(),
-        upstreams: upstream_routes,
+        upstreams,
         body: BodyLimits {
             max_bytes: config.body_limit_bytes,
             idle_timeout: config.idle_timeout,

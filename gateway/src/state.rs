@@ -12,7 +12,7 @@ use crate::admission::Admission;
 use crate::intake::Intake;
 use crate::metrics::Metrics;
 use crate::reload::PolicyStore;
-use crate::upstream::UpstreamRoute;
+use crate::upstream::{UpstreamRoute, Upstreams};
 use crate::validate::PromptCodec;
 
 /// Everything the handlers share. Cheap to clone.
@@ -28,8 +28,8 @@ pub(crate) struct StateInner {
     pub(crate) admission: Admission,
     pub(crate) metrics: Metrics,
     pub(crate) model_name: String,
-    /// Models served by other engines, proxied (see `upstream.rs`).
-    pub(crate) upstreams: Vec<UpstreamRoute>,
+    /// Models served by other engines, proxied (see `upstream.rs`); the set a reload changes.
+    pub(crate) upstreams: Upstreams,
     pub(crate) created: u64,
     body: BodyLimits,
     /// Per-tenant limits before the body, and the fair validation workers.
@@ -67,8 +67,9 @@ pub struct StateParts {
     pub admission: Admission,
     pub metrics: Metrics,
     pub model_name: String,
-    /// [`crate::upstream::Upstreams::routes`]; empty when this server fronts no other engine.
-    pub upstreams: Vec<UpstreamRoute>,
+    /// The upstream models, attached to admission ([`Upstreams::attach`]); empty when this
+    /// server fronts no other engine.
+    pub upstreams: Upstreams,
     pub body: BodyLimits,
     pub validation_workers: usize,
 }
@@ -115,12 +116,15 @@ impl AppState {
         &self.inner.metrics
     }
 
-    /// The upstream serving model `name`, if it is not the embedded model.
-    pub fn upstream(&self, name: &str) -> Option<&UpstreamRoute> {
-        self.inner
-            .upstreams
-            .iter()
-            .find(|route| route.upstream().name() == name)
+    /// Where a request for model `name` goes now, if an upstream serves it (never the
+    /// embedded model's name). Read per request: an upstreams reload adds and removes names.
+    pub fn upstream(&self, name: &str) -> Option<UpstreamRoute> {
+        self.inner.upstreams.route(name)
+    }
+
+    /// The upstream models served now.
+    pub fn upstreams(&self) -> &Upstreams {
+        &self.inner.upstreams
     }
 
     /// Per-tenant intake (see `intake.rs`).

@@ -15,6 +15,8 @@ use crate::metrics::{
 #[derive(Debug)]
 pub struct GenerationTelemetry {
     tenant: String,
+    /// The configured name the request was served under (embedded model or upstream).
+    model: String,
     arrived: Instant,
     prompt_tokens: usize,
     generated: usize,
@@ -24,10 +26,18 @@ pub struct GenerationTelemetry {
 }
 
 impl GenerationTelemetry {
-    /// `arrived` is when the request reached the handler, so TTFT includes queueing.
-    pub fn new(tenant: &str, arrived: Instant, prompt_tokens: usize) -> GenerationTelemetry {
+    /// `arrived` is when the request reached the handler, so TTFT includes queueing. `model`
+    /// must be a configured name (the embedded model's or an upstream's), never one a client
+    /// made up: it is a metrics label.
+    pub fn new(
+        tenant: &str,
+        model: &str,
+        arrived: Instant,
+        prompt_tokens: usize,
+    ) -> GenerationTelemetry {
         GenerationTelemetry {
             tenant: tenant.to_owned(),
+            model: model.to_owned(),
             arrived,
             prompt_tokens,
             generated: 0,
@@ -40,9 +50,13 @@ impl GenerationTelemetry {
     pub fn on_token(&mut self) {
         let now = Instant::now();
         match self.last_token {
-            None => record_time_to_first_token(&self.tenant, now.duration_since(self.arrived)),
+            None => record_time_to_first_token(
+                &self.tenant,
+                &self.model,
+                now.duration_since(self.arrived),
+            ),
             Some(previous) => {
-                record_inter_token_latency(&self.tenant, now.duration_since(previous))
+                record_inter_token_latency(&self.tenant, &self.model, now.duration_since(previous))
             }
         }
         self.last_token = Some(now);
@@ -80,6 +94,7 @@ impl Drop for GenerationTelemetry {
     fn drop(&mut self) {
         record_request_finished(
             &self.tenant,
+            &self.model,
             self.elapsed(),
             self.prompt_tokens,
             self.generated,

@@ -43,6 +43,7 @@ pub mod route;
 mod spec;
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -52,8 +53,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kvgate_runtime::block_pool::BlockPool;
+use parking_lot::{Mutex, RwLock};
 
-pub use breaker::{BASE_BACKOFF, FAILURE_THRESHOLD, MAX_BACKOFF};
+pub use breaker::{BASE_BACKOFF, BreakerState, FAILURE_THRESHOLD, MAX_BACKOFF};
 pub use capacity::HealthyCapacity;
 pub use count::{FRAMING_TOKEN, REPLY_PRIMING, TOKENS_PER_MESSAGE, TiktokenCounter};
 pub use health::{CALL_TIMEOUT, PROBE_EVERY, SCRAPE_EVERY};
@@ -65,7 +67,8 @@ pub use spec::{
     UpstreamSpec, UpstreamSpecError,
 };
 
-use crate::admission::{PoolId, PoolLimit};
+use crate::admission::{Admission, PoolId, PoolLimit};
+use crate::metrics::{UpstreamCapacitySnapshot, UpstreamSource};
 
 /// Longest time to open a TCP connection to an upstream before answering 502.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -90,17 +93,46 @@ pub enum UpstreamError {
     #[error("--upstream {0}: its capacity pool is not registered with admission")]
     NotAdmitted(String),
     #[error(
-        "the upstreams would change the set of models ({0}); adding or removing a model \
-         needs a restart (replicas of existing models can be added and removed)"
+        "the upstreams would add models ({0}), which needs the server's admission (these \
+         upstreams are not serving)"
     )]
     ModelsChanged(String),
 }
 
-/// Every configured upstream model. Cheap to clone; empty by default.
+/// Every configured upstream model. Cheap to clone (clones share the set); empty by default.
+///
+/// The set can change while serving: an upstreams-file reload ([`Upstreams::reload`]) adds,
+/// changes and removes models. A model added by a reload gets its own admission pool
+/// ([`crate::admission::Admission::add_pool`], once the set is attached to admission with
+/// [`Upstreams::attach`]); a removed one leaves the set, so new requests naming it get 404
+/// `model_not_found`, while the requests already queued or running keep their `Arc` of it and
+/// finish. Removed models are kept aside, idle (no scrapes, no probes), with their admission
+/// pool: a reload that names one again brings it back as it was, so the admission pools of a
+/// process are bounded by the model names it was ever configured with.
 #[derive(Clone, Default)]
 pub struct Upstreams {
-    list: Arc<[Arc<Upstream>]>,
-    client: Option<HttpClient>,
+    shared: Arc<Shared>,
+}
+
+#[derive(Default)]
+struct Shared {
+    /// The models served now, in configuration order.
+    list: RwLock<Arc<[Arc<Upstream>]>>,
+    /// Models a reload took out of service.
+    retired: Mutex<Vec<Arc<Upstream>>>,
+    client: OnceLock<HttpClient>,
+    /// What adding a model needs: the admission that gates the pools, and the embedded
+    /// model's name (an upstream may not shadow it).
+    attached: OnceLock<Attached>,
+    /// Whether the upkeep tasks run (a model added later starts its own).
+    upkeep: AtomicBool,
+    /// Reloads one at a time.
+    reloading: Mutex<()>,
+}
+
+struct Attached {
+    local_model: String,
+    admission: Admission,
 }
 
 /// One upstream model: its name, its capacity pool, its token counter and its replicas.
@@ -110,6 +142,59 @@ pub struct Upstream {
     counter: Arc<TiktokenCounter>,
     replicas: ReplicaPool,
     upkeep: OnceLock<()>,
+    /// Its admission pool's id, once attached.
+    pool_id: OnceLock<PoolId>,
+    /// False while a reload has taken it out of service (its upkeep task then idles).
+    active: AtomicBool,
+}
+
+impl Upstream {
+    /// A model's capacity pool (the sum of its replicas' capacities), token counter (tiktoken's
+    /// encodings are built here, once, not per request, for the first replica's model id) and
+    /// replica pool on `client`.
+    fn build(name: String, specs: Vec<UpstreamSpec>, client: &HttpClient) -> Arc<Upstream> {
+        let counter = Arc::new(TiktokenCounter::for_model(&specs[0].model));
+        let blocks = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
+        let pool = BlockPool::new(blocks, UPSTREAM_BLOCK_SIZE, 0);
+        let capacity = HealthyCapacity::new(PoolLimit::new(Arc::clone(&pool)));
+        for spec in &specs {
+            tracing::info!(
+                upstream = %name,
+                url = %spec.base_url,
+                model = %spec.model,
+                capacity_tokens = spec.capacity_blocks() * UPSTREAM_BLOCK_SIZE,
+                metrics = spec.metrics_url.as_deref().unwrap_or("none"),
+                encoding = counter.encoding(),
+                "upstream replica configured"
+            );
+        }
+        Arc::new(Upstream {
+            name,
+            pool,
+            counter,
+            replicas: ReplicaPool::new(specs, client, capacity),
+            upkeep: OnceLock::new(),
+            pool_id: OnceLock::new(),
+            active: AtomicBool::new(true),
+        })
+    }
+
+    /// Replaces its replicas (a reload that keeps or brings back the model).
+    fn replace_replicas(&self, specs: Vec<UpstreamSpec>, client: &HttpClient) {
+        let declared: usize = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
+        if declared > self.pool.total_blocks() {
+            tracing::warn!(upstream = %self.name, declared_blocks = declared,
+                           admission_blocks = self.pool.total_blocks(),
+                           "the replicas' capacity grew; admission keeps the capacity this \
+                            model's pool was created with until a restart");
+        }
+        self.replicas.replace(specs, client);
+    }
+
+    /// Whether it is in service (not taken out by a reload).
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::SeqCst)
+    }
 }
 
 /// Groups specs by model name, in first-seen order; a replica URL twice under one name is an
@@ -133,81 +218,124 @@ fn group(specs: Vec<UpstreamSpec>) -> Result<Vec<(String, Vec<UpstreamSpec>)>, U
 }
 
 impl Upstreams {
-    /// Builds each model's capacity pool (the sum of its replicas' capacities), token counter
-    /// (tiktoken's encodings are built here, once, not per request, for the first replica's
-    /// model id) and replica pool, sharing one pooled HTTP client. Specs with the same name
-    /// are replicas of one model.
+    /// One model per name (specs with the same name are replicas of one model), sharing one
+    /// pooled HTTP client; see [`Upstream::build`].
     pub fn new(specs: Vec<UpstreamSpec>) -> Result<Upstreams, UpstreamError> {
-        let client = http_client();
-        let list = group(specs)?
+        let upstreams = Upstreams::default();
+        let client = upstreams.client();
+        let list: Vec<Arc<Upstream>> = group(specs)?
             .into_iter()
-            .map(|(name, specs)| {
-                let counter = Arc::new(TiktokenCounter::for_model(&specs[0].model));
-                let blocks = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
-                let pool = BlockPool::new(blocks, UPSTREAM_BLOCK_SIZE, 0);
-                let capacity = HealthyCapacity::new(PoolLimit::new(Arc::clone(&pool)));
-                for spec in &specs {
-                    tracing::info!(
-                        upstream = %name,
-                        url = %spec.base_url,
-                        model = %spec.model,
-                        capacity_tokens = spec.capacity_blocks() * UPSTREAM_BLOCK_SIZE,
-                        metrics = spec.metrics_url.as_deref().unwrap_or("none"),
-                        encoding = counter.encoding(),
-                        "upstream replica configured"
-                    );
-                }
-                Arc::new(Upstream {
-                    name,
-                    pool,
-                    counter,
-                    replicas: ReplicaPool::new(specs, &client, capacity),
-                    upkeep: OnceLock::new(),
-                })
-            })
+            .map(|(name, specs)| Upstream::build(name, specs, &client))
             .collect();
-        Ok(Upstreams {
-            list,
-            client: Some(client),
-        })
+        *upstreams.shared.list.write() = list.into();
+        Ok(upstreams)
     }
 
-    /// Replaces each model's replicas with `specs` (an upstreams-file reload). The models
-    /// must stay the same (their admission pools exist since startup); each model's
-    /// admission capacity becomes its healthy replicas' declared capacity, never more than
-    /// the pool sized at startup. Nothing changes on error.
-    pub fn reload(&self, specs: Vec<UpstreamSpec>) -> Result<(), UpstreamError> {
-        let groups = group(specs)?;
-        let old: HashSet<&str> = self.list.iter().map(|u| u.name.as_str()).collect();
-        let new: HashSet<&str> = groups.iter().map(|(name, _)| name.as_str()).collect();
-        if old != new {
-            let mut changes: Vec<String> = new
-                .difference(&old)
-                .map(|name| format!("+{name}"))
-                .chain(old.difference(&new).map(|name| format!("-{name}")))
-                .collect();
-            changes.sort();
-            return Err(UpstreamError::ModelsChanged(changes.join(", ")));
-        }
-        let client = self.client.clone().unwrap_or_else(http_client);
-        for (name, specs) in groups {
-            if let Some(upstream) = self.get(&name) {
-                let declared: usize = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
-                if declared > upstream.pool.total_blocks() {
-                    tracing::warn!(upstream = %name, declared_blocks = declared,
-                                   admission_blocks = upstream.pool.total_blocks(),
-                                   "the replicas' capacity grew; admission keeps its \
-                                    startup capacity until a restart");
-                }
-                upstream.replicas.replace(specs, &client);
+    fn client(&self) -> HttpClient {
+        self.shared.client.get_or_init(http_client).clone()
+    }
+
+    /// Ties the set to `admission`, which gates each model's capacity pool (the pools it was
+    /// built with, [`Upstreams::pools`]), and refuses a model named like the embedded one (it
+    /// could never be reached). From now on a reload may add models: each gets a pool of its
+    /// own in `admission`.
+    pub fn attach(&self, local_model: &str, admission: &Admission) -> Result<(), UpstreamError> {
+        for upstream in self.list().iter() {
+            if upstream.name == local_model {
+                return Err(UpstreamError::ShadowsLocalModel(upstream.name.clone()));
             }
+            let id = admission
+                .pool_id(&upstream.pool)
+                .ok_or_else(|| UpstreamError::NotAdmitted(upstream.name.clone()))?;
+            let _ = upstream.pool_id.set(id);
         }
+        let _ = self.shared.attached.set(Attached {
+            local_model: local_model.to_owned(),
+            admission: admission.clone(),
+        });
         Ok(())
     }
 
-    /// Starts each model's scrape-and-probe task, once (inside a tokio runtime).
+    /// Applies `specs` (an upstreams-file reload): models kept get the new replica list
+    /// (replicas whose spec is unchanged keep their state; a model's admission capacity
+    /// becomes its healthy replicas' declared capacity, never more than its pool); models no
+    /// longer named leave the set (new requests get 404; queued and running ones finish);
+    /// new names become routable at once, each with an admission pool of its own — which
+    /// needs the set to be attached to admission ([`Upstreams::attach`]). Nothing changes on
+    /// error.
+    pub fn reload(&self, specs: Vec<UpstreamSpec>) -> Result<(), UpstreamError> {
+        let _one_at_a_time = self.shared.reloading.lock();
+        let groups = group(specs)?;
+        let current = self.list();
+        let attached = self.shared.attached.get();
+        if let Some(attached) = attached
+            && let Some((name, _)) = groups.iter().find(|(n, _)| *n == attached.local_model)
+        {
+            return Err(UpstreamError::ShadowsLocalModel(name.clone()));
+        }
+        let added: Vec<&str> = groups
+            .iter()
+            .map(|(name, _)| name.as_str())
+            .filter(|name| current.iter().all(|u| u.name != *name))
+            .collect();
+        if !added.is_empty() && attached.is_none() {
+            let mut changes: Vec<String> = added.iter().map(|name| format!("+{name}")).collect();
+            changes.sort();
+            return Err(UpstreamError::ModelsChanged(changes.join(", ")));
+        }
+        // Checked: from here on nothing fails.
+        let client = self.client();
+        let mut retired = self.shared.retired.lock();
+        let mut next = Vec::with_capacity(groups.len());
+        for (name, specs) in groups {
+            let known = current.iter().find(|u| u.name == name).cloned();
+            let back = || {
+                let at = retired.iter().position(|u| u.name == name)?;
+                Some(retired.swap_remove(at))
+            };
+            let upstream = match known.or_else(back) {
+                Some(upstream) => {
+                    upstream.replace_replicas(specs, &client);
+                    if !upstream.is_active() {
+                        upstream.active.store(true, Ordering::SeqCst);
+                        tracing::info!(upstream = %name, "upstream model back in service");
+                    }
+                    upstream
+                }
+                None => {
+                    let upstream = Upstream::build(name, specs, &client);
+                    if let Some(attached) = attached {
+                        let limit = Arc::clone(upstream.replicas.capacity().limit());
+                        let _ = upstream.pool_id.set(attached.admission.add_pool(limit));
+                    }
+                    if self.shared.upkeep.load(Ordering::SeqCst) && upstream.upkeep.set(()).is_ok()
+                    {
+                        health::spawn_upkeep(&upstream);
+                    }
+                    tracing::info!(upstream = %upstream.name, "upstream model added");
+                    upstream
+                }
+            };
+            next.push(upstream);
+        }
+        for gone in current.iter() {
+            if next.iter().all(|u| !Arc::ptr_eq(u, gone)) {
+                gone.active.store(false, Ordering::SeqCst);
+                retired.push(Arc::clone(gone));
+                tracing::info!(upstream = %gone.name,
+                               "upstream model removed: new requests for it get 404, \
+                                queued and running ones finish");
+            }
+        }
+        *self.shared.list.write() = next.into();
+        Ok(())
+    }
+
+    /// Starts each model's scrape-and-probe task, once (inside a tokio runtime); models a
+    /// reload adds later start theirs when added.
     pub fn start_upkeep(&self) {
-        for upstream in self.list.iter() {
+        self.shared.upkeep.store(true, Ordering::SeqCst);
+        for upstream in self.list().iter() {
             if upstream.upkeep.set(()).is_ok() {
                 health::spawn_upkeep(upstream);
             }
@@ -215,48 +343,49 @@ impl Upstreams {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.list.is_empty()
+        self.shared.list.read().is_empty()
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &Arc<Upstream>> {
-        self.list.iter()
+    /// The models served now (a snapshot).
+    pub fn list(&self) -> Arc<[Arc<Upstream>]> {
+        Arc::clone(&self.shared.list.read())
     }
 
-    /// The upstream serving model `name`.
-    pub fn get(&self, name: &str) -> Option<&Arc<Upstream>> {
-        self.list.iter().find(|upstream| upstream.name == name)
+    /// The upstream serving model `name` now.
+    pub fn get(&self, name: &str) -> Option<Arc<Upstream>> {
+        self.shared
+            .list
+            .read()
+            .iter()
+            .find(|upstream| upstream.name == name)
+            .cloned()
+    }
+
+    /// Where a request for model `name` goes now: the upstream and its admission pool; `None`
+    /// when no upstream serves that name (or the set is not attached to admission).
+    pub fn route(&self, name: &str) -> Option<UpstreamRoute> {
+        let upstream = self.get(name)?;
+        let pool = *upstream.pool_id.get()?;
+        Some(UpstreamRoute { upstream, pool })
     }
 
     /// The capacity pools in order, each with the limit its healthy replicas set, for
     /// [`crate::admission::Admission::with_pools`].
     pub fn pools(&self) -> Vec<Arc<PoolLimit>> {
-        self.list
+        self.list()
             .iter()
             .map(|upstream| Arc::clone(upstream.replicas.capacity().limit()))
             .collect()
     }
+}
 
-    /// Pairs each upstream with the admission pool id of its capacity pool (`pool_id`, e.g.
-    /// [`crate::admission::Admission::pool_id`]), refusing an upstream named like the
-    /// embedded model (it could never be reached).
-    pub fn routes(
-        &self,
-        local_model: &str,
-        pool_id: impl Fn(&Arc<BlockPool>) -> Option<PoolId>,
-    ) -> Result<Vec<UpstreamRoute>, UpstreamError> {
-        self.list
+impl UpstreamSource for Upstreams {
+    /// Every configured model's replicas as their breakers stand now: read at scrape time, so
+    /// the gauges follow every breaker transition and every reload.
+    fn upstream_capacity(&self) -> Vec<UpstreamCapacitySnapshot> {
+        self.list()
             .iter()
-            .map(|upstream| {
-                if upstream.name == local_model {
-                    return Err(UpstreamError::ShadowsLocalModel(upstream.name.clone()));
-                }
-                let pool = pool_id(&upstream.pool)
-                    .ok_or_else(|| UpstreamError::NotAdmitted(upstream.name.clone()))?;
-                Ok(UpstreamRoute {
-                    upstream: Arc::clone(upstream),
-                    pool,
-                })
-            })
+            .map(|upstream| upstream.replicas.capacity_snapshot(&upstream.name))
             .collect()
     }
 }
@@ -265,7 +394,7 @@ impl std::fmt::Debug for Upstreams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list()
             .entries(
-                self.list
+                self.list()
                     .iter()
                     .flat_map(|upstream| upstream.replicas.replicas().to_vec()),
             )
@@ -379,7 +508,7 @@ mod tests {
     }
 
     #[test]
-    fn reload_changes_replicas_but_not_the_set_of_models() {
+    fn without_admission_a_reload_changes_replicas_and_removes_but_cannot_add_models() {
         let upstreams = Upstreams::new(vec![spec("a=http://127.0.0.1:1")]).unwrap();
         upstreams
             .reload(vec![
@@ -400,23 +529,99 @@ mod tests {
             2,
             "a refused reload changes nothing"
         );
+        assert!(upstreams.get("b").is_none());
     }
 
-    #[test]
-    fn routes_refuse_the_local_models_name_and_unadmitted_pools() {
+    /// Admission over an empty local pool and `upstreams`' pools, the set attached to it.
+    async fn attached(upstreams: &Upstreams) -> Admission {
+        let store = crate::reload::PolicyStore::from_policy(
+            crate::policy::parse_policy("t.toml", "[tenants.t]\n").unwrap(),
+        );
+        let admission = Admission::with_pools(store, BlockPool::new(4, 16, 0), upstreams.pools());
+        upstreams.attach("embedded", &admission).unwrap();
+        admission
+    }
+
+    #[tokio::test]
+    async fn a_reload_adds_removes_and_brings_back_models_with_their_own_pools() {
+        let upstreams = Upstreams::new(vec![spec("a=http://127.0.0.1:1,capacity=160")]).unwrap();
+        let admission = attached(&upstreams).await;
+        let a = upstreams.route("a").expect("routable");
+        assert!(upstreams.route("b").is_none());
+
+        // b is added: routable at once, on a pool of its own that admission gates.
+        upstreams
+            .reload(vec![
+                spec("a=http://127.0.0.1:1,capacity=160"),
+                spec("b=http://127.0.0.1:2,capacity=320"),
+            ])
+            .unwrap();
+        let b = upstreams.route("b").expect("added");
+        assert_ne!(b.pool(), a.pool());
+        assert_eq!(admission.pool_id(b.upstream().pool()), Some(b.pool()));
+        assert_eq!(b.upstream().pool().total_blocks(), 20);
+        assert_eq!(upstreams.route("a").unwrap().pool(), a.pool(), "a is kept");
+        let names: Vec<String> = upstreams
+            .list()
+            .iter()
+            .map(|u| u.name().to_owned())
+            .collect();
+        assert_eq!(names, ["a", "b"]);
+
+        // a is removed: no longer routable; a request that holds it still has it all.
+        upstreams
+            .reload(vec![spec("b=http://127.0.0.1:2,capacity=320")])
+            .unwrap();
+        assert!(upstreams.route("a").is_none());
+        assert!(!a.upstream().is_active());
+        assert_eq!(a.upstream().replicas().replicas().len(), 1);
+        assert_eq!(upstreams.pools().len(), 1);
+
+        // a comes back: the same model (and admission pool), with the new replica list.
+        upstreams
+            .reload(vec![
+                spec("b=http://127.0.0.1:2,capacity=320"),
+                spec("a=http://127.0.0.1:3,capacity=160"),
+            ])
+            .unwrap();
+        let back = upstreams.route("a").expect("back");
+        assert!(Arc::ptr_eq(back.upstream(), a.upstream()));
+        assert_eq!(back.pool(), a.pool());
+        assert!(back.upstream().is_active());
+        assert!(
+            back.upstream().replicas().replicas()[0]
+                .base_url()
+                .ends_with(":3")
+        );
+        drop(admission);
+    }
+
+    #[tokio::test]
+    async fn attaching_and_reloading_refuse_the_embedded_models_name() {
         let upstreams = Upstreams::new(vec![spec("local=http://127.0.0.1:1")]).unwrap();
-        let shadow = upstreams.routes("local", |_| Some(PoolId(1)));
+        let store = crate::reload::PolicyStore::from_policy(
+            crate::policy::parse_policy("t.toml", "[tenants.t]\n").unwrap(),
+        );
+        let admission =
+            Admission::with_pools(store.clone(), BlockPool::new(4, 16, 0), upstreams.pools());
         assert_eq!(
-            shadow.err(),
+            upstreams.attach("local", &admission).err(),
             Some(UpstreamError::ShadowsLocalModel("local".into()))
         );
-        let unknown = upstreams.routes("embedded", |_| None);
+        let unadmitted = Admission::new(store, BlockPool::new(4, 16, 0));
         assert_eq!(
-            unknown.err(),
+            upstreams.attach("embedded", &unadmitted).err(),
             Some(UpstreamError::NotAdmitted("local".into()))
         );
-        let routes = upstreams.routes("embedded", |_| Some(PoolId(1))).unwrap();
-        assert_eq!(routes[0].pool, PoolId(1));
-        assert_eq!(routes[0].upstream.name(), "local");
+
+        let upstreams = Upstreams::new(vec![spec("a=http://127.0.0.1:1")]).unwrap();
+        let _admission = attached(&upstreams).await;
+        assert_eq!(
+            upstreams
+                .reload(vec![spec("embedded=http://127.0.0.1:2")])
+                .err(),
+            Some(UpstreamError::ShadowsLocalModel("embedded".into()))
+        );
+        assert!(upstreams.route("a").is_some(), "nothing changed");
     }
 }

@@ -1,8 +1,20 @@
-//! The admission actor: one task owns the fair queue and decides, step by step, which queued
-//! request starts next. It wakes when a request arrives or is cancelled, when a running request
-//! releases its slot, when the block pool returns blocks, when a queue deadline passes, on a
-//! policy reload, and every [`REFORECAST_EVERY`] while anything is queued; each wake-up expires,
-//! re-forecasts and dispatches.
+//! The admission dispatcher: one state (the fair queue and its counters, behind one lock) that
+//! decides, step by step, which queued request starts next. Both the callers and a small
+//! upkeep task run its steps under that lock, so there are no check-then-act races:
+//!
+//! * **the caller of `admit`** ([`Dispatcher::submit`]) enqueues its request and runs a step at
+//!   once. A request that can start now (its tenant and lane have a free slot, its pool has
+//!   the blocks, and the fair queue has nobody ahead of it) leaves with its [`Admitted`] guard
+//!   on its own task, without waiting for another task to be scheduled; one that cannot stays
+//!   queued, exactly as the step left it. Cancelling (the client left) is a step too.
+//! * **the upkeep task** ([`run`]) runs a step whenever something else may let a queued request
+//!   start or must refuse one: a running request released its slot, the block pool returned
+//!   blocks, a queue deadline passed, a policy reload, and every [`REFORECAST_EVERY`] while
+//!   anything is queued. Each step expires, re-forecasts, dispatches and publishes.
+//!
+//! The step is the same code whoever runs it, so a request admitted on its own task gets the
+//! decision the upkeep task would have made at that moment (`tests.rs` runs the same sequences
+//! both ways and compares every decision).
 //!
 //! Dispatch takes the fair-queue candidate and asks its pool to reserve its blocks atomically
 //! under the watermark. If that fails, KV is the bottleneck for that lane of that pool and the
@@ -18,14 +30,14 @@
 //! `max_queue_wait`. When the forecast says a request cannot start before its deadline it is
 //! refused at once with 429 `kv_cache_saturated` and the forecast as Retry-After — at enqueue
 //! (with a margin for the forecast's error: [`ENQUEUE_FORECAST_MARGIN`]),
-//! and again whenever the dispatcher wakes (the drain rate and the backlog change), youngest
+//! and again whenever a step runs (the drain rate and the backlog change), youngest
 //! entry of each tenant first, so nobody holds a client for its whole deadline only to answer
 //! 503.
 //!
-//! **Per-command cost does not grow with the queue.** Expiry pops an ordered deadline set,
+//! **Per-step cost does not grow with the queue.** Expiry pops an ordered deadline set,
 //! cancellation and start find entries through the queue's index, forecasts read per-pool and
 //! per-tenant counters kept up to date on every queue change, and the re-forecast looks at one
-//! entry per backlogged tenant (plus each one it refuses): O(T + log N) per command for T
+//! entry per backlogged tenant (plus each one it refuses): O(T + log N) per step for T
 //! backlogged tenants and N queued requests (`benches/dispatch.rs`). Only a policy reload walks
 //! the whole queue, once; and a forecast about to refuse a request first re-estimates the
 //! queued entries' blocks against the prefix cache (entries queued before their prompt was
@@ -40,7 +52,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvgate_runtime::block_pool::{BlockPool, Reservation};
-use tokio::sync::{mpsc, oneshot};
+use parking_lot::Mutex;
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::capacity::PoolLimit;
@@ -68,10 +81,34 @@ pub(super) const REFORECAST_EVERY: Duration = Duration::from_millis(250);
 /// requests prove slightly slower than predicted, instead of at once (issue 16's 48 MiB burst).
 pub(super) const ENQUEUE_FORECAST_MARGIN: f64 = 0.9;
 
-pub(super) enum Command {
-    Enqueue(Pending),
-    /// The `admit` future with this key was dropped.
-    Cancel(u64),
+/// What the handles and the upkeep task share: the dispatcher behind its lock, and the
+/// upkeep task's wake-up for changes made by callers.
+pub(super) struct Core {
+    pub dispatcher: Mutex<Dispatcher>,
+    /// Wakes the upkeep task to re-arm its timer after a caller's step left it a wake-up
+    /// earlier than the one it planned (a new deadline), or to watch a pool added since.
+    /// The caller's step has done the work, so the upkeep task runs none for this alone.
+    /// `notify_one` stores the wake-up while the task is busy: none is lost.
+    pub changed: Notify,
+    /// Tests only: callers just queue and the upkeep task's steps decide (the path every
+    /// request took before callers ran steps themselves), to show both decide alike.
+    #[cfg(test)]
+    pub queue_only: std::sync::atomic::AtomicBool,
+}
+
+impl Core {
+    /// Queues a caller's request and, unless tests asked for the queued path alone, runs a
+    /// step at once ([`Dispatcher::submit`]). True when the upkeep task must re-arm its timer.
+    pub fn submit(&self, pending: Pending) -> bool {
+        let mut dispatcher = self.dispatcher.lock();
+        #[cfg(test)]
+        if self.queue_only.load(std::sync::atomic::Ordering::Relaxed) {
+            dispatcher.enqueue(pending);
+            dispatcher.step_requested = true;
+            return true;
+        }
+        dispatcher.submit(pending)
+    }
 }
 
 /// A request waiting in the queue.
@@ -92,7 +129,6 @@ pub(super) struct Pending {
 }
 
 pub(super) struct Dispatcher {
-    commands: mpsc::Receiver<Command>,
     store: PolicyStore,
     /// Indexed by [`PoolId`].
     pools: Arc<[Arc<BlockPool>]>,
@@ -111,6 +147,14 @@ pub(super) struct Dispatcher {
     /// Per pool (indexed by [`PoolId`]): the prefix-cache generation and time of the last
     /// re-estimate of queued entries' expected blocks (see [`Dispatcher::refresh_estimates`]).
     estimated_at: Vec<Option<(u64, Instant)>>,
+    /// Steps run so far (tests wait for the upkeep task's).
+    #[cfg(test)]
+    pub steps: u64,
+    /// When the upkeep task means to run its next step unprompted (`None`: only when woken).
+    upkeep_wake: Option<Instant>,
+    /// Tests only: a request was queued without a step; the upkeep task's next wake-up runs one.
+    #[cfg(test)]
+    pub step_requested: bool,
 }
 
 /// Queued KV blocks of one pool.
@@ -143,7 +187,6 @@ impl PoolBacklog {
 
 impl Dispatcher {
     pub fn new(
-        commands: mpsc::Receiver<Command>,
         store: PolicyStore,
         usable: Arc<[Arc<PoolLimit>]>,
         limits: Arc<RateLimits>,
@@ -151,7 +194,6 @@ impl Dispatcher {
     ) -> Dispatcher {
         let usable_len = usable.len();
         Dispatcher {
-            commands,
             store,
             limits,
             backlog: vec![PoolBacklog::default(); usable.len()],
@@ -165,59 +207,98 @@ impl Dispatcher {
             keys: HashMap::new(),
             queued_output: HashMap::new(),
             estimated_at: vec![None; usable_len],
+            #[cfg(test)]
+            steps: 0,
+            upkeep_wake: None,
+            #[cfg(test)]
+            step_requested: false,
         }
     }
 
-    /// Runs until every [`super::Admission`] handle is gone. Queued requests then get
-    /// `Unavailable` (their reply channels close).
-    pub async fn run(mut self) {
-        let pools = Arc::clone(&self.pools);
-        let ledger = Arc::clone(&self.ledger);
-        let mut policy_updates = self.store.subscribe();
-        loop {
-            // Register for wake-ups *before* looking at the state, so a release that happens
-            // while dispatching is not missed (a pool notifies only current waiters).
-            let mut freed: Vec<_> = pools
-                .iter()
-                .map(|pool| Box::pin(pool.freed().notified()))
-                .collect();
-            for notified in &mut freed {
-                notified.as_mut().enable();
-            }
-            let freed = any_notified(freed);
-            let released = ledger.released.notified();
-            tokio::pin!(freed, released);
-            released.as_mut().enable();
+    /// A caller's request: queued, then a step runs at once, so it leaves with its guard (or
+    /// its refusal) now if it can start now. True when the queue now needs a wake-up earlier
+    /// than the one the upkeep task planned (a new, sooner deadline; or the queue was empty).
+    pub fn submit(&mut self, pending: Pending) -> bool {
+        let now = Instant::now();
+        self.enqueue(pending);
+        self.step(now);
+        let next = self.next_wake(now);
+        next.is_some_and(|next| self.upkeep_wake.is_none_or(|planned| next < planned))
+    }
 
-            let now = Instant::now();
-            self.expire(now);
-            self.refuse_late(now);
-            self.dispatch(now);
-            self.ledger.publish(self.queue.backlogs());
+    /// The `admit` future with this `key` was dropped: its entry leaves the queue, which may
+    /// let the next one start.
+    pub fn withdraw(&mut self, key: u64) {
+        self.cancel(key);
+        self.step(Instant::now());
+    }
 
-            let deadline = self.queue.next_deadline().map(Instant::from_std);
-            let reforecast = (!self.queue.is_empty()).then(|| now + REFORECAST_EVERY);
-            let wake_at = match (deadline, reforecast) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            let wake = async {
-                match wake_at {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                command = self.commands.recv() => match command {
-                    Some(Command::Enqueue(pending)) => self.enqueue(pending),
-                    Some(Command::Cancel(key)) => self.cancel(key),
-                    None => break,
-                },
-                () = &mut freed => {}
-                () = &mut released => {}
-                Ok(()) = policy_updates.changed() => self.apply_reload(),
-                () = wake => {}
-            }
+    /// One step: expire, re-forecast, dispatch, publish.
+    fn step(&mut self, now: Instant) {
+        self.expire(now);
+        self.refuse_late(now);
+        self.dispatch(now);
+        self.ledger.publish(self.queue.backlogs());
+        #[cfg(test)]
+        {
+            self.steps += 1;
+        }
+    }
+
+    /// Gates one more pool from now on (an upstream model added by a reload); its id.
+    pub fn add_pool(&mut self, limit: Arc<PoolLimit>) -> PoolId {
+        let id = PoolId(self.pools.len());
+        let pools: Vec<Arc<BlockPool>> = self
+            .pools
+            .iter()
+            .cloned()
+            .chain(std::iter::once(Arc::clone(limit.pool())))
+            .collect();
+        let usable: Vec<Arc<PoolLimit>> = self
+            .usable
+            .iter()
+            .cloned()
+            .chain(std::iter::once(limit))
+            .collect();
+        self.pools = pools.into();
+        self.usable = usable.into();
+        self.backlog.push(PoolBacklog::default());
+        self.estimated_at.push(None);
+        id
+    }
+
+    /// The pools gated now, indexed by [`PoolId`].
+    pub fn pools(&self) -> &Arc<[Arc<BlockPool>]> {
+        &self.pools
+    }
+
+    /// Requests queued now.
+    #[cfg(test)]
+    pub fn queued_len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// When the upkeep task means to run its next step unprompted.
+    #[cfg(test)]
+    pub fn upkeep_wake(&self) -> Option<Instant> {
+        self.upkeep_wake
+    }
+
+    /// The upkeep task's next unprompted step ([`Dispatcher::next_wake`]), remembered so that
+    /// callers wake it only for an earlier one.
+    fn plan_wake(&mut self, now: Instant) -> Option<Instant> {
+        self.upkeep_wake = self.next_wake(now);
+        self.upkeep_wake
+    }
+
+    /// When the next step is due with nothing else happening: the earliest queue deadline,
+    /// or the next re-forecast while anything is queued.
+    fn next_wake(&self, now: Instant) -> Option<Instant> {
+        let deadline = self.queue.next_deadline().map(Instant::from_std);
+        let reforecast = (!self.queue.is_empty()).then(|| now + REFORECAST_EVERY);
+        match (deadline, reforecast) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -586,7 +667,7 @@ impl Dispatcher {
             };
             let Some(candidate) = candidate else { break };
             if candidate.abandoned {
-                // Its client left and the cancel did not fit the command channel.
+                // Its client left (its `admit` future was dropped before it withdrew).
                 if let Some(entry) = self.unqueue(candidate.id) {
                     count_abandoned(&entry.tenant);
                 }
@@ -772,6 +853,85 @@ impl Dispatcher {
             None => oldest_wait(),
         };
         clamp_retry_after(estimate)
+    }
+}
+
+/// The upkeep task: runs a step whenever something may let a queued request start or must
+/// refuse one (see the module docs), until `closed` says every [`super::Admission`] handle is
+/// gone. Queued requests then get `Unavailable` (their reply channels close).
+pub(super) async fn run(core: Arc<Core>, mut closed: mpsc::Receiver<std::convert::Infallible>) {
+    let (ledger, store) = {
+        let dispatcher = core.dispatcher.lock();
+        (Arc::clone(&dispatcher.ledger), dispatcher.store.clone())
+    };
+    let mut policy_updates = store.subscribe();
+    loop {
+        // Read each time: a reload may add a pool (it wakes this task through `changed`).
+        let pools = Arc::clone(core.dispatcher.lock().pools());
+        // Register for wake-ups *before* looking at the state, so a release that happens
+        // while the step runs is not missed (a pool notifies only current waiters). They stay
+        // registered while the timer is re-armed below.
+        let mut freed: Vec<_> = pools
+            .iter()
+            .map(|pool| Box::pin(pool.freed().notified()))
+            .collect();
+        for notified in &mut freed {
+            notified.as_mut().enable();
+        }
+        let freed = any_notified(freed);
+        let released = ledger.released.notified();
+        tokio::pin!(freed, released);
+        released.as_mut().enable();
+
+        let mut wake_at = {
+            let mut dispatcher = core.dispatcher.lock();
+            #[cfg(test)]
+            {
+                dispatcher.step_requested = false;
+            }
+            let now = Instant::now();
+            dispatcher.step(now);
+            dispatcher.plan_wake(now)
+        };
+        loop {
+            let changed = core.changed.notified();
+            let wake = async {
+                match wake_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                None = closed.recv() => {
+                    // Every handle is gone: drop the queue now (its reply channels close).
+                    let queued = std::mem::take(&mut core.dispatcher.lock().queue);
+                    drop(queued);
+                    return;
+                }
+                () = &mut freed => break,
+                () = &mut released => break,
+                Ok(()) = policy_updates.changed() => {
+                    core.dispatcher.lock().apply_reload();
+                    break;
+                }
+                () = wake => break,
+                () = changed => {
+                    // A caller's step needs an earlier wake-up than planned: re-arm the timer,
+                    // no step (the caller's did the work).
+                    let mut dispatcher = core.dispatcher.lock();
+                    if dispatcher.pools().len() != pools.len() {
+                        // A pool was added: watch its freed blocks too (from the top).
+                        break;
+                    }
+                    #[cfg(test)]
+                    if dispatcher.step_requested {
+                        break;
+                    }
+                    wake_at = dispatcher.plan_wake(Instant::now());
+                }
+            }
+        }
     }
 }
 

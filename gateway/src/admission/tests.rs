@@ -795,6 +795,39 @@ async fn an_upstream_without_usable_capacity_queues_until_its_capacity_comes_bac
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_pool_added_while_serving_gates_its_requests_like_the_others() {
+    let (admission, _pool, store) = setup(100, "[tenants.a]\nmax_queue_wait = \"30s\"\n");
+    let remote = BlockPool::new(20, BLOCK_SIZE, 0);
+    let limit = PoolLimit::new(Arc::clone(&remote));
+    limit.set_usable_blocks(0);
+    let id = admission.add_pool(Arc::clone(&limit));
+    assert_ne!(id, PoolId::LOCAL);
+    assert_eq!(admission.pool_id(&remote), Some(id));
+    assert_eq!(admission.add_pool(Arc::clone(&limit)), id, "added once");
+    // No usable capacity yet: the request waits in the fair queue, and the upkeep task, which
+    // learnt of the pool when it was added, starts it once its capacity is raised.
+    let waiting = spawn_admit(&admission, upstream_ticket(&store, id, "a", 32, 32));
+    until(|| queued(&admission) == 1).await;
+    assert!(!waiting.is_finished());
+    limit.set_usable_blocks(20);
+    until(|| waiting.is_finished()).await;
+    let started = admitted(waiting).await;
+    assert_eq!((started.pool(), started.reserved_blocks()), (id, 4));
+    assert_eq!(remote.snapshot().reserved_blocks, 4);
+    // Its watermark is its own: 90% of 20 = 18 blocks, so 14 more fit and 15 do not.
+    drop(
+        admission
+            .admit(upstream_ticket(&store, id, "a", 14 * 16, 0))
+            .await
+            .unwrap(),
+    );
+    let over = spawn_admit(&admission, upstream_ticket(&store, id, "a", 15 * 16, 0));
+    until(|| queued(&admission) == 1).await;
+    drop(started);
+    drop(admitted(over).await);
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_upstream_without_usable_capacity_answers_queue_timeout_at_the_deadline() {
     let policy = "[tenants.a]\nmax_queue_wait = \"1s\"\n";
     let (admission, _remote, _limit, id, store) = setup_with_ejected_upstream(20, policy);
@@ -1345,4 +1378,213 @@ async fn requests_queued_before_their_prompt_was_cached_are_re_estimated_not_ref
         2,
         "cached, each adds 1 block: both can start in time"
     );
+}
+
+// === A caller's own step decides as the upkeep task's would ===
+
+/// What became of one request, as far as a test can compare two runs.
+#[derive(Debug, Clone, PartialEq)]
+enum Decision {
+    Waiting,
+    Admitted {
+        reserved_blocks: usize,
+        lane: Lane,
+        queue_wait: Duration,
+    },
+    Refused {
+        status: u16,
+        code: &'static str,
+        retry_after: Option<Duration>,
+    },
+}
+
+/// Answers not yet collected, by request index, and how many requests were answered.
+#[derive(Default)]
+struct Answers {
+    new: Vec<(usize, Result<Admitted, Rejection>)>,
+    count: usize,
+}
+
+/// One admission under test and the requests sent to it, in order.
+struct Run {
+    admission: Admission,
+    store: PolicyStore,
+    answers: Arc<parking_lot::Mutex<Answers>>,
+    decisions: Vec<Decision>,
+    held: Vec<Admitted>,
+}
+
+impl Run {
+    fn new(queue_only: bool) -> Run {
+        let policy = "[tenants.a]\nmax_concurrency = 3\nqueue_depth = 4\nmax_queue_wait = \"3s\"\n\
+                      [tenants.b]\nweight = 3\nmax_concurrency = 2\nqueue_depth = 6\n\
+                      max_queue_wait = \"2s\"\n\
+                      [tenants.c]\nqueue_depth = 2\nmax_queue_wait = \"5s\"\n\
+                      [lanes]\nlong_prompt_tokens = 80\nlong_max_concurrency = 1\n\
+                      [kv]\nhigh_watermark = 0.9\n";
+        let (admission, _pool, store) = setup(24, policy);
+        admission
+            .core
+            .queue_only
+            .store(queue_only, std::sync::atomic::Ordering::Relaxed);
+        Run {
+            admission,
+            store,
+            answers: Arc::default(),
+            decisions: Vec::new(),
+            held: Vec::new(),
+        }
+    }
+
+    fn steps(&self) -> u64 {
+        self.admission.core.dispatcher.lock().steps
+    }
+
+    /// The upkeep task has run every step it had due by now (paused time may have moved).
+    fn caught_up(&self) -> bool {
+        let due = self.admission.core.dispatcher.lock().upkeep_wake();
+        due.is_none_or(|at| at > tokio::time::Instant::now())
+    }
+
+    /// Every request sent has an answer or is queued.
+    fn settled(&self) -> bool {
+        let queued = self.admission.core.dispatcher.lock().queued_len();
+        self.answers.lock().count + queued == self.decisions.len()
+    }
+
+    fn send(&mut self, tenant: &str, prompt: usize, output: usize) {
+        let index = self.decisions.len();
+        self.decisions.push(Decision::Waiting);
+        let (admission, answers) = (self.admission.clone(), Arc::clone(&self.answers));
+        let ticket = ticket(&self.store, tenant, prompt, output);
+        tokio::spawn(async move {
+            let outcome = admission.admit(ticket).await;
+            let mut answers = answers.lock();
+            answers.new.push((index, outcome));
+            answers.count += 1;
+        });
+    }
+
+    /// Records the new answers (keeping the guards, in request order) and returns every
+    /// request's decision so far.
+    fn collect(&mut self) -> Vec<Decision> {
+        let mut new = std::mem::take(&mut self.answers.lock().new);
+        new.sort_by_key(|(index, _)| *index);
+        for (index, outcome) in new {
+            self.decisions[index] = match outcome {
+                Ok(admitted) => {
+                    let decision = Decision::Admitted {
+                        reserved_blocks: admitted.reserved_blocks(),
+                        lane: admitted.lane(),
+                        queue_wait: admitted.queue_wait(),
+                    };
+                    self.held.push(admitted);
+                    decision
+                }
+                Err(rejection) => Decision::Refused {
+                    status: rejection.status(),
+                    code: rejection.code(),
+                    retry_after: rejection.retry_after(),
+                },
+            };
+        }
+        self.decisions.clone()
+    }
+}
+
+/// Lets both runs' tasks go until each has taken a step since `before` (when `step`), has an
+/// answer or a queue entry for every request, and its upkeep task has run the steps it had due.
+async fn settle(runs: &[&Run], before: &[u64], step: bool) {
+    until(|| {
+        runs.iter().zip(before).all(|(run, before)| {
+            (!step || run.steps() > *before) && run.settled() && run.caught_up()
+        })
+    })
+    .await;
+    // Whatever else the last change woke (the upkeep task after a caller's step) runs too.
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Small deterministic generator (xorshift64*), so a failing sequence can be replayed.
+struct Dice(u64);
+
+impl Dice {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn admitting_on_the_callers_task_decides_as_the_upkeep_task_would() {
+    for seed in 1..=12u64 {
+        // `fast`: callers run the step themselves (what the server does); `queued`: callers
+        // only queue and the upkeep task decides every request (the path before).
+        let mut fast = Run::new(false);
+        let mut queued = Run::new(true);
+        let mut dice = Dice(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let mut admitted_at_once = 0;
+        for op in 0..150 {
+            let before = [fast.steps(), queued.steps()];
+            match dice.below(20) {
+                0..=10 => {
+                    let tenant = ["a", "b", "c"][dice.below(3) as usize];
+                    let prompt = 1 + dice.below(120) as usize;
+                    let output = 1 + dice.below(60) as usize;
+                    fast.send(tenant, prompt, output);
+                    queued.send(tenant, prompt, output);
+                    settle(&[&fast, &queued], &before, true).await;
+                }
+                11..=17 => {
+                    if fast.held.is_empty() {
+                        continue;
+                    }
+                    let which = dice.below(fast.held.len() as u64) as usize;
+                    let completion = dice.below(30) as usize;
+                    for run in [&mut fast, &mut queued] {
+                        let mut guard = run.held.swap_remove(which);
+                        guard.mark_started();
+                        guard.record_completion(completion);
+                    }
+                    settle(&[&fast, &queued], &before, true).await;
+                }
+                _ => {
+                    tokio::time::advance(Duration::from_millis(dice.below(1500))).await;
+                    settle(&[&fast, &queued], &before, false).await;
+                }
+            }
+            let (a, b) = (fast.collect(), queued.collect());
+            assert_eq!(a, b, "seed {seed}, operation {op}: decisions differ");
+            assert_eq!(
+                fast.admission.queue_snapshot(),
+                queued.admission.queue_snapshot(),
+                "seed {seed}, operation {op}"
+            );
+            assert_eq!(fast.held.len(), queued.held.len());
+            admitted_at_once = a
+                .iter()
+                .filter(
+                    |d| matches!(d, Decision::Admitted { queue_wait, .. } if queue_wait.is_zero()),
+                )
+                .count();
+        }
+        let decided =
+            |wanted: fn(&Decision) -> bool| fast.decisions.iter().filter(|d| wanted(d)).count();
+        // The sequences must exercise every path, or the comparison proves little.
+        assert!(admitted_at_once > 0, "seed {seed}");
+        assert!(
+            decided(
+                |d| matches!(d, Decision::Admitted { queue_wait, .. } if !queue_wait.is_zero())
+            ) > 0,
+            "seed {seed}: nothing was admitted from the queue"
+        );
+        assert!(
+            decided(|d| matches!(d, Decision::Refused { .. })) > 0,
+            "seed {seed}: nothing was refused"
+        );
+    }
 }

@@ -48,6 +48,8 @@ pub const ENGINE_STEP_DURATION_SECONDS: &str = "kvgate_engine_step_duration_seco
 pub const ENGINE_PREFILL_CAP_TOKENS: &str = "kvgate_engine_prefill_cap_tokens";
 pub const ENGINE_TARGET_ITL_SECONDS: &str = "kvgate_engine_target_itl_seconds";
 pub const BUILD_INFO: &str = "kvgate_build_info";
+pub const UPSTREAM_CAPACITY_TOKENS: &str = "kvgate_upstream_capacity_tokens";
+pub const UPSTREAM_REPLICAS: &str = "kvgate_upstream_replicas";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -126,37 +128,37 @@ pub const RECORDED: &[Family] = &[
     family(
         TIME_TO_FIRST_TOKEN_SECONDS,
         Histogram,
-        &["tenant"],
+        &["tenant", "model"],
         "Time from request arrival to the first generated token.",
     ),
     family(
         INTER_TOKEN_LATENCY_SECONDS,
         Histogram,
-        &["tenant"],
+        &["tenant", "model"],
         "Time between successive tokens of one stream.",
     ),
     family(
         REQUEST_DURATION_SECONDS,
         Histogram,
-        &[],
+        &["model"],
         "Time from request arrival to the end of its response.",
     ),
     family(
         PROMPT_TOKENS,
         Histogram,
-        &[],
+        &["model"],
         "Prompt length of finished requests, in tokens.",
     ),
     family(
         GENERATION_TOKENS,
         Histogram,
-        &[],
+        &["model"],
         "Generated tokens per finished request.",
     ),
     family(
         PROMPT_TOKENS_TOTAL,
         Counter,
-        &["tenant"],
+        &["tenant", "model"],
         "Prompt tokens of finished requests.",
     ),
     family(
@@ -174,7 +176,7 @@ pub const RECORDED: &[Family] = &[
     family(
         GENERATION_TOKENS_TOTAL,
         Counter,
-        &["tenant"],
+        &["tenant", "model"],
         "Tokens generated for finished requests.",
     ),
     family(
@@ -214,6 +216,18 @@ pub const RECORDED: &[Family] = &[
 
 /// Families written from engine and admission state at scrape time.
 pub const STATE: &[Family] = &[
+    family(
+        UPSTREAM_CAPACITY_TOKENS,
+        Gauge,
+        &["model"],
+        "Declared KV capacity (tokens) of an upstream model's replicas whose circuit breaker is closed.",
+    ),
+    family(
+        UPSTREAM_REPLICAS,
+        Gauge,
+        &["model", "state"],
+        "Replicas of an upstream model by circuit-breaker state: healthy (closed), ejected (open), half_open (its trial is out).",
+    ),
     family(
         KV_BLOCKS,
         Gauge,

@@ -16,7 +16,7 @@ use kvgate_runtime::engine::{Engine, EngineStats, StepHistogram};
 use super::MetricsConfig;
 use super::exposition::Writer;
 use super::names::{self, *};
-use super::{QueueSource, TenantQueueSnapshot};
+use super::{QueueSource, TenantQueueSnapshot, UpstreamCapacitySnapshot};
 
 /// Everything a scrape reports, read in one go.
 #[derive(Debug, Clone, Default)]
@@ -197,6 +197,34 @@ fn write_histogram(out: &mut Writer, name: &str, histogram: &StepHistogram, unit
     );
 }
 
+/// The upstream capacity gauges: per model, the healthy replicas' declared capacity and the
+/// replicas in each breaker state (every state written, zeros included, so a panel or alert
+/// never sees a state vanish). Nothing without upstream models.
+pub(super) fn write_upstreams(out: &mut Writer, rows: &[UpstreamCapacitySnapshot]) {
+    if rows.is_empty() {
+        return;
+    }
+    for name in [UPSTREAM_CAPACITY_TOKENS, UPSTREAM_REPLICAS] {
+        if let Some(f) = names::family_of(name) {
+            out.family(f.name, f.kind.as_str(), f.help);
+        }
+        for row in rows {
+            let model = row.model.as_str();
+            if name == UPSTREAM_CAPACITY_TOKENS {
+                out.sample(name, &[("model", model)], row.capacity_tokens as f64);
+                continue;
+            }
+            for (state, count) in [
+                ("healthy", row.healthy),
+                ("ejected", row.ejected),
+                ("half_open", row.half_open),
+            ] {
+                out.sample(name, &[("model", model), ("state", state)], count as f64);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,9 +283,49 @@ mod tests {
     }
 
     #[test]
+    fn writes_upstream_capacity_and_replicas_per_model_and_state() {
+        let mut out = Writer::default();
+        write_upstreams(&mut out, &[]);
+        assert!(out.finish().is_empty(), "nothing without upstream models");
+        let mut out = Writer::default();
+        let row = |model: &str, capacity, healthy, ejected, half_open| UpstreamCapacitySnapshot {
+            model: model.into(),
+            capacity_tokens: capacity,
+            healthy,
+            ejected,
+            half_open,
+        };
+        write_upstreams(&mut out, &[row("a", 300, 3, 0, 0), row("b", 100, 1, 1, 1)]);
+        let scrape = match Scrape::parse(&out.finish()) {
+            Ok(s) => s,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(
+            scrape.types.get(UPSTREAM_REPLICAS).map(String::as_str),
+            Some("gauge")
+        );
+        assert_eq!(
+            scrape.value(UPSTREAM_CAPACITY_TOKENS, &[("model", "b")]),
+            Some(100.0)
+        );
+        for (state, value) in [("healthy", 1.0), ("ejected", 1.0), ("half_open", 1.0)] {
+            let labels = [("model", "b"), ("state", state)];
+            assert_eq!(scrape.value(UPSTREAM_REPLICAS, &labels), Some(value));
+        }
+        let zero = [("model", "a"), ("state", "ejected")];
+        assert_eq!(
+            scrape.value(UPSTREAM_REPLICAS, &zero),
+            Some(0.0),
+            "zeros too"
+        );
+    }
+
+    #[test]
     fn writes_every_state_family_from_the_snapshot() {
         let scrape = render(&StateTracker::default(), &snapshot());
-        for f in names::STATE {
+        // The upstream families come from the upstream pools (`write_upstreams`, below).
+        let upstream = [UPSTREAM_CAPACITY_TOKENS, UPSTREAM_REPLICAS];
+        for f in names::STATE.iter().filter(|f| !upstream.contains(&f.name)) {
             assert!(
                 scrape
                     .types

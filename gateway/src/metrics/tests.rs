@@ -244,8 +244,12 @@ fn recorded_events_render_with_their_buckets_and_help() {
     record_request(tenant, "chat", false);
     record_rejection(tenant, RejectReason::KvSaturation);
     record_queue_wait(tenant, Duration::from_millis(30));
-    record_request_finished(tenant, Duration::from_secs(2), 40, 9, Some(32));
-    record_request_finished(tenant, Duration::from_secs(1), 20, 0, None);
+    let model = "recorded-events-model";
+    record_request_finished(tenant, model, Duration::from_secs(2), 40, 9, Some(32));
+    record_request_finished(tenant, model, Duration::from_secs(1), 20, 0, None);
+    record_request_finished(tenant, "other-model", Duration::from_secs(1), 5, 1, None);
+    record_time_to_first_token(tenant, model, Duration::from_millis(70));
+    record_inter_token_latency(tenant, model, Duration::from_millis(20));
 
     let scrape = match Scrape::parse(&handle.render()) {
         Ok(s) => s,
@@ -266,10 +270,44 @@ fn recorded_events_render_with_their_buckets_and_help() {
         ),
         Some(1.0)
     );
-    assert_eq!(scrape.value(PROMPT_TOKENS_TOTAL, &ours), Some(60.0));
+    let ours_in = |model| [("tenant", tenant), ("model", model)];
+    assert_eq!(
+        scrape.value(PROMPT_TOKENS_TOTAL, &ours_in(model)),
+        Some(60.0)
+    );
+    assert_eq!(
+        scrape.value(PROMPT_TOKENS_TOTAL, &ours_in("other-model")),
+        Some(5.0),
+        "each model its own series"
+    );
+    assert_eq!(scrape.sum(PROMPT_TOKENS_TOTAL, &ours), 65.0);
     assert_eq!(scrape.value(PREFIX_CACHE_QUERIES_TOTAL, &ours), Some(40.0));
     assert_eq!(scrape.value(PREFIX_CACHE_HITS_TOTAL, &ours), Some(32.0));
-    assert_eq!(scrape.value(GENERATION_TOKENS_TOTAL, &ours), Some(9.0));
+    assert_eq!(
+        scrape.value(GENERATION_TOKENS_TOTAL, &ours_in(model)),
+        Some(9.0)
+    );
+    for (family, count) in [
+        (TIME_TO_FIRST_TOKEN_SECONDS, 1.0),
+        (INTER_TOKEN_LATENCY_SECONDS, 1.0),
+    ] {
+        let name = format!("{family}_count");
+        assert_eq!(scrape.value(&name, &ours_in(model)), Some(count), "{name}");
+    }
+    // The families without a tenant label still say which model.
+    for family in [REQUEST_DURATION_SECONDS, PROMPT_TOKENS, GENERATION_TOKENS] {
+        let name = format!("{family}_count");
+        assert_eq!(
+            scrape.value(&name, &[("model", model)]),
+            Some(2.0),
+            "{name}"
+        );
+        assert_eq!(
+            scrape.value(&name, &[("model", "other-model")]),
+            Some(1.0),
+            "{name}"
+        );
+    }
     let bucket = |le| {
         scrape.value(
             "kvgate_queue_wait_seconds_bucket",

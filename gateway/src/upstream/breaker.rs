@@ -29,6 +29,33 @@ enum State {
     },
 }
 
+/// Where a replica's breaker stands, as `kvgate_upstream_replicas{state}` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    /// Closed: requests go.
+    Healthy,
+    /// Open: ejected until its backoff is over (then its half-open trial may go).
+    Ejected,
+    /// Half-open: its one trial (a probe or a request) is out and has not reported.
+    HalfOpen,
+}
+
+impl BreakerState {
+    pub const ALL: [BreakerState; 3] = [
+        BreakerState::Healthy,
+        BreakerState::Ejected,
+        BreakerState::HalfOpen,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BreakerState::Healthy => "healthy",
+            BreakerState::Ejected => "ejected",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Breaker {
     state: State,
@@ -70,6 +97,15 @@ impl Breaker {
             State::Closed => true,
             State::Open { until } => now >= until,
             State::Trial { since } => now.saturating_duration_since(since) >= TRIAL_TIMEOUT,
+        }
+    }
+
+    /// Where it stands now.
+    pub fn state(&self) -> BreakerState {
+        match self.state {
+            State::Closed => BreakerState::Healthy,
+            State::Open { .. } => BreakerState::Ejected,
+            State::Trial { .. } => BreakerState::HalfOpen,
         }
     }
 
@@ -125,8 +161,10 @@ mod tests {
         assert!(!breaker.failure(now));
         assert!(!breaker.failure(now));
         assert!(breaker.try_acquire(now), "two in a row: still closed");
+        assert_eq!(breaker.state(), BreakerState::Healthy);
         assert!(breaker.failure(now), "the third in a row ejects");
         assert!(breaker.is_ejected());
+        assert_eq!(breaker.state(), BreakerState::Ejected);
         assert!(!breaker.is_available(now));
         assert!(!breaker.try_acquire(now + BASE_BACKOFF / 2));
     }
@@ -140,7 +178,13 @@ mod tests {
         }
         let later = now + BASE_BACKOFF;
         assert!(breaker.is_available(later));
+        assert_eq!(
+            breaker.state(),
+            BreakerState::Ejected,
+            "until its trial goes"
+        );
         assert!(breaker.try_acquire(later), "the half-open trial");
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
         assert!(!breaker.try_acquire(later), "only one trial at a time");
         assert!(!breaker.is_available(later));
         // The trial fails: ejected for twice as long.

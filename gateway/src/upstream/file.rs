@@ -1,7 +1,7 @@
 //! The upstreams file (`kvgate serve --upstreams FILE`): the operator's list of engine
 //! replicas, one `[[replica]]` table each, validated like the policy file (every error names
 //! the file, line, column and field) and hot-reloaded: on SIGHUP and when the file changes,
-//! replicas of the configured models are added, removed or changed without a restart; a file
+//! models and their replicas are added, removed or changed without a restart; a file
 //! that does not validate keeps the running set (logged, and counted in
 //! `kvgate_upstream_reloads_total{result}`).
 //!
@@ -326,8 +326,9 @@ mod tests {
             "[[replica]]\nname = \"other\"\nurl = \"http://h:1\"\n",
         )
         .unwrap();
+        // Not attached to a server's admission: a new model has no pool to go to.
         let error = reload(&upstreams, &path, &[]).unwrap_err().to_string();
-        assert!(error.contains("needs a restart"), "{error}");
+        assert!(error.contains("+other"), "{error}");
         assert_eq!(count(), 2);
         watcher.abort();
         let _ = std::fs::remove_dir_all(&dir);

@@ -5,7 +5,8 @@
 //! ejected one as soon as its backoff is over (its half-open trial). Probe results feed the same circuit breaker
 //! as requests. Every call has a timeout, so a hung replica never stalls the loop, and the
 //! replicas of one round are contacted concurrently. The task holds only a weak reference
-//! and ends when its upstream is dropped.
+//! and ends when its upstream is dropped; it idles while a reload has taken the model out of
+//! service.
 
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -37,6 +38,10 @@ pub(crate) fn spawn_upkeep(upstream: &Arc<Upstream>) {
             let Some(upstream) = weak.upgrade() else {
                 return;
             };
+            if !upstream.is_active() {
+                // Taken out of service by a reload: nothing to route, so nothing to learn.
+                continue;
+            }
             let replicas = upstream.replicas().replicas();
             let now = Instant::now();
             let siblings = replicas.len() > 1;

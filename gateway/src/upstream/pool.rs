@@ -15,11 +15,12 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::breaker::Breaker;
+use super::breaker::{Breaker, BreakerState};
 use super::capacity::HealthyCapacity;
 use super::prefix::{BLOCK_TOKENS, PrefixIndex, ReplicaId};
 use super::route::{Candidate, LoadSample, Scraped, Weights, pick};
 use super::{HttpClient, UpstreamSpec};
+use crate::metrics::UpstreamCapacitySnapshot;
 
 /// One engine replica.
 pub struct Replica {
@@ -98,6 +99,11 @@ impl Replica {
     /// Whether the breaker has ejected this replica.
     pub fn is_ejected(&self) -> bool {
         self.breaker.lock().is_ejected()
+    }
+
+    /// Where its breaker stands now.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.lock().state()
     }
 
     /// The load signals the router reads.
@@ -303,6 +309,27 @@ impl ReplicaPool {
         Some(ReplicaLease { replica, tokens })
     }
 
+    /// The replicas of model `model` as the capacity gauges report them: how many stand in
+    /// each breaker state, and the declared capacity of the healthy ones (what a model can
+    /// take while the others are out; admission's share is the same, capped by its pool).
+    pub fn capacity_snapshot(&self, model: &str) -> UpstreamCapacitySnapshot {
+        let mut snapshot = UpstreamCapacitySnapshot {
+            model: model.to_owned(),
+            ..UpstreamCapacitySnapshot::default()
+        };
+        for replica in self.replicas().iter() {
+            match replica.breaker_state() {
+                BreakerState::Healthy => {
+                    snapshot.healthy += 1;
+                    snapshot.capacity_tokens += replica.spec.capacity_tokens as u64;
+                }
+                BreakerState::Ejected => snapshot.ejected += 1,
+                BreakerState::HalfOpen => snapshot.half_open += 1,
+            }
+        }
+        snapshot
+    }
+
     /// Forgets what `replica` was sent (it was ejected: its cache is unknown after a restart).
     pub(crate) fn forget(&self, replica: ReplicaId) {
         self.index.lock().forget(replica);
@@ -409,6 +436,15 @@ mod tests {
             let lease = pool.choose(&[], 1, &[]).unwrap();
             assert_eq!(lease.replica().id(), replicas[1].id());
         }
+        let snapshot = pool.capacity_snapshot("m");
+        assert_eq!(
+            (snapshot.healthy, snapshot.ejected, snapshot.half_open),
+            (1, 1, 0)
+        );
+        assert_eq!(
+            snapshot.capacity_tokens, 1000,
+            "the healthy replica's capacity"
+        );
         assert!(
             pool.choose(&[], 1, &[replicas[1].id()]).is_none(),
             "none left"
