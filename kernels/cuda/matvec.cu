@@ -80,10 +80,8 @@ DEVICE void block_products(const uint8_t* __restrict__ wb, const uint8_t* __rest
     for (int j = 0; j < MV_MAX_BATCH; ++j) {
         if (j < batch) {
             const uint8_t* x = xb + j * xs;
-            const float dx = f16_to_f32(load_u16(x));
             int xq[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xq[i] = load_i32_a4(x + 4 + 4 * i);
+            const float dx = load_q8_1_values(x, xq);
             int sumi = 0;
             if (TY == GGML_Q8_0) {
 #pragma unroll
@@ -160,10 +158,8 @@ DEVICE void kblock_products(const uint8_t* __restrict__ wb, int sub,
     for (int j = 0; j < MV_MAX_BATCH; ++j) {
         if (j < batch) {
             const uint8_t* x = xb + j * xs;
-            const float dx = f16_to_f32(load_u16(x));
             int xq[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xq[i] = load_i32_a4(x + 4 + 4 * i);
+            const float dx = load_q8_1_values(x, xq);
             int sumi0 = 0, sumi1 = 0, sumx0 = 0, sumx1 = 0;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {

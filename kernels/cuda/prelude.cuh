@@ -104,6 +104,14 @@ DEVICE int load_i32_a2(const uint8_t* p) {
 
 DEVICE int load_i32_a4(const uint8_t* p) { return *reinterpret_cast<const int*>(p); }
 
+// One Q8_1 activation block (f16 scale, f16 sum, 32 int8): its 32 values as eight packed words
+// for dp4a, and its scale.
+DEVICE float load_q8_1_values(const uint8_t* x, int xq[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xq[i] = load_i32_a4(x + 4 + 4 * i);
+    return f16_to_f32(load_u16(x));
+}
+
 // The four low bits of `bits` moved to bit 4 of bytes 0..3: the fifth bits of four 5-bit
 // values (Q5_0/Q5_1's qh), ready to OR onto their nibbles.
 DEVICE int spread_bit4(uint32_t bits) {
