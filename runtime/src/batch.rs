@@ -24,6 +24,13 @@ pub struct UncoveredChunk {
     pub len: usize,
 }
 
+/// The KV slot of position `pos` of a sequence whose blocks are `block_table` (which must
+/// cover it).
+pub fn slot_of(block_table: &[u32], pos: usize, block_size: usize) -> u32 {
+    let block = block_table[pos / block_size] as usize;
+    (block * block_size + pos % block_size) as u32
+}
+
 /// Fills `inputs` for `batch`. `running` is the scheduler's running list the batch indexes into.
 pub fn build_inputs(
     batch: &ScheduledBatch,
@@ -55,11 +62,10 @@ pub fn build_inputs(
             .token_ids
             .extend_from_slice(&seq.token_ids[entry.start..end]);
         for pos in entry.start..end {
-            let block = seq.block_table[pos / block_size] as usize;
             inputs.positions.push(pos as u32);
             inputs
                 .slot_mapping
-                .push((block * block_size + pos % block_size) as u32);
+                .push(slot_of(&seq.block_table, pos, block_size));
         }
         if used_seqs == inputs.seqs.len() {
             inputs.seqs.push(SeqInputs::default());

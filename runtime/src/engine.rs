@@ -148,8 +148,7 @@ enum Command {
     /// Look at the shutdown flag now.
     Wake,
     /// Fit the step cost model with synthetic steps ([`Engine::calibrate`]) and answer with
-    /// the fit.
-    /// Fit the step cost model; the deepest context the model takes bounds the deep decodes.
+    /// the fit; `max_context` (the model's) bounds the deep decodes.
     Calibrate {
         reply: SyncSender<StepCost>,
         max_context: usize,

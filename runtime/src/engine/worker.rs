@@ -13,7 +13,7 @@ use tokio::sync::mpsc::error::TrySendError;
 
 use super::{Command, EngineStats, SeqSnapshot, Shared, TokenDecoder};
 use crate::backend::{Backend, BatchInputs, SeqInputs};
-use crate::batch::build_inputs;
+use crate::batch::{build_inputs, slot_of};
 use crate::block_pool::BlockPool;
 use crate::kv_math::blocks_for_tokens;
 use crate::sampler::Sampler;
@@ -221,19 +221,18 @@ impl Worker {
             return;
         }
         let position = depth - 1;
-        let last_block = table[position / block_size] as usize;
         let mut inputs = BatchInputs::default();
         // Any id in the vocabulary: the logits are thrown away.
         inputs.token_ids.push(0);
         inputs.positions.push(position as u32);
         inputs
             .slot_mapping
-            .push((last_block * block_size + position % block_size) as u32);
+            .push(slot_of(&table, position, block_size));
         inputs.seqs.push(SeqInputs {
             token_start: 0,
             num_tokens: 1,
             context_len: depth,
-            block_table: table.clone(),
+            block_table: table,
             needs_logits: true,
         });
         let mut shape = StepShape::default();
@@ -246,7 +245,7 @@ impl Worker {
             }
             model.observe(&shape, started.elapsed());
         }
-        self.pool.free(&table);
+        self.pool.free(&inputs.seqs[0].block_table);
     }
 
     /// Runs `seqs` (prompt tokens, max_tokens) of arbitrary in-vocabulary tokens to the end,
