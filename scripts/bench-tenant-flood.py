@@ -16,7 +16,8 @@ under the flood, and alpha's prompt and generated tokens/s over the same window 
 alpha requests that completed in it, from the responses' ``usage``), plus the engine's mean
 step time in the window from ``/metrics``.
 
-Standard library only. Example (about 4 minutes):
+Standard library only. Example (about 4 minutes; one run varies by ±15% on a small VM, so
+claims come from `--repeat N` and the means it prints):
 
     cargo build --release
     python3 scripts/bench-tenant-flood.py --kvgate target/release/kvgate -- --threads 2
@@ -163,7 +164,7 @@ def calibrate(port, key, target):
 def beta_run(port, words, stop_at=None, count=None):
     """Sequential beta chats until `stop_at` (monotonic) or `count` requests: latencies."""
     client = Client(port, BETA_KEY)
-    latencies, rejected, failed, prompt_tokens = [], 0, 0, []
+    latencies, rejected, failed, prompt_tokens, computed = [], 0, 0, [], 0
     n = 0
     while (count is not None and n < count) or (stop_at is not None and time.monotonic() < stop_at):
         n += 1
@@ -171,13 +172,16 @@ def beta_run(port, words, stop_at=None, count=None):
         if status == 200:
             latencies.append(elapsed)
             prompt_tokens.append(usage["prompt_tokens"])
+            # Tokens the engine computed for it: the prompt, then one per generated token but
+            # the last (sampled from the step that computed the one before).
+            computed += usage["prompt_tokens"] + max(0, usage["completion_tokens"] - 1)
         elif status == 429:
             rejected += 1
             time.sleep(float(retry_after or 1))
         else:
             failed += 1
             time.sleep(0.5)
-    return latencies, rejected, failed, prompt_tokens
+    return latencies, rejected, failed, prompt_tokens, computed
 
 
 def metric_sum(scrape, name, label=None):
@@ -206,7 +210,7 @@ def run_mode(args, mode, words):
             words = (calibrate(port, ALPHA_KEY, 420), calibrate(port, BETA_KEY, 40))
         alpha_words, beta_words = words
         beta_run(port, beta_words, count=2)  # warm-up
-        alone, _, _, beta_prompt = beta_run(port, beta_words, count=args.alone)
+        alone, _, _, beta_prompt, _ = beta_run(port, beta_words, count=args.alone)
 
         stop = threading.Event()
         completed = []  # (finished_at, prompt_tokens, completion_tokens)
@@ -236,7 +240,8 @@ def run_mode(args, mode, words):
         time.sleep(args.warmup)
         before = server.get("/metrics")
         t0 = time.monotonic()
-        flood, rejected, failed, _ = beta_run(port, beta_words, stop_at=t0 + args.window)
+        flood, rejected, failed, _, beta_computed = beta_run(port, beta_words,
+                                                             stop_at=t0 + args.window)
         t1 = time.monotonic()
         after = server.get("/metrics")
         stop.set()
@@ -248,6 +253,13 @@ def run_mode(args, mode, words):
         step_count = (metric_sum(after, "kvgate_engine_step_duration_seconds_count")
                       - metric_sum(before, "kvgate_engine_step_duration_seconds_count"))
         span = t1 - t0
+        # Everything the engine computed in the window (prompt chunks and decodes, finished
+        # requests or not) less beta's share: alpha's throughput without the quantization of
+        # counting only the requests that completed in the window.
+        batch_tokens = (metric_sum(after, "kvgate_batch_tokens_sum")
+                        - metric_sum(before, "kvgate_batch_tokens_sum"))
+        preemptions = (metric_sum(after, "kvgate_preemptions_total")
+                       - metric_sum(before, "kvgate_preemptions_total"))
         result = {
             "mode": mode,
             "flags": " ".join(mode_flags(mode) + args.serve_args),
@@ -258,6 +270,7 @@ def run_mode(args, mode, words):
             "beta_flood_p50_s": percentile(flood, 50) if flood else None,
             "beta_flood_p99_s": percentile(flood, 99) if flood else None,
             "beta_flood_requests": len(flood),
+            "beta_flood_latencies": flood,
             "beta_rejected": rejected,
             "beta_failed": failed,
             "alpha_requests": len(window),
@@ -266,6 +279,9 @@ def run_mode(args, mode, words):
             "alpha_generated_tok_s": sum(c for _, c in window) / span,
             "window_s": span,
             "mean_step_ms": 1e3 * step_sum / step_count if step_count else None,
+            "mean_step_tokens": batch_tokens / step_count if step_count else None,
+            "alpha_engine_tok_s": max(0.0, batch_tokens - beta_computed) / span,
+            "preemptions": preemptions,
         }
         # Where beta's time goes under the flood: until its first token, then per token.
         for key, name in (("beta_mean_ttft_ms", "kvgate_time_to_first_token_seconds"),
@@ -286,22 +302,30 @@ def main():
     parser.add_argument("--alone", type=int, default=20, help="beta requests on an idle server")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of flood before timing")
     parser.add_argument("--window", type=float, default=60.0, help="seconds of timed flood")
-    parser.add_argument("--json", action="store_true", help="one JSON object per mode")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of all modes, the order reversed every other round (one run "
+                             "varies by ±15%% on a small VM: compare the means)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per mode and round")
     parser.add_argument("serve_args", nargs="*", help="extra `kvgate serve` flags (after --)")
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if mode_flags(m) is None]
     if unknown:
         sys.exit(f"unknown mode(s) {unknown}: use {', '.join(MODES)} or itl<ms>")
+    if args.repeat < 1:
+        sys.exit("--repeat must be at least 1")
     if not os.access(args.kvgate, os.X_OK):
         sys.exit(f"{args.kvgate} is not an executable; build kvgate or pass --kvgate")
 
     results, words = [], None
-    for mode in modes:
-        result, words = run_mode(args, mode, words)
-        results.append(result)
-        if args.json:
-            print(json.dumps(result), flush=True)
+    for round_no in range(args.repeat):
+        for mode in (modes if round_no % 2 == 0 else modes[::-1]):
+            result, words = run_mode(args, mode, words)
+            result["round"] = round_no + 1
+            results.append(result)
+            if args.json:
+                print(json.dumps({k: v for k, v in result.items() if k != "beta_flood_latencies"}),
+                      flush=True)
     if args.json:
         return
 
@@ -311,29 +335,47 @@ def main():
     print(f"alpha: {args.clients} clients, ~{results[0]['alpha_prompt_tokens']:.0f}-token prompts, "
           f"max_tokens 32; beta: ~{results[0]['beta_prompt_tokens']:.0f}-token chats, max_tokens 8, "
           f"one after another; {args.window:.0f} s window after {args.warmup:.0f} s of flood")
-    print(f"{'mode':<5} {'beta alone p50/p99 s':>21} {'beta flood p50/p99 s':>21} {'n':>4} "
-          f"{'alpha prompt tok/s':>19} {'alpha gen tok/s':>16} {'alpha reqs':>10} {'step ms':>8} "
+    print(f"{'run':>3} {'mode':<5} {'beta alone p50/p99 s':>21} {'beta flood p50/p99 s':>21} {'n':>4} "
+          f"{'alpha prompt tok/s':>19} {'alpha gen tok/s':>16} {'alpha reqs':>10} "
+          f"{'alpha engine tok/s':>18} {'step ms':>8} {'step tok':>8} "
           f"{'beta ttft/itl ms':>17}  flags")
     for r in results:
-        print(f"{r['mode']:<5} {s(r['beta_alone_p50_s']) + ' / ' + s(r['beta_alone_p99_s']):>21} "
+        print(f"{r['round']:>3} {r['mode']:<5} "
+              f"{s(r['beta_alone_p50_s']) + ' / ' + s(r['beta_alone_p99_s']):>21} "
               f"{s(r['beta_flood_p50_s']) + ' / ' + s(r['beta_flood_p99_s']):>21} "
               f"{r['beta_flood_requests']:>4} {r['alpha_prompt_tok_s']:>19.1f} "
               f"{r['alpha_generated_tok_s']:>16.1f} {r['alpha_requests']:>10} "
-              f"{s(r['mean_step_ms']):>8} "
+              f"{r['alpha_engine_tok_s']:>18.1f} {s(r['mean_step_ms']):>8} "
+              f"{s(r['mean_step_tokens']):>8} "
               f"{s(r['beta_mean_ttft_ms']) + ' / ' + s(r['beta_mean_itl_ms']):>17}  "
               f"{r['flags'] or '(defaults)'}")
+        if r["preemptions"]:
+            print(f"      preemptions in the window: {r['preemptions']:.0f}")
         if r["beta_rejected"] or r["beta_failed"] or r["alpha_errors"]:
             print(f"      beta 429s {r['beta_rejected']}, beta failures {r['beta_failed']}, "
                   f"alpha non-200s {r['alpha_errors']}")
-    by_mode = {r["mode"]: r for r in results}
-    old = by_mode.get("old")
-    if old is not None and old["alpha_prompt_tok_s"] > 0:
-        for r in results:
-            if r is old:
-                continue
-            print(f"alpha prompt tok/s {r['mode']}/old: "
-                  f"{r['alpha_prompt_tok_s'] / old['alpha_prompt_tok_s']:.3f}; generated: "
-                  f"{r['alpha_generated_tok_s'] / max(old['alpha_generated_tok_s'], 1e-9):.3f}")
+    if "old" not in modes:
+        return
+    for mode in modes:
+        if mode == "old":
+            continue
+        ratios = []
+        for round_no in range(1, args.repeat + 1):
+            pair = {r["mode"]: r for r in results if r["round"] == round_no}
+            old, new = pair["old"], pair[mode]
+            if old["alpha_prompt_tok_s"] > 0:
+                ratios.append(new["alpha_prompt_tok_s"] / old["alpha_prompt_tok_s"])
+                print(f"run {round_no}: alpha prompt tok/s {mode}/old: {ratios[-1]:.3f}; generated: "
+                      f"{new['alpha_generated_tok_s'] / max(old['alpha_generated_tok_s'], 1e-9):.3f}")
+        if args.repeat > 1:
+            mean = lambda key, m: sum(r[key] for r in results if r["mode"] == m) / args.repeat  # noqa: E731
+            flood = [x for r in results if r["mode"] == mode for x in r["beta_flood_latencies"]]
+            pooled = (f"beta flood p50/p99 over all runs {percentile(flood, 50):.2f} / "
+                      f"{percentile(flood, 99):.2f} s ({len(flood)} requests); " if flood else "")
+            print(f"{mode}: {pooled}alpha prompt tok/s mean {mean('alpha_prompt_tok_s', mode):.1f} "
+                  f"vs old {mean('alpha_prompt_tok_s', 'old'):.1f}: ratio of means "
+                  f"{mean('alpha_prompt_tok_s', mode) / max(mean('alpha_prompt_tok_s', 'old'), 1e-9):.3f}"
+                  + (f", per-run ratios {min(ratios):.3f}..{max(ratios):.3f}" if ratios else ""))
 
 
 if __name__ == "__main__":
