@@ -60,7 +60,7 @@ pub enum SimdLevel {
     /// AVX2 + FMA + F16C (Haswell and later, Zen and later).
     Avx2,
     /// AVX2 as above, plus AVX512-VNNI and AVX512VL (Ice Lake and later, Zen 4 and later): the
-    /// batched Q4_1 kernel sums its blocks with 256-bit `vpdpbusd`; every other kernel is AVX2's.
+    /// batched Q4_1 kernel sums its blocks with 512-bit `vpdpbusd`; every other kernel is AVX2's.
     /// `KVGATE_KERNELS_AVX2` caps the level at [`SimdLevel::Avx2`].
     Avx512Vnni,
 }

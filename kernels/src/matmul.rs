@@ -175,9 +175,7 @@ fn compute_rows(
     match path {
         Path::Scalar => scalar_rows(w, x, m, scratch, rows, out),
         #[cfg(target_arch = "x86_64")]
-        Path::Avx2(cpu) => {
-            crate::avx2::compute_rows(cpu, None, w, m, &scratch.packed, rows, out)
-        }
+        Path::Avx2(cpu) => crate::avx2::compute_rows(cpu, None, w, m, &scratch.packed, rows, out),
         #[cfg(target_arch = "x86_64")]
         Path::Vnni(vnni) => {
             crate::avx2::compute_rows(vnni.avx2(), Some(vnni), w, m, &scratch.packed, rows, out)

@@ -32,8 +32,8 @@ impl Avx2Fma {
     }
 }
 
-/// Everything [`Avx2Fma`] proves, plus AVX512F, AVX512VL and AVX512-VNNI (`vpdpbusd` on 256-bit
-/// registers), and the kernels may use them (level [`crate::SimdLevel::Avx512Vnni`]: not capped
+/// Everything [`Avx2Fma`] proves, plus AVX512F, AVX512VL and AVX512-VNNI (`vpdpbusd`), and the
+/// kernels may use them (level [`crate::SimdLevel::Avx512Vnni`]: not capped
 /// by `KVGATE_KERNELS_AVX2` or `KVGATE_KERNELS_SCALAR`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Avx512Vnni {

@@ -464,7 +464,10 @@ fn fused_matmul_of_mixed_types_runs_each_part() {
 fn matmul_on_path(path: Path, w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     let mut scratch = MatmulScratch::new();
     let chosen = prepare_acts(w.ty, x, m, w.cols, &mut scratch);
-    assert!(matches!(chosen, Path::Avx2(_) | Path::Vnni(_)), "{chosen:?}");
+    assert!(
+        matches!(chosen, Path::Avx2(_) | Path::Vnni(_)),
+        "{chosen:?}"
+    );
     let mut out = vec![f32::NAN; m * w.rows];
     compute_rows(path, w, x, m, &scratch, 0..w.rows, OutPtr::new(&mut out));
     out
@@ -502,7 +505,11 @@ fn batched_q4_1_takes_the_vnni_path_where_the_cpu_has_it() {
         expect_vnni || !vnni_required(),
         "KVGATE_REQUIRE_VNNI=1 but the kernels run at {level:?}"
     );
-    assert_eq!(level == crate::SimdLevel::Avx512Vnni, expect_vnni, "{level:?}");
+    assert_eq!(
+        level == crate::SimdLevel::Avx512Vnni,
+        expect_vnni,
+        "{level:?}"
+    );
     let (m, cols) = (9, 64);
     let x = random_acts(&mut StdRng::seed_from_u64(6), m * cols);
     for ty in TYPES {
@@ -530,7 +537,10 @@ fn batched_q4_1_avx2_and_vnni_kernels_are_bit_identical_to_reference() {
         return;
     };
     let vnni = Avx512Vnni::detect();
-    assert!(vnni.is_some() || !vnni_required(), "KVGATE_REQUIRE_VNNI=1 but no VNNI");
+    assert!(
+        vnni.is_some() || !vnni_required(),
+        "KVGATE_REQUIRE_VNNI=1 but no VNNI"
+    );
     for (rows, blocks) in [(1, 1), (17, 3), (33, 18), (5, 67)] {
         let cols = blocks * QK;
         for m in [2, 7, 8, 9, 16, 17, 24, 33] {
@@ -573,7 +583,13 @@ fn batched_q4_1_kernels_at_the_extremes_match_reference() {
         let w = QMatrix::new(WeightType::Q4_1, &data, rows, cols).unwrap();
         for m in [2, 8, 19] {
             let x: Vec<f32> = (0..m * cols)
-                .map(|i| if (i / cols + i / QK) % 2 == 0 { 5.0 } else { -5.0 })
+                .map(|i| {
+                    if (i / cols + i / QK) % 2 == 0 {
+                        5.0
+                    } else {
+                        -5.0
+                    }
+                })
                 .collect();
             let mut want = vec![0.0; m * rows];
             matmul_reference(&w, &x, m, &mut want);
