@@ -584,7 +584,7 @@ fn batched_q4_1_kernels_at_the_extremes_match_reference() {
         for m in [2, 8, 19] {
             let x: Vec<f32> = (0..m * cols)
                 .map(|i| {
-                    if (i / cols + i / QK) % 2 == 0 {
+                    if (i / cols + i / QK).is_multiple_of(2) {
                         5.0
                     } else {
                         -5.0
