@@ -141,6 +141,19 @@ fn q5_matmul_is_bit_identical_to_reference_on_every_tile() {
     }
 }
 
+/// `m × cols` activations of ±5 alternating by row and block: every one quantizes to ±127.
+fn extreme_acts(m: usize, cols: usize) -> Vec<f32> {
+    (0..m * cols)
+        .map(|i| {
+            if (i / cols + i / QK).is_multiple_of(2) {
+                5.0
+            } else {
+                -5.0
+            }
+        })
+        .collect()
+}
+
 #[test]
 fn q5_products_at_the_extremes_match_reference() {
     // Every value at its largest (31; Q5_0: 15) or smallest (0; Q5_0: -16) against activations
@@ -159,15 +172,7 @@ fn q5_products_at_the_extremes_match_reference() {
             }
             let w = QMatrix::new(ty, &data, rows, cols).unwrap();
             for m in [1, 4, 8, 19] {
-                let x: Vec<f32> = (0..m * cols)
-                    .map(|i| {
-                        if (i / cols + i / QK).is_multiple_of(2) {
-                            5.0
-                        } else {
-                            -5.0
-                        }
-                    })
-                    .collect();
+                let x = extreme_acts(m, cols);
                 let mut want = vec![0.0; m * rows];
                 matmul_reference(&w, &x, m, &mut want);
                 let mut got = vec![f32::NAN; m * rows];
@@ -542,22 +547,36 @@ fn batched_q4_1_avx2_and_vnni_kernels_are_bit_identical_to_reference() {
         "KVGATE_REQUIRE_VNNI=1 but no VNNI"
     );
     for (rows, blocks) in [(1, 1), (17, 3), (33, 18), (5, 67)] {
-        let cols = blocks * QK;
         for m in [2, 7, 8, 9, 16, 17, 24, 33] {
-            let mut rng = StdRng::seed_from_u64(rows as u64 * 1000 + cols as u64 + m as u64);
-            let data = random_matrix(&mut rng, WeightType::Q4_1, rows, cols);
-            let w = QMatrix::new(WeightType::Q4_1, &data, rows, cols).unwrap();
-            let x = random_acts(&mut rng, m * cols);
-            let mut want = vec![0.0; m * rows];
-            matmul_reference(&w, &x, m, &mut want);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            let got = matmul_on_path(Path::Avx2(avx2), &w, &x, m);
-            assert_eq!(bits(&got), bits(&want), "AVX2 {rows}x{cols} m={m}");
-            if let Some(vnni) = vnni {
-                let got = matmul_on_path(Path::Vnni(vnni), &w, &x, m);
-                assert_eq!(bits(&got), bits(&want), "VNNI {rows}x{cols} m={m}");
-            }
+            let seed = rows as u64 * 1000 + blocks as u64 * QK as u64 + m as u64;
+            check_q4_1_kernels(avx2, vnni, rows, blocks * QK, m, seed);
         }
+    }
+}
+
+/// A random Q4_1 product on the forced AVX2 kernel and (given its token) the VNNI one, each
+/// compared bit for bit with the scalar reference.
+#[cfg(target_arch = "x86_64")]
+fn check_q4_1_kernels(
+    avx2: Avx2Fma,
+    vnni: Option<Avx512Vnni>,
+    rows: usize,
+    cols: usize,
+    m: usize,
+    seed: u64,
+) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let data = random_matrix(&mut rng, WeightType::Q4_1, rows, cols);
+    let w = QMatrix::new(WeightType::Q4_1, &data, rows, cols).unwrap();
+    let x = random_acts(&mut rng, m * cols);
+    let mut want = vec![0.0; m * rows];
+    matmul_reference(&w, &x, m, &mut want);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let got = matmul_on_path(Path::Avx2(avx2), &w, &x, m);
+    assert_eq!(bits(&got), bits(&want), "AVX2 {rows}x{cols} m={m}");
+    if let Some(vnni) = vnni {
+        let got = matmul_on_path(Path::Vnni(vnni), &w, &x, m);
+        assert_eq!(bits(&got), bits(&want), "VNNI {rows}x{cols} m={m}");
     }
 }
 
@@ -582,15 +601,7 @@ fn batched_q4_1_kernels_at_the_extremes_match_reference() {
         }
         let w = QMatrix::new(WeightType::Q4_1, &data, rows, cols).unwrap();
         for m in [2, 8, 19] {
-            let x: Vec<f32> = (0..m * cols)
-                .map(|i| {
-                    if (i / cols + i / QK).is_multiple_of(2) {
-                        5.0
-                    } else {
-                        -5.0
-                    }
-                })
-                .collect();
+            let x = extreme_acts(m, cols);
             let mut want = vec![0.0; m * rows];
             matmul_reference(&w, &x, m, &mut want);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -612,18 +623,7 @@ proptest! {
         rows in 1usize..40, blocks in 1usize..8, m in 2usize..30, seed in any::<u64>()
     ) {
         if let Some(avx2) = Avx2Fma::detect() {
-            let mut rng = StdRng::seed_from_u64(seed);
-            let cols = blocks * QK;
-            let data = random_matrix(&mut rng, WeightType::Q4_1, rows, cols);
-            let w = QMatrix::new(WeightType::Q4_1, &data, rows, cols).unwrap();
-            let x = random_acts(&mut rng, m * cols);
-            let mut want = vec![0.0; m * rows];
-            matmul_reference(&w, &x, m, &mut want);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            prop_assert_eq!(bits(&matmul_on_path(Path::Avx2(avx2), &w, &x, m)), bits(&want));
-            if let Some(vnni) = Avx512Vnni::detect() {
-                prop_assert_eq!(bits(&matmul_on_path(Path::Vnni(vnni), &w, &x, m)), bits(&want));
-            }
+            check_q4_1_kernels(avx2, Avx512Vnni::detect(), rows, blocks * QK, m, seed);
         }
     }
 }
