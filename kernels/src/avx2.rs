@@ -19,7 +19,7 @@ mod q4_1;
 
 use crate::matrix::{OutPtr, QMatrix};
 use crate::quant::{ActivationType, Q4_0_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, WeightType};
-use crate::simd::Avx2Fma;
+use crate::simd::{Avx2Fma, Avx512Vnni};
 pub(crate) use kquants::compute_rows as compute_k_rows;
 pub(crate) use pack::PackedActs;
 use std::arch::x86_64::*;
@@ -40,6 +40,11 @@ pub(crate) fn supports(ty: WeightType) -> bool {
     )
 }
 
+/// Whether [`compute_rows`] has a VNNI variant for `ty` (given an [`Avx512Vnni`] token).
+pub(crate) fn has_vnni_kernel(ty: WeightType) -> bool {
+    ty == WeightType::Q4_1
+}
+
 /// Quantizes the `m × cols` activations into the packed layout for `ty`'s kernels.
 pub(crate) fn prepare_acts(
     cpu: Avx2Fma,
@@ -55,9 +60,12 @@ pub(crate) fn prepare_acts(
     pack::pack_acts(cpu, x, m, cols, with_sums, grouped, packed);
 }
 
-/// Weight rows `rows` of `w` × the `m` activation rows packed by [`prepare_acts`].
+/// Weight rows `rows` of `w` × the `m` activation rows packed by [`prepare_acts`]; `vnni`
+/// (present when the CPU has AVX512-VNNI) selects the VNNI variant of the kernels that have one
+/// (batched Q4_1).
 pub(crate) fn compute_rows(
     cpu: Avx2Fma,
+    vnni: Option<Avx512Vnni>,
     w: &QMatrix,
     m: usize,
     acts: &PackedActs,
@@ -65,7 +73,7 @@ pub(crate) fn compute_rows(
     out: OutPtr<'_>,
 ) {
     match w.ty {
-        WeightType::Q4_1 => q4_1::compute_rows(cpu, w, acts, rows, out),
+        WeightType::Q4_1 => q4_1::compute_rows(cpu, vnni, w, acts, rows, out),
         // SAFETY: `cpu` proves AVX2/FMA/F16C; `w` was validated by the caller and
         // `rows_kernel` checks the shapes it indexes with.
         WeightType::Q4_0 => unsafe { rows_kernel::<Q4_0>(w, acts, m, rows, out) },

@@ -59,6 +59,10 @@ pub enum SimdLevel {
     Scalar,
     /// AVX2 + FMA + F16C (Haswell and later, Zen and later).
     Avx2,
+    /// AVX2 as above, plus AVX512-VNNI and AVX512VL (Ice Lake and later, Zen 4 and later): the
+    /// batched Q4_1 kernel sums its blocks with 512-bit `vpdpbusd`; every other kernel is AVX2's.
+    /// `KVGATE_KERNELS_AVX2` caps the level at [`SimdLevel::Avx2`].
+    Avx512Vnni,
 }
 
 /// Detects the best available implementation once; cheap to call on the hot path.
@@ -68,6 +72,8 @@ pub fn simd_level() -> SimdLevel {
     *LEVEL.get_or_init(detect_simd_level)
 }
 
+/// `KVGATE_KERNELS_SCALAR` forces the scalar kernels, `KVGATE_KERNELS_AVX2` the AVX2 ones
+/// without VNNI (both read once, at the first product).
 fn detect_simd_level() -> SimdLevel {
     if std::env::var_os("KVGATE_KERNELS_SCALAR").is_some() {
         return SimdLevel::Scalar;
@@ -78,6 +84,13 @@ fn detect_simd_level() -> SimdLevel {
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
         {
+            if std::env::var_os("KVGATE_KERNELS_AVX2").is_none()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return SimdLevel::Avx512Vnni;
+            }
             return SimdLevel::Avx2;
         }
     }

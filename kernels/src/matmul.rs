@@ -5,7 +5,8 @@
 //! each thread of the pool computes one contiguous range of weight rows for all `m` activation
 //! rows, so every weight byte is read from memory once per call whatever `m` is. The AVX2 path
 //! tiles several weight rows × activation rows per block load (K-quants: one row pair at a time
-//! on Q8_K activations); the scalar path is the reference (`matmul_reference`) and the fallback
+//! on Q8_K activations; batched Q4_1 with `vpdpbusd` where the CPU has AVX512-VNNI, see
+//! [`crate::SimdLevel`]); the scalar path is the reference (`matmul_reference`) and the fallback
 //! on CPUs without AVX2. Both give bit-identical results.
 
 use crate::dot::{
@@ -19,7 +20,7 @@ use crate::quant::{
     quantize_row_q8_k,
 };
 #[cfg(target_arch = "x86_64")]
-use crate::simd::Avx2Fma;
+use crate::simd::{Avx2Fma, Avx512Vnni};
 use half::f16;
 use std::ops::Range;
 
@@ -113,6 +114,10 @@ enum Path {
     /// AVX2 kernels on the packed activation layout; the token proves the CPU has them.
     #[cfg(target_arch = "x86_64")]
     Avx2(Avx2Fma),
+    /// The AVX2 path with the VNNI variants of the kernels that have one (batched Q4_1); the
+    /// token proves the CPU has AVX512-VNNI too.
+    #[cfg(target_arch = "x86_64")]
+    Vnni(Avx512Vnni),
     /// AVX2 K-quant kernels on ggml-layout Q8_K activations.
     #[cfg(target_arch = "x86_64")]
     Avx2KQuant(Avx2Fma),
@@ -124,7 +129,7 @@ impl Path {
         match self {
             Path::Scalar => 1,
             #[cfg(target_arch = "x86_64")]
-            Path::Avx2(_) => crate::avx2::ROW_TILE,
+            Path::Avx2(_) | Path::Vnni(_) => crate::avx2::ROW_TILE,
             #[cfg(target_arch = "x86_64")]
             Path::Avx2KQuant(_) => 1,
         }
@@ -148,7 +153,10 @@ fn prepare_acts(
         }
         if crate::avx2::supports(ty) {
             crate::avx2::prepare_acts(cpu, ty, x, m, cols, &mut scratch.packed);
-            return Path::Avx2(cpu);
+            return match Avx512Vnni::detect() {
+                Some(vnni) if crate::avx2::has_vnni_kernel(ty) => Path::Vnni(vnni),
+                _ => Path::Avx2(cpu),
+            };
         }
     }
     prepare_scalar_acts(ty, x, m, cols, scratch);
@@ -167,7 +175,11 @@ fn compute_rows(
     match path {
         Path::Scalar => scalar_rows(w, x, m, scratch, rows, out),
         #[cfg(target_arch = "x86_64")]
-        Path::Avx2(cpu) => crate::avx2::compute_rows(cpu, w, m, &scratch.packed, rows, out),
+        Path::Avx2(cpu) => crate::avx2::compute_rows(cpu, None, w, m, &scratch.packed, rows, out),
+        #[cfg(target_arch = "x86_64")]
+        Path::Vnni(vnni) => {
+            crate::avx2::compute_rows(vnni.avx2(), Some(vnni), w, m, &scratch.packed, rows, out)
+        }
         #[cfg(target_arch = "x86_64")]
         Path::Avx2KQuant(cpu) => {
             crate::avx2::compute_k_rows(cpu, w, m, &scratch.ggml_bytes, rows, out)

@@ -1,11 +1,11 @@
-//! Proof that the CPU runs the AVX2 kernels: [`Avx2Fma`], a zero-sized token that only run-time
-//! detection can make.
+//! Proof that the CPU runs the SIMD kernels: [`Avx2Fma`] and [`Avx512Vnni`], zero-sized tokens
+//! that only run-time detection can make.
 //!
 //! A `#[target_feature]` function executed on a CPU without the feature is undefined behaviour,
-//! so every safe function that ends up in AVX2 code takes the token as an argument: holding one
+//! so every safe function that ends up in SIMD code takes a token as an argument: holding one
 //! is the precondition, checked once by whoever chose the SIMD path, and the compiler makes sure
-//! no path reaches the kernels without it. The field is private to this module, so nothing else
-//! in the crate can forge one. An AVX-512 path gets a sibling token the same way.
+//! no path reaches the kernels without it. The fields are private to this module, so nothing
+//! else in the crate can forge one.
 
 /// AVX2, FMA and F16C are available on this CPU, and the kernels may use them (not forced off
 /// by `KVGATE_KERNELS_SCALAR`). `Copy`, so it can travel with a call down to its tiles.
@@ -21,7 +21,7 @@ impl Avx2Fma {
     #[inline]
     pub(crate) fn detect() -> Option<Avx2Fma> {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd_level() == crate::SimdLevel::Avx2
+        if crate::simd_level() != crate::SimdLevel::Scalar
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
@@ -29,5 +29,36 @@ impl Avx2Fma {
             return Some(Avx2Fma { _detected: () });
         }
         None
+    }
+}
+
+/// Everything [`Avx2Fma`] proves, plus AVX512F, AVX512VL and AVX512-VNNI (`vpdpbusd`), and the
+/// kernels may use them (level [`crate::SimdLevel::Avx512Vnni`]: not capped
+/// by `KVGATE_KERNELS_AVX2` or `KVGATE_KERNELS_SCALAR`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Avx512Vnni {
+    avx2: Avx2Fma,
+}
+
+impl Avx512Vnni {
+    /// The token, if the dispatching entry points use the VNNI kernels on this CPU (features
+    /// re-checked here, as in [`Avx2Fma::detect`]).
+    #[inline]
+    pub(crate) fn detect() -> Option<Avx512Vnni> {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd_level() == crate::SimdLevel::Avx512Vnni
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+        {
+            return Avx2Fma::detect().map(|avx2| Avx512Vnni { avx2 });
+        }
+        None
+    }
+
+    /// The AVX2 token this one includes.
+    #[inline]
+    pub(crate) fn avx2(self) -> Avx2Fma {
+        self.avx2
     }
 }

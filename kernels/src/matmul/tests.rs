@@ -141,6 +141,19 @@ fn q5_matmul_is_bit_identical_to_reference_on_every_tile() {
     }
 }
 
+/// `m × cols` activations of ±5 alternating by row and block: every one quantizes to ±127.
+fn extreme_acts(m: usize, cols: usize) -> Vec<f32> {
+    (0..m * cols)
+        .map(|i| {
+            if (i / cols + i / QK).is_multiple_of(2) {
+                5.0
+            } else {
+                -5.0
+            }
+        })
+        .collect()
+}
+
 #[test]
 fn q5_products_at_the_extremes_match_reference() {
     // Every value at its largest (31; Q5_0: 15) or smallest (0; Q5_0: -16) against activations
@@ -159,15 +172,7 @@ fn q5_products_at_the_extremes_match_reference() {
             }
             let w = QMatrix::new(ty, &data, rows, cols).unwrap();
             for m in [1, 4, 8, 19] {
-                let x: Vec<f32> = (0..m * cols)
-                    .map(|i| {
-                        if (i / cols + i / QK).is_multiple_of(2) {
-                            5.0
-                        } else {
-                            -5.0
-                        }
-                    })
-                    .collect();
+                let x = extreme_acts(m, cols);
                 let mut want = vec![0.0; m * rows];
                 matmul_reference(&w, &x, m, &mut want);
                 let mut got = vec![f32::NAN; m * rows];
@@ -456,4 +461,169 @@ fn fused_matmul_of_mixed_types_runs_each_part() {
     matmul_reference(&wa, &x, m, &mut ra);
     matmul_reference(&wb, &x, m, &mut rb);
     assert_eq!((oa, ob), (ra, rb));
+}
+
+/// `w × x` on `path`, forced (the dispatcher would pick one path per process), over all rows in
+/// one call. `path` must use the activation packing that the dispatcher chooses for `w.ty`.
+#[cfg(target_arch = "x86_64")]
+fn matmul_on_path(path: Path, w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
+    let mut scratch = MatmulScratch::new();
+    let chosen = prepare_acts(w.ty, x, m, w.cols, &mut scratch);
+    assert!(
+        matches!(chosen, Path::Avx2(_) | Path::Vnni(_)),
+        "{chosen:?}"
+    );
+    let mut out = vec![f32::NAN; m * w.rows];
+    compute_rows(path, w, x, m, &scratch, 0..w.rows, OutPtr::new(&mut out));
+    out
+}
+
+/// Whether this CPU has AVX512-VNNI (and AVX2): the VNNI kernels can run here.
+#[cfg(target_arch = "x86_64")]
+fn cpu_has_vnni() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+/// `KVGATE_REQUIRE_VNNI=1`: a CPU without AVX512-VNNI (or a level capped below it) fails the
+/// VNNI tests instead of running only the AVX2 half of them.
+#[cfg(target_arch = "x86_64")]
+fn vnni_required() -> bool {
+    std::env::var("KVGATE_REQUIRE_VNNI").is_ok_and(|v| v == "1")
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn batched_q4_1_takes_the_vnni_path_where_the_cpu_has_it() {
+    // The bit-identity tests compare the dispatching matmul with the scalar reference; this
+    // makes sure that on a CPU with AVX512-VNNI the dispatcher chose the VNNI kernel for Q4_1
+    // (and only for it), so those tests check it, and that every other CPU gets AVX2's.
+    let level = crate::simd_level();
+    let expect_vnni = cpu_has_vnni()
+        && std::env::var_os("KVGATE_KERNELS_SCALAR").is_none()
+        && std::env::var_os("KVGATE_KERNELS_AVX2").is_none();
+    assert!(
+        expect_vnni || !vnni_required(),
+        "KVGATE_REQUIRE_VNNI=1 but the kernels run at {level:?}"
+    );
+    assert_eq!(
+        level == crate::SimdLevel::Avx512Vnni,
+        expect_vnni,
+        "{level:?}"
+    );
+    let (m, cols) = (9, 64);
+    let x = random_acts(&mut StdRng::seed_from_u64(6), m * cols);
+    for ty in TYPES {
+        let mut scratch = MatmulScratch::new();
+        let path = prepare_acts(ty, &x, m, cols, &mut scratch);
+        if !crate::avx2::supports(ty) || Avx2Fma::detect().is_none() {
+            continue;
+        }
+        if expect_vnni && ty == WeightType::Q4_1 {
+            assert!(matches!(path, Path::Vnni(_)), "{ty:?} took {path:?}");
+            assert_eq!(scratch.packed.layout(), (true, true), "{ty:?}");
+        } else {
+            assert!(matches!(path, Path::Avx2(_)), "{ty:?} took {path:?}");
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn batched_q4_1_avx2_and_vnni_kernels_are_bit_identical_to_reference() {
+    // Both batched Q4_1 kernels forced on one CPU (the dispatcher runs only the best one):
+    // weight rows that end mid row-block, single and paired activation groups, a partial last
+    // group, rows of 1, 3, 18 (SmolLM2's width) and 67 blocks.
+    let Some(avx2) = Avx2Fma::detect() else {
+        return;
+    };
+    let vnni = Avx512Vnni::detect();
+    assert!(
+        vnni.is_some() || !vnni_required(),
+        "KVGATE_REQUIRE_VNNI=1 but no VNNI"
+    );
+    for (rows, blocks) in [(1, 1), (17, 3), (33, 18), (5, 67)] {
+        for m in [2, 7, 8, 9, 16, 17, 24, 33] {
+            let seed = rows as u64 * 1000 + blocks as u64 * QK as u64 + m as u64;
+            check_q4_1_kernels(avx2, vnni, rows, blocks * QK, m, seed);
+        }
+    }
+}
+
+/// A random Q4_1 product on the forced AVX2 kernel and (given its token) the VNNI one, each
+/// compared bit for bit with the scalar reference.
+#[cfg(target_arch = "x86_64")]
+fn check_q4_1_kernels(
+    avx2: Avx2Fma,
+    vnni: Option<Avx512Vnni>,
+    rows: usize,
+    cols: usize,
+    m: usize,
+    seed: u64,
+) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let data = random_matrix(&mut rng, WeightType::Q4_1, rows, cols);
+    let w = QMatrix::new(WeightType::Q4_1, &data, rows, cols).unwrap();
+    let x = random_acts(&mut rng, m * cols);
+    let mut want = vec![0.0; m * rows];
+    matmul_reference(&w, &x, m, &mut want);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let got = matmul_on_path(Path::Avx2(avx2), &w, &x, m);
+    assert_eq!(bits(&got), bits(&want), "AVX2 {rows}x{cols} m={m}");
+    if let Some(vnni) = vnni {
+        let got = matmul_on_path(Path::Vnni(vnni), &w, &x, m);
+        assert_eq!(bits(&got), bits(&want), "VNNI {rows}x{cols} m={m}");
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn batched_q4_1_kernels_at_the_extremes_match_reference() {
+    // Every nibble 15 (or 0) against activations of ±127, large scales, mins of both signs:
+    // the largest block sums, on both forced kernels.
+    let Some(avx2) = Avx2Fma::detect() else {
+        return;
+    };
+    let (rows, cols) = (9, 128);
+    for fill in [0xFFu8, 0x00] {
+        let mut data = vec![fill; rows * WeightType::Q4_1.row_bytes(cols)];
+        for (i, b) in data
+            .chunks_exact_mut(WeightType::Q4_1.block_bytes())
+            .enumerate()
+        {
+            b[0..2].copy_from_slice(&f16::from_f32(0.75).to_le_bytes());
+            let mw = if i % 2 == 0 { -4.5 } else { 3.25 };
+            b[2..4].copy_from_slice(&f16::from_f32(mw).to_le_bytes());
+        }
+        let w = QMatrix::new(WeightType::Q4_1, &data, rows, cols).unwrap();
+        for m in [2, 8, 19] {
+            let x = extreme_acts(m, cols);
+            let mut want = vec![0.0; m * rows];
+            matmul_reference(&w, &x, m, &mut want);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let got = matmul_on_path(Path::Avx2(avx2), &w, &x, m);
+            assert_eq!(bits(&got), bits(&want), "AVX2 fill {fill:#x} m={m}");
+            if let Some(vnni) = Avx512Vnni::detect() {
+                let got = matmul_on_path(Path::Vnni(vnni), &w, &x, m);
+                assert_eq!(bits(&got), bits(&want), "VNNI fill {fill:#x} m={m}");
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn batched_q4_1_kernels_on_random_shapes_match_reference(
+        rows in 1usize..40, blocks in 1usize..8, m in 2usize..30, seed in any::<u64>()
+    ) {
+        if let Some(avx2) = Avx2Fma::detect() {
+            check_q4_1_kernels(avx2, Avx512Vnni::detect(), rows, blocks * QK, m, seed);
+        }
+    }
 }
