@@ -1,6 +1,7 @@
 //! Kernel benchmarks at SmolLM2-135M shapes (d=576, ff=1536, vocab 49152, head_dim 64):
 //! quantized matmul for decode (m = 1, bandwidth bound) and prefill / batched decode
-//! (m = 16, 64, compute bound), plus paged attention. Run with
+//! (m = 16, 36, 64, 104, compute bound; 36 is a decode-heavy step under a target inter-token
+//! latency, 104 a prefill step), plus paged attention. Run with
 //! `cargo bench -p kvgate-kernels -- --quick`; set KVGATE_KERNELS_SCALAR=1 for the scalar path.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -54,7 +55,7 @@ fn bench_matmul(c: &mut Criterion) {
     for (name, ty, rows, cols) in shapes {
         let data = weights(ty, rows, cols);
         let w = QMatrix::new(ty, &data, rows, cols).expect("valid matrix");
-        for m in [1usize, 16, 64] {
+        for m in [1usize, 16, 36, 64, 104] {
             if rows == 49152 && m == 64 {
                 continue;
             }

@@ -536,7 +536,8 @@ fn batched_q4_1_takes_the_vnni_path_where_the_cpu_has_it() {
 #[test]
 fn batched_q4_1_avx2_and_vnni_kernels_are_bit_identical_to_reference() {
     // Both batched Q4_1 kernels forced on one CPU (the dispatcher runs only the best one):
-    // weight rows that end mid row-block, single and paired activation groups, a partial last
+    // weight rows that end mid row-block, tiles of one to six activation groups (and, past six,
+    // several tiles of balanced sizes: 7 groups as 4 + 3, 13 as 5 + 4 + 4), a partial last
     // group, rows of 1, 3, 18 (SmolLM2's width) and 67 blocks.
     let Some(avx2) = Avx2Fma::detect() else {
         return;
@@ -547,7 +548,7 @@ fn batched_q4_1_avx2_and_vnni_kernels_are_bit_identical_to_reference() {
         "KVGATE_REQUIRE_VNNI=1 but no VNNI"
     );
     for (rows, blocks) in [(1, 1), (17, 3), (33, 18), (5, 67)] {
-        for m in [2, 7, 8, 9, 16, 17, 24, 33] {
+        for m in [2, 7, 8, 9, 16, 17, 24, 33, 41, 49, 100] {
             let seed = rows as u64 * 1000 + blocks as u64 * QK as u64 + m as u64;
             check_q4_1_kernels(avx2, vnni, rows, blocks * QK, m, seed);
         }
