@@ -10,7 +10,8 @@
 //!    ([`StepCostModel`]), stays within `target_step_time`: a decoding stream waits one step
 //!    per token, so this bounds its inter-token latency however long the prompts queued behind
 //!    it are (Sarathi-Serve's stall-free batching). With nothing decoding, prefill gets the
-//!    whole budget.
+//!    whole budget. A whole prompt at most a quarter over the cap stretches it to fit, so a
+//!    short chat's first token takes one step, not two ([`STRETCH_DIVISOR`]).
 //! 3. **Prefill**, shared between the sequences with prompt left (running ones mid-prompt and
 //!    waiting ones to admit). With [`PrefillOrder::TenantFair`] the tokens go to tenants by
 //!    weighted deficit round robin ([`fair`]), so one tenant's flood of long prompts cannot
@@ -75,6 +76,10 @@ pub use fair::{TenantDemand, TenantShares};
 /// prefill: a prompt of L tokens can be passed by shorter ones of its own tenant only for
 /// about L / 16 steps after its arrival, then it ranks ahead of everything that came later.
 pub const AGING_TOKENS_PER_STEP: u64 = 16;
+
+/// A whole prompt up to the prefill cap plus this fraction of it (1/4) stretches the cap so it
+/// gets its first token from one step (`Scheduler::stretch_for_a_whole_prompt`).
+pub const STRETCH_DIVISOR: usize = 4;
 
 /// How the prompt tokens of a step are shared between sequences with prefill left.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -159,6 +164,9 @@ struct PrefillCandidate {
     want: usize,
     /// `want` is all of its remaining prompt: granted in full, it finishes its prefill.
     completes: bool,
+    /// `want` is its whole prompt (nothing computed yet): granted in full, it gets its first
+    /// token from this one step.
+    whole: bool,
     /// Its part of its tenant's grant.
     granted: usize,
 }
@@ -542,11 +550,12 @@ impl Scheduler {
                 rank: (needs_shared, aged, seq.id),
                 want,
                 completes: want == seq.num_uncomputed_tokens(),
+                whole: seq.num_computed_tokens == 0 && want == seq.num_uncomputed_tokens(),
                 granted: 0,
             });
         }
 
-        batch.prefill_cap = self.prefill_cap(budget);
+        batch.prefill_cap = self.stretch_for_a_whole_prompt(self.prefill_cap(budget), budget);
         let prefill_budget = budget.min(batch.prefill_cap);
         match self.order {
             PrefillOrder::Fcfs => {
@@ -624,6 +633,27 @@ impl Scheduler {
         let floor = self.config.block_size;
         self.cost
             .prefill_cap(target, &decodes, context, floor, budget)
+    }
+
+    /// A prompt a little longer than the cap would otherwise need two steps for its first
+    /// token, each a whole step of its time to first token (the short chat under a flood: ~40
+    /// prompt tokens against a cap of ~35). If a candidate's whole prompt exceeds the cap by at
+    /// most 1/[`STRETCH_DIVISOR`] of it, the cap grows to fit the shortest such prompt; the
+    /// step then runs at most that much over the target (the cap's tokens are what the target
+    /// leaves after the decodes), and only in the step that gives the prompt its first token.
+    /// Prompts already under way never stretch a step: the long prompts of a flood would
+    /// otherwise stretch every step that carries a last chunk.
+    fn stretch_for_a_whole_prompt(&self, cap: usize, budget: usize) -> usize {
+        if cap >= budget {
+            return cap;
+        }
+        let limit = (cap + cap / STRETCH_DIVISOR).min(budget);
+        self.candidates
+            .iter()
+            .filter(|c| c.whole && c.want > cap && c.want <= limit)
+            .map(|c| c.want)
+            .min()
+            .unwrap_or(cap)
     }
 
     fn context_of(&self, id: SeqId, waiting: bool) -> usize {

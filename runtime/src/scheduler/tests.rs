@@ -336,6 +336,51 @@ fn prefill_cap_follows_the_cost_model() {
 }
 
 #[test]
+fn a_whole_prompt_just_over_the_cap_stretches_it_to_finish_in_one_step() {
+    let pool = BlockPool::new(4096, 4, 1);
+    let target = Some(Duration::from_millis(100));
+    // The cap is 75 (see prefill_cap_follows_the_cost_model); 75 + 75 / 4 = 93.
+    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
+    let (short, _r) = seq(100, 93, 4, pool.empty_reservation());
+    s.add(short);
+    let batch = step(&mut s);
+    assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (93, 93));
+    let first_token = batch
+        .seqs
+        .iter()
+        .find(|e| e.num_tokens == 93)
+        .expect("scheduled");
+    assert!(
+        first_token.needs_logits,
+        "its first token comes from this step"
+    );
+
+    // One token more: no stretch, the prompt takes two steps.
+    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
+    let (longer, _r) = seq(100, 94, 4, pool.empty_reservation());
+    s.add(longer);
+    let batch = step(&mut s);
+    assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (75, 75));
+
+    // A prompt under way never stretches a step, even when its rest would fit: 160 tokens
+    // leave 85 after the first step, within 93, but the cap stays.
+    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
+    let (long, _r) = seq(100, 160, 4, pool.empty_reservation());
+    s.add(long);
+    let batch = step(&mut s);
+    assert_eq!(batch.shape.prefill_tokens, 75);
+    let batch = step(&mut s);
+    assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (75, 75));
+
+    // Without a target nothing is capped, so nothing stretches past the budget.
+    let (mut s, _rx) = decoding_scheduler(&pool, None, CPU_COST);
+    let (whole, _r) = seq(100, 600, 4, pool.empty_reservation());
+    s.add(whole);
+    let batch = step(&mut s);
+    assert_eq!((batch.prefill_cap, batch.num_tokens), (502, 512));
+}
+
+#[test]
 fn prefill_gets_the_whole_budget_when_nothing_decodes_or_without_a_target() {
     let pool = BlockPool::new(4096, 4, 1);
     let mut cfg = config(4, 16, 512, 0);
