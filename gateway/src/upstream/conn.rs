@@ -234,6 +234,15 @@ pub struct UpstreamBody {
     conn: Option<Checkout>,
 }
 
+impl std::fmt::Debug for UpstreamBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamBody")
+            .field("inner", &self.inner)
+            .field("holds_connection", &self.conn.is_some())
+            .finish()
+    }
+}
+
 impl http_body::Body for UpstreamBody {
     type Data = Bytes;
     type Error = hyper::Error;
