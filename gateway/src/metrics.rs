@@ -259,8 +259,7 @@ pub fn record_request_finished(
     handles::histogram(GENERATION_TOKENS, &by_model).record(generation_tokens as f64);
     let by_tenant_model = [("tenant", tenant), ("model", model)];
     handles::counter(PROMPT_TOKENS_TOTAL, &by_tenant_model).increment(prompt_tokens as u64);
-    handles::counter(GENERATION_TOKENS_TOTAL, &by_tenant_model)
-        .increment(generation_tokens as u64);
+    handles::counter(GENERATION_TOKENS_TOTAL, &by_tenant_model).increment(generation_tokens as u64);
     // Only requests the engine finished report their cached tokens; a cancelled one's lookup
     // is not counted, so queries and hits stay a true ratio.
     if let Some(cached) = cached_tokens {
@@ -312,7 +311,11 @@ pub fn record_upstream_attempt(
         UpstreamResult::ServerError => "server_error",
         UpstreamResult::Unreachable => "unreachable",
     };
-    let labels = [("upstream", upstream), ("replica", replica), ("result", result)];
+    let labels = [
+        ("upstream", upstream),
+        ("replica", replica),
+        ("result", result),
+    ];
     handles::counter(UPSTREAM_REQUESTS_TOTAL, &labels).increment(1);
     if result != "unreachable" {
         handles::histogram(UPSTREAM_RESPONSE_SECONDS, &[("upstream", upstream)])

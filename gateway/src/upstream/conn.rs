@@ -133,7 +133,8 @@ impl ConnPool {
         Ok(self.wrap(response, sender))
     }
 
-    /// Idle connections now (for tests and metrics).
+    /// Idle connections now.
+    #[cfg(test)]
     pub(crate) fn idle_count(&self) -> usize {
         self.inner.idle.lock().len()
     }
@@ -337,7 +338,11 @@ mod tests {
             let response = pool.send(get("/v1/models")).await.unwrap();
             assert_eq!(text(response).await, format!("/v1/models {address}"));
         }
-        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one kept-alive connection");
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "one kept-alive connection"
+        );
         // Freed either at once or by the connection's own task: wait for it without a clock.
         while pool.idle_count() != 1 {
             tokio::task::yield_now().await;
@@ -352,7 +357,11 @@ mod tests {
         let first = response.body_mut().frame().await.unwrap().unwrap();
         assert!(first.is_data());
         drop(response);
-        assert_eq!(pool.idle_count(), 0, "a half-read connection is never lent again");
+        assert_eq!(
+            pool.idle_count(),
+            0,
+            "a half-read connection is never lent again"
+        );
         let response = pool.send(get("/again")).await.unwrap();
         assert_eq!(text(response).await, format!("/again {address}"));
         assert_eq!(accepted.load(Ordering::SeqCst), 2);

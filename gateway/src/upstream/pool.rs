@@ -15,12 +15,12 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
+use super::UpstreamSpec;
 use super::breaker::{Breaker, BreakerState};
 use super::capacity::HealthyCapacity;
+use super::conn::ConnPool;
 use super::prefix::{BLOCK_TOKENS, PrefixIndex, ReplicaId};
 use super::route::{Candidate, LoadSample, Scraped, Weights, pick};
-use super::UpstreamSpec;
-use super::conn::ConnPool;
 use crate::metrics::UpstreamCapacitySnapshot;
 
 /// One engine replica.
@@ -222,10 +222,7 @@ pub struct ReplicaPool {
 impl ReplicaPool {
     /// One replica per spec, each with its own connections, reporting to `capacity` (which starts out
     /// counting them all healthy).
-    pub(crate) fn new(
-        specs: Vec<UpstreamSpec>,
-        capacity: Arc<HealthyCapacity>,
-    ) -> ReplicaPool {
+    pub(crate) fn new(specs: Vec<UpstreamSpec>, capacity: Arc<HealthyCapacity>) -> ReplicaPool {
         let replicas: Vec<Arc<Replica>> = specs
             .into_iter()
             .map(|spec| Arc::new(Replica::new(spec, Arc::clone(&capacity))))

@@ -116,7 +116,10 @@ impl UpstreamSpec {
     /// The path under which the replica serves (`/engines/a` in `http://h:1/engines/a`; empty
     /// for a server root).
     pub fn path_prefix(&self) -> &str {
-        let rest = self.base_url.strip_prefix("http://").unwrap_or(&self.base_url);
+        let rest = self
+            .base_url
+            .strip_prefix("http://")
+            .unwrap_or(&self.base_url);
         rest.find('/').map_or("", |at| &rest[at..])
     }
 
