@@ -383,7 +383,7 @@ mod tests {
         while pool.idle_count() != 3 {
             tokio::task::yield_now().await;
         }
-        assert!(MAX_IDLE >= 3);
+        const { assert!(MAX_IDLE >= 3) };
     }
 
     #[tokio::test]
