@@ -14,6 +14,10 @@
 #
 #   scripts/bench-proxy-vs-nginx.sh            # RATE=300 DURATION=20s CONNS=32 ROUNDS=2
 #   RATE=500 ROUNDS=3 PROFILE=release scripts/bench-proxy-vs-nginx.sh
+#   KVGATE_BEFORE=/tmp/kvgate-old PROFILE=release scripts/bench-proxy-vs-nginx.sh
+#
+# KVGATE_BEFORE (optional): another kvgate binary (an older build) run as a fourth target,
+# `before`, with the same policy and upstream, so a change is compared in the same rounds.
 #
 # Needs: nginx (apt-get install nginx-light), oha (cargo install oha), wrk (apt-get install
 # wrk; optional), curl, python3, and the default model (kvgate serve loads it; `kvgate
@@ -32,6 +36,10 @@ OHA="${OHA:-oha}"
 STUB_PORT="${STUB_PORT:-19100}"
 NGINX_PORT="${NGINX_PORT:-19101}"
 KVGATE_PORT="${KVGATE_PORT:-19102}"
+BEFORE_PORT="${BEFORE_PORT:-19103}"
+KVGATE_BEFORE="${KVGATE_BEFORE:-}"
+TARGETS="direct nginx kvgate"
+[ -n "$KVGATE_BEFORE" ] && TARGETS="$TARGETS before"
 
 for tool in nginx curl python3 "$OHA"; do
   command -v "$tool" >/dev/null || { echo "bench-proxy-vs-nginx: $tool is missing" >&2; exit 1; }
@@ -122,6 +130,13 @@ EOF
   --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/kvgate.log" 2>&1 &
 PIDS+=($!)
 wait_for "http://127.0.0.1:$KVGATE_PORT/healthz"
+if [ -n "$KVGATE_BEFORE" ]; then
+  "$KVGATE_BEFORE" serve --listen "127.0.0.1:$BEFORE_PORT" --kv-memory 64MiB --pre-drain 0s \
+    --policy "$WORK/policy.toml" \
+    --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/before.log" 2>&1 &
+  PIDS+=($!)
+  wait_for "http://127.0.0.1:$BEFORE_PORT/healthz"
+fi
 
 BODY='{"model":"stub","messages":[{"role":"user","content":"Say ok."}],"max_tokens":16}'
 url() {
@@ -129,9 +144,10 @@ url() {
     direct) echo "http://127.0.0.1:$STUB_PORT/v1/chat/completions" ;;
     nginx) echo "http://127.0.0.1:$NGINX_PORT/v1/chat/completions" ;;
     kvgate) echo "http://127.0.0.1:$KVGATE_PORT/v1/chat/completions" ;;
+    before) echo "http://127.0.0.1:$BEFORE_PORT/v1/chat/completions" ;;
   esac
 }
-for target in direct nginx kvgate; do
+for target in $TARGETS; do
   status="$(curl -s -o "$WORK/check.json" -w '%{http_code}' -H 'content-type: application/json' \
     -d "$BODY" "$(url "$target")")"
   [ "$status" = 200 ] || { echo "$target answered $status: $(cat "$WORK/check.json")" >&2; exit 1; }
@@ -148,7 +164,7 @@ echo "== $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, commit $(git rev-pars
   "profile $PROFILE, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "== fixed rate: $RATE req/s for $DURATION over $CONNS connections, $ROUNDS rounds"
 for round in $(seq "$ROUNDS"); do
-  for target in direct nginx kvgate; do
+  for target in $TARGETS; do
     oha_run "$target" /dev/null -z 2s -q "$RATE" -c "$CONNS" # warm-up: connections, caches
     oha_run "$target" "$WORK/fixed-$round-$target.json" -z "$DURATION" -q "$RATE" -c "$CONNS" \
       --latency-correction
@@ -162,7 +178,7 @@ wrk.method = "POST"
 wrk.headers["content-type"] = "application/json"
 wrk.body = '$BODY'
 EOF
-for target in direct nginx kvgate; do
+for target in $TARGETS; do
   if [ -n "$WRK" ]; then
     "$WRK" -t 2 -c "$PEAK_CONNS" -d "$PEAK_DURATION" -s "$WORK/post.lua" "$(url "$target")" \
       >"$WORK/peak-$target.txt"
@@ -172,12 +188,12 @@ for target in direct nginx kvgate; do
 done
 echo "== load at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-python3 - "$WORK" "$ROUNDS" <<'EOF'
+python3 - "$WORK" "$ROUNDS" $TARGETS <<'EOF'
 import json, re, sys
 from pathlib import Path
 
 work, rounds = Path(sys.argv[1]), int(sys.argv[2])
-targets = ["direct", "nginx", "kvgate"]
+targets = sys.argv[3:]
 
 def fixed(round_, target):
     data = json.loads((work / f"fixed-{round_}-{target}.json").read_text())

@@ -19,6 +19,7 @@
 //! (`vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`, ...), see [`vllm`].
 
 pub mod exposition;
+mod handles;
 mod names;
 mod state;
 mod vllm;
@@ -113,6 +114,11 @@ pub struct MetricsConfig {
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 static INSTALL: Mutex<()> = Mutex::new(());
 
+/// Whether kvgate's recorder is the process's (the request path then caches its handles).
+fn recorder_installed() -> bool {
+    HANDLE.get().is_some()
+}
+
 /// Installs the process-wide recorder (once; later calls return the same handle, so several
 /// servers in one test process share it) and registers HELP texts.
 pub fn install_recorder() -> Result<PrometheusHandle, MetricsError> {
@@ -197,30 +203,29 @@ impl RejectReason {
 /// request, at the place that decides the refusal (admission counts its own; the HTTP layer
 /// counts auth, validation and length refusals it makes before admission).
 pub fn record_rejection(tenant: &str, reason: RejectReason) {
-    metrics::counter!(REQUESTS_REJECTED_TOTAL, "tenant" => tenant.to_string(), "reason" => reason.as_str())
-        .increment(1);
+    let labels = [("tenant", tenant), ("reason", reason.as_str())];
+    handles::counter(REQUESTS_REJECTED_TOTAL, &labels).increment(1);
 }
 
 /// Counts one failed or timed-out call to the shared rate-limit store in
 /// [`SHARED_STORE_ERRORS_TOTAL`], labelled with the `on_store_error` behaviour that decided
 /// the request instead.
 pub fn record_shared_store_error(tenant: &str, behaviour: &'static str) {
-    metrics::counter!(SHARED_STORE_ERRORS_TOTAL, "tenant" => tenant.to_string(), "behaviour" => behaviour)
-        .increment(1);
+    let labels = [("tenant", tenant), ("behaviour", behaviour)];
+    handles::counter(SHARED_STORE_ERRORS_TOTAL, &labels).increment(1);
 }
 
 /// Counts one request in [`REQUESTS_TOTAL`] with its final admission outcome. Call it exactly
 /// once per request that reached a handler; `route` is a static route name ("chat", ...).
 pub fn record_request(tenant: &str, route: &'static str, admitted: bool) {
     let outcome = if admitted { "admitted" } else { "rejected" };
-    metrics::counter!(REQUESTS_TOTAL, "tenant" => tenant.to_string(), "route" => route, "outcome" => outcome)
-        .increment(1);
+    let labels = [("tenant", tenant), ("route", route), ("outcome", outcome)];
+    handles::counter(REQUESTS_TOTAL, &labels).increment(1);
 }
 
 /// Time a request spent in admission (queue + reservation) before it started.
 pub fn record_queue_wait(tenant: &str, wait: Duration) {
-    metrics::histogram!(QUEUE_WAIT_SECONDS, "tenant" => tenant.to_string())
-        .record(wait.as_secs_f64());
+    handles::histogram(QUEUE_WAIT_SECONDS, &[("tenant", tenant)]).record(wait.as_secs_f64());
 }
 
 /// From the request's arrival to its first generated token leaving the server. `model` is
@@ -228,16 +233,14 @@ pub fn record_queue_wait(tenant: &str, wait: Duration) {
 /// never a client-supplied unknown name (those end in 404 before any token), so the label's
 /// values are bounded by the configuration.
 pub fn record_time_to_first_token(tenant: &str, model: &str, elapsed: Duration) {
-    metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "tenant" => tenant.to_string(),
-                        "model" => model.to_string())
-    .record(elapsed.as_secs_f64());
+    let labels = [("tenant", tenant), ("model", model)];
+    handles::histogram(TIME_TO_FIRST_TOKEN_SECONDS, &labels).record(elapsed.as_secs_f64());
 }
 
 /// Gap between two successive tokens of one stream (labels as [`record_time_to_first_token`]).
 pub fn record_inter_token_latency(tenant: &str, model: &str, gap: Duration) {
-    metrics::histogram!(INTER_TOKEN_LATENCY_SECONDS, "tenant" => tenant.to_string(),
-                        "model" => model.to_string())
-    .record(gap.as_secs_f64());
+    let labels = [("tenant", tenant), ("model", model)];
+    handles::histogram(INTER_TOKEN_LATENCY_SECONDS, &labels).record(gap.as_secs_f64());
 }
 
 /// A request that ran in the engine, or was relayed from an upstream, has ended (finished,
@@ -250,24 +253,19 @@ pub fn record_request_finished(
     generation_tokens: usize,
     cached_tokens: Option<usize>,
 ) {
-    metrics::histogram!(REQUEST_DURATION_SECONDS, "model" => model.to_string())
-        .record(duration.as_secs_f64());
-    metrics::histogram!(PROMPT_TOKENS, "model" => model.to_string()).record(prompt_tokens as f64);
-    metrics::histogram!(GENERATION_TOKENS, "model" => model.to_string())
-        .record(generation_tokens as f64);
-    metrics::counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string(),
-                      "model" => model.to_string())
-    .increment(prompt_tokens as u64);
-    metrics::counter!(GENERATION_TOKENS_TOTAL, "tenant" => tenant.to_string(),
-                      "model" => model.to_string())
-    .increment(generation_tokens as u64);
+    let by_model = [("model", model)];
+    handles::histogram(REQUEST_DURATION_SECONDS, &by_model).record(duration.as_secs_f64());
+    handles::histogram(PROMPT_TOKENS, &by_model).record(prompt_tokens as f64);
+    handles::histogram(GENERATION_TOKENS, &by_model).record(generation_tokens as f64);
+    let by_tenant_model = [("tenant", tenant), ("model", model)];
+    handles::counter(PROMPT_TOKENS_TOTAL, &by_tenant_model).increment(prompt_tokens as u64);
+    handles::counter(GENERATION_TOKENS_TOTAL, &by_tenant_model).increment(generation_tokens as u64);
     // Only requests the engine finished report their cached tokens; a cancelled one's lookup
     // is not counted, so queries and hits stay a true ratio.
     if let Some(cached) = cached_tokens {
-        metrics::counter!(PREFIX_CACHE_QUERIES_TOTAL, "tenant" => tenant.to_string())
-            .increment(prompt_tokens as u64);
-        metrics::counter!(PREFIX_CACHE_HITS_TOTAL, "tenant" => tenant.to_string())
-            .increment(cached as u64);
+        let by_tenant = [("tenant", tenant)];
+        handles::counter(PREFIX_CACHE_QUERIES_TOTAL, &by_tenant).increment(prompt_tokens as u64);
+        handles::counter(PREFIX_CACHE_HITS_TOTAL, &by_tenant).increment(cached as u64);
     }
 }
 
@@ -313,11 +311,14 @@ pub fn record_upstream_attempt(
         UpstreamResult::ServerError => "server_error",
         UpstreamResult::Unreachable => "unreachable",
     };
-    metrics::counter!(UPSTREAM_REQUESTS_TOTAL, "upstream" => upstream.to_owned(),
-                      "replica" => replica.to_owned(), "result" => result)
-    .increment(1);
+    let labels = [
+        ("upstream", upstream),
+        ("replica", replica),
+        ("result", result),
+    ];
+    handles::counter(UPSTREAM_REQUESTS_TOTAL, &labels).increment(1);
     if result != "unreachable" {
-        metrics::histogram!(UPSTREAM_RESPONSE_SECONDS, "upstream" => upstream.to_owned())
+        handles::histogram(UPSTREAM_RESPONSE_SECONDS, &[("upstream", upstream)])
             .record(waited.as_secs_f64());
     }
 }

@@ -32,6 +32,7 @@
 
 mod breaker;
 mod capacity;
+mod conn;
 mod count;
 pub mod file;
 mod health;
@@ -47,16 +48,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kvgate_runtime::block_pool::BlockPool;
 use parking_lot::{Mutex, RwLock};
 
 pub use breaker::{BASE_BACKOFF, BreakerState, FAILURE_THRESHOLD, MAX_BACKOFF};
 pub use capacity::HealthyCapacity;
+pub use conn::{MAX_IDLE, UpstreamBody};
 pub use count::{FRAMING_TOKEN, REPLY_PRIMING, TOKENS_PER_MESSAGE, TiktokenCounter};
 pub use health::{CALL_TIMEOUT, PROBE_EVERY, SCRAPE_EVERY};
 pub use pool::{Replica, ReplicaLease, ReplicaPool};
@@ -76,9 +73,6 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Most replicas one request is sent to (the first try and the retries before its first byte).
 pub const MAX_ATTEMPTS: usize = 3;
-
-/// The client every upstream shares (one connection pool, keyed by host).
-pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// A set of upstreams that cannot be served together.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -120,7 +114,6 @@ struct Shared {
     list: RwLock<Arc<[Arc<Upstream>]>>,
     /// Models a reload took out of service.
     retired: Mutex<Vec<Arc<Upstream>>>,
-    client: OnceLock<HttpClient>,
     /// What adding a model needs: the admission that gates the pools, and the embedded
     /// model's name (an upstream may not shadow it).
     attached: OnceLock<Attached>,
@@ -151,8 +144,8 @@ pub struct Upstream {
 impl Upstream {
     /// A model's capacity pool (the sum of its replicas' capacities), token counter (tiktoken's
     /// encodings are built here, once, not per request, for the first replica's model id) and
-    /// replica pool on `client`.
-    fn build(name: String, specs: Vec<UpstreamSpec>, client: &HttpClient) -> Arc<Upstream> {
+    /// replica pool.
+    fn build(name: String, specs: Vec<UpstreamSpec>) -> Arc<Upstream> {
         let counter = Arc::new(TiktokenCounter::for_model(&specs[0].model));
         let blocks = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
         let pool = BlockPool::new(blocks, UPSTREAM_BLOCK_SIZE, 0);
@@ -172,7 +165,7 @@ impl Upstream {
             name,
             pool,
             counter,
-            replicas: ReplicaPool::new(specs, client, capacity),
+            replicas: ReplicaPool::new(specs, capacity),
             upkeep: OnceLock::new(),
             pool_id: OnceLock::new(),
             active: AtomicBool::new(true),
@@ -180,7 +173,7 @@ impl Upstream {
     }
 
     /// Replaces its replicas (a reload that keeps or brings back the model).
-    fn replace_replicas(&self, specs: Vec<UpstreamSpec>, client: &HttpClient) {
+    fn replace_replicas(&self, specs: Vec<UpstreamSpec>) {
         let declared: usize = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
         if declared > self.pool.total_blocks() {
             tracing::warn!(upstream = %self.name, declared_blocks = declared,
@@ -188,7 +181,7 @@ impl Upstream {
                            "the replicas' capacity grew; admission keeps the capacity this \
                             model's pool was created with until a restart");
         }
-        self.replicas.replace(specs, client);
+        self.replicas.replace(specs);
     }
 
     /// Whether it is in service (not taken out by a reload).
@@ -218,21 +211,16 @@ fn group(specs: Vec<UpstreamSpec>) -> Result<Vec<(String, Vec<UpstreamSpec>)>, U
 }
 
 impl Upstreams {
-    /// One model per name (specs with the same name are replicas of one model), sharing one
-    /// pooled HTTP client; see [`Upstream::build`].
+    /// One model per name (specs with the same name are replicas of one model), each replica
+    /// with its own keep-alive connections; see [`Upstream::build`].
     pub fn new(specs: Vec<UpstreamSpec>) -> Result<Upstreams, UpstreamError> {
         let upstreams = Upstreams::default();
-        let client = upstreams.client();
         let list: Vec<Arc<Upstream>> = group(specs)?
             .into_iter()
-            .map(|(name, specs)| Upstream::build(name, specs, &client))
+            .map(|(name, specs)| Upstream::build(name, specs))
             .collect();
         *upstreams.shared.list.write() = list.into();
         Ok(upstreams)
-    }
-
-    fn client(&self) -> HttpClient {
-        self.shared.client.get_or_init(http_client).clone()
     }
 
     /// Ties the set to `admission`, which gates each model's capacity pool (the pools it was
@@ -284,7 +272,6 @@ impl Upstreams {
             return Err(UpstreamError::ModelsChanged(changes.join(", ")));
         }
         // Checked: from here on nothing fails.
-        let client = self.client();
         let mut retired = self.shared.retired.lock();
         let mut next = Vec::with_capacity(groups.len());
         for (name, specs) in groups {
@@ -295,7 +282,7 @@ impl Upstreams {
             };
             let upstream = match known.or_else(back) {
                 Some(upstream) => {
-                    upstream.replace_replicas(specs, &client);
+                    upstream.replace_replicas(specs);
                     if !upstream.is_active() {
                         upstream.active.store(true, Ordering::SeqCst);
                         tracing::info!(upstream = %name, "upstream model back in service");
@@ -303,7 +290,7 @@ impl Upstreams {
                     upstream
                 }
                 None => {
-                    let upstream = Upstream::build(name, specs, &client);
+                    let upstream = Upstream::build(name, specs);
                     if let Some(attached) = attached {
                         let limit = Arc::clone(upstream.replicas.capacity().limit());
                         let _ = upstream.pool_id.set(attached.admission.add_pool(limit));
@@ -439,16 +426,6 @@ impl UpstreamRoute {
     pub fn pool(&self) -> PoolId {
         self.pool
     }
-}
-
-pub(crate) fn http_client() -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .pool_timer(TokioTimer::new())
-        .build(connector)
 }
 
 #[cfg(test)]

@@ -8,14 +8,17 @@
 //! and ends when its upstream is dropped; it idles while a reload has taken the model out of
 //! service.
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::pool::Replica;
-use super::{KvMetric, Upstream};
+use super::{CONNECT_TIMEOUT, KvMetric, POOL_IDLE_TIMEOUT, Upstream};
 use crate::metrics::exposition::Scrape;
 
 /// How often metrics are scraped (routing signals are this fresh).
@@ -123,6 +126,22 @@ pub(crate) fn parse_load(text: &str, kv_series: &str, waiting_series: &str) -> O
     Some((kv.clamp(0.0, 1.0), waiting.max(0.0)))
 }
 
+/// The client of probes and scrapes (a metrics URL may name another host than the replica's):
+/// hyper-util's pooled client, which is fine at their rate; requests go on the replica's own
+/// connections (`conn.rs`).
+fn probe_client() -> &'static Client<HttpConnector, Full<Bytes>> {
+    static CLIENT: OnceLock<Client<HttpConnector, Full<Bytes>>> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        connector.set_nodelay(true);
+        Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .pool_timer(TokioTimer::new())
+            .build(connector)
+    })
+}
+
 /// A GET with [`CALL_TIMEOUT`] and a body bound; `(status, body text)`.
 async fn get(replica: &Replica, url: &str) -> Result<(http::StatusCode, String), String> {
     let mut request = http::Request::get(url)
@@ -136,8 +155,7 @@ async fn get(replica: &Replica, url: &str) -> Result<(http::StatusCode, String),
             .insert(http::header::AUTHORIZATION, value);
     }
     let call = async {
-        let response = replica
-            .client()
+        let response = probe_client()
             .request(request)
             .await
             .map_err(|error| error.to_string())?;

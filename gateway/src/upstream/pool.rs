@@ -15,18 +15,20 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
+use super::UpstreamSpec;
 use super::breaker::{Breaker, BreakerState};
 use super::capacity::HealthyCapacity;
+use super::conn::ConnPool;
 use super::prefix::{BLOCK_TOKENS, PrefixIndex, ReplicaId};
 use super::route::{Candidate, LoadSample, Scraped, Weights, pick};
-use super::{HttpClient, UpstreamSpec};
 use crate::metrics::UpstreamCapacitySnapshot;
 
 /// One engine replica.
 pub struct Replica {
     id: ReplicaId,
     spec: UpstreamSpec,
-    client: HttpClient,
+    /// Its keep-alive connections (`conn.rs`).
+    conns: ConnPool,
     in_flight_requests: AtomicUsize,
     in_flight_tokens: AtomicUsize,
     /// Prompt + max_tokens of every request ever sent here (for scrape corrections).
@@ -54,11 +56,11 @@ impl std::fmt::Debug for Replica {
 static NEXT_REPLICA_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Replica {
-    fn new(spec: UpstreamSpec, client: HttpClient, capacity: Arc<HealthyCapacity>) -> Replica {
+    fn new(spec: UpstreamSpec, capacity: Arc<HealthyCapacity>) -> Replica {
         Replica {
             id: NEXT_REPLICA_ID.fetch_add(1, Ordering::Relaxed),
+            conns: ConnPool::new(&spec.base_url),
             spec,
-            client,
             in_flight_requests: AtomicUsize::new(0),
             in_flight_tokens: AtomicUsize::new(0),
             tokens_sent: AtomicU64::new(0),
@@ -83,8 +85,8 @@ impl Replica {
         &self.spec.base_url
     }
 
-    pub(crate) fn client(&self) -> &HttpClient {
-        &self.client
+    pub(crate) fn conns(&self) -> &ConnPool {
+        &self.conns
     }
 
     /// Requests sent here since the gateway started (tries that failed included).
@@ -218,16 +220,12 @@ pub struct ReplicaPool {
 }
 
 impl ReplicaPool {
-    /// One replica per spec, each on `client`, reporting to `capacity` (which starts out
+    /// One replica per spec, each with its own connections, reporting to `capacity` (which starts out
     /// counting them all healthy).
-    pub(crate) fn new(
-        specs: Vec<UpstreamSpec>,
-        client: &HttpClient,
-        capacity: Arc<HealthyCapacity>,
-    ) -> ReplicaPool {
+    pub(crate) fn new(specs: Vec<UpstreamSpec>, capacity: Arc<HealthyCapacity>) -> ReplicaPool {
         let replicas: Vec<Arc<Replica>> = specs
             .into_iter()
-            .map(|spec| Arc::new(Replica::new(spec, client.clone(), Arc::clone(&capacity))))
+            .map(|spec| Arc::new(Replica::new(spec, Arc::clone(&capacity))))
             .collect();
         capacity.set_replicas(replicas.iter().map(|r| (r.id, r.spec.capacity_blocks())));
         ReplicaPool {
@@ -338,18 +336,14 @@ impl ReplicaPool {
     /// Replaces the replica set with `specs`: a replica whose spec is unchanged keeps its
     /// state (load, breaker, prefix entries); the others start fresh, and removed ones leave
     /// the index (requests already sent to them finish there).
-    pub(crate) fn replace(&self, specs: Vec<UpstreamSpec>, client: &HttpClient) {
+    pub(crate) fn replace(&self, specs: Vec<UpstreamSpec>) {
         let old = self.replicas();
         let next: Vec<Arc<Replica>> = specs
             .into_iter()
             .map(
                 |spec| match old.iter().find(|replica| replica.spec == spec) {
                     Some(kept) => Arc::clone(kept),
-                    None => Arc::new(Replica::new(
-                        spec,
-                        client.clone(),
-                        Arc::clone(&self.capacity),
-                    )),
+                    None => Arc::new(Replica::new(spec, Arc::clone(&self.capacity))),
                 },
             )
             .collect();
@@ -366,7 +360,6 @@ impl ReplicaPool {
 mod tests {
     use super::*;
     use crate::admission::PoolLimit;
-    use crate::upstream::http_client;
     use crate::upstream::prefix::block_hashes;
     use kvgate_runtime::block_pool::BlockPool;
 
@@ -385,7 +378,7 @@ mod tests {
             crate::upstream::UPSTREAM_BLOCK_SIZE,
             0,
         ));
-        ReplicaPool::new(specs, &http_client(), HealthyCapacity::new(limit))
+        ReplicaPool::new(specs, HealthyCapacity::new(limit))
     }
 
     fn port(lease: &ReplicaLease) -> &str {
@@ -469,7 +462,7 @@ mod tests {
         assert_eq!(usable(), 1000 / 16);
         replicas[1].succeeded();
         let added: UpstreamSpec = "m=http://127.0.0.1:9100".parse().unwrap();
-        pool.replace(vec![kept, added], &http_client());
+        pool.replace(vec![kept, added]);
         let now = pool.replicas();
         assert_eq!(now.len(), 2);
         assert_eq!(

@@ -4,8 +4,8 @@
 //!   ignores still reach an engine that honours them), with `model` set to the upstream's id,
 //!   the completion budget validation settled on made explicit, and the messages
 //!   `truncate_oldest` dropped removed.
-//! * [`Replica::send`]: POST to the same OpenAI path under the replica's URL, on the shared
-//!   pooled client, with the replica's own key (`api_key_env`) if it has one: the client's
+//! * [`Replica::send`]: POST to the same OpenAI path under the replica's URL, on one of the
+//!   replica's keep-alive connections (`conn.rs`), with the replica's own key (`api_key_env`) if it has one: the client's
 //!   `Authorization` is never forwarded. No connection, or no response headers within the
 //!   replica's `timeout`, is a 502 `upstream_unavailable` (and a breaker failure; the caller
 //!   may retry on another replica, since nothing reached the client yet).
@@ -34,10 +34,10 @@ use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderName};
 use http::{HeaderMap, Request};
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
 use serde_json::Value;
 
 use super::Replica;
+use super::conn::UpstreamBody;
 use super::rename::{Framing, RenameModel, UsageCell};
 use crate::error::GatewayError;
 use crate::ratelimit::HEADER_NAMES as RATE_LIMIT_HEADERS;
@@ -103,13 +103,13 @@ fn drop_oldest_turns(messages: &mut Vec<Value>, dropped: usize) {
 }
 
 impl Replica {
-    /// The upstream URL of an endpoint: the same OpenAI path under the replica's base URL.
-    pub(crate) fn url(&self, endpoint: Endpoint) -> String {
+    /// The upstream path of an endpoint: the same OpenAI path under the replica's URL prefix.
+    fn path(&self, endpoint: Endpoint) -> String {
         let path = match endpoint {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completion => "/v1/completions",
         };
-        format!("{}{path}", self.spec().base_url)
+        format!("{}{path}", self.spec().path_prefix())
     }
 
     /// POSTs `body` and waits for the response headers, at most the upstream's `timeout`.
@@ -118,13 +118,13 @@ impl Replica {
         endpoint: Endpoint,
         body: Bytes,
         request_id: &str,
-    ) -> Result<http::Response<Incoming>, GatewayError> {
+    ) -> Result<http::Response<UpstreamBody>, GatewayError> {
         let unavailable = |reason: &str, detail: String| GatewayError::UpstreamUnavailable {
             upstream: self.spec().name.clone(),
             reason: reason.to_owned(),
             detail,
         };
-        let mut request = Request::post(self.url(endpoint))
+        let mut request = Request::post(self.path(endpoint))
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(body))
             .map_err(|error| {
@@ -151,10 +151,10 @@ impl Replica {
                 .insert(http::header::AUTHORIZATION, value);
         }
         let timeout = self.spec().timeout;
-        match tokio::time::timeout(timeout, self.client().request(request)).await {
+        match tokio::time::timeout(timeout, self.conns().send(request)).await {
             Ok(Ok(response)) => Ok(response),
             // The transport error names the upstream's address: logged, not sent.
-            Ok(Err(error)) => Err(unavailable("it could not be reached", describe(&error))),
+            Ok(Err(error)) => Err(unavailable("it could not be reached", error.to_string())),
             Err(_) => {
                 let waited = format!("no response within {}s", timeout.as_secs_f64());
                 Err(unavailable(&waited, waited.clone()))
@@ -183,7 +183,7 @@ fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// [`server_error`]. `telemetry`, for a request the upstream runs, times the answer and counts
 /// its tokens under the tenant (see `rename.rs`).
 pub(crate) fn relay<G: Send + Unpin + 'static>(
-    upstream: http::Response<Incoming>,
+    upstream: http::Response<UpstreamBody>,
     guard: G,
     from: &Arc<Replica>,
     usage: UsageCell,
@@ -236,7 +236,7 @@ const LOGGED_ERROR_BYTES: usize = 8 * 1024;
 /// headers. Its body (a stack trace, file paths, internal addresses: the upstream's internals)
 /// is read into the log, at most [`LOGGED_ERROR_BYTES`] and the upstream's timeout, by a task
 /// of its own, not sent. A 4xx is about the client's request and is relayed as written.
-fn server_error(parts: http::response::Parts, body: Incoming, from: &Replica) -> Response {
+fn server_error(parts: http::response::Parts, body: UpstreamBody, from: &Replica) -> Response {
     let (upstream, status, timeout) = (from.spec().name.clone(), parts.status, from.spec().timeout);
     let logged = upstream.clone();
     tokio::spawn(async move {

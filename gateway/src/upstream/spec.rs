@@ -113,6 +113,16 @@ pub struct UpstreamSpecError {
 
 impl UpstreamSpec {
     /// The capacity pool's size: `capacity_tokens` in whole blocks.
+    /// The path under which the replica serves (`/engines/a` in `http://h:1/engines/a`; empty
+    /// for a server root).
+    pub fn path_prefix(&self) -> &str {
+        let rest = self
+            .base_url
+            .strip_prefix("http://")
+            .unwrap_or(&self.base_url);
+        rest.find('/').map_or("", |at| &rest[at..])
+    }
+
     pub fn capacity_blocks(&self) -> usize {
         self.capacity_tokens / UPSTREAM_BLOCK_SIZE
     }
@@ -345,6 +355,8 @@ mod tests {
         );
         assert_eq!(spec.name, "big");
         assert_eq!(spec.base_url, "http://10.0.0.5:8000/engines/a");
+        assert_eq!(spec.path_prefix(), "/engines/a");
+        assert_eq!(parse("a=http://h:1/").path_prefix(), "");
         assert_eq!(spec.model, "meta-llama/Llama-3.1-8B-Instruct");
         assert_eq!(spec.capacity_tokens, 100_000);
         assert_eq!(spec.capacity_blocks(), 6250);
