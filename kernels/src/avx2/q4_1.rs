@@ -166,7 +166,7 @@ unsafe fn decode_tile1(wp: *const u8, acts: &PackedActs, r: usize, out: OutPtr<'
 const ROW_BLOCK: usize = 16;
 
 /// Defines a batched kernel `$rows` (two or more activation rows, grouped: for each block of
-/// [`ROW_BLOCK`] weight rows, the activation groups pass in tiles of up to `$max_groups` groups, a
+/// [`ROW_BLOCK`] weight rows, the activation groups pass in tiles of the listed sizes `$g`, a
 /// weight block unpacked once serving the whole tile) and its tile `$tile` (the Q4_1 row at `wp` ×
 /// activation groups `g0..g0+G`; lane `j` of result `i` is activation row `8(g0+i) + j`),
 /// compiled for `$features`, with `$isum` making a block's eight integer sums. AVX2 has sixteen
@@ -178,7 +178,7 @@ const ROW_BLOCK: usize = 16;
 /// text, and a tile's size does not change any pair's arithmetic, so every form gives the same
 /// bits.
 macro_rules! grouped_kernel {
-    ($rows:ident, $tile:ident, $pieces:ident, $isum:ident, $max_groups:literal, $features:literal) => {
+    ($rows:ident, $tile:ident, $pieces:ident, $isum:ident, [$($g:literal),+], $features:literal) => {
         #[target_feature(enable = $features)]
         unsafe fn $rows(w: &QMatrix, acts: &PackedActs, rows: Range<usize>, out: OutPtr<'_>) {
             let (nb, groups) = (acts.nb, acts.groups);
@@ -186,7 +186,9 @@ macro_rules! grouped_kernel {
             assert!(acts.qs.len() == slots * QK && acts.d.len() == slots && acts.s.len() == slots);
             // The groups pass in as few tiles as the registers allow, of balanced sizes: a
             // weight block is unpacked once per tile, so 5 groups run as 3 + 2, not 2 + 2 + 1.
-            let tiles = groups.div_ceil($max_groups);
+            // The tile sizes are 1..=max, so their count is the largest.
+            let max_groups = [$($g),+].len();
+            let tiles = groups.div_ceil(max_groups);
             let mut start = rows.start;
             while start < rows.end {
                 let end = (start + ROW_BLOCK).min(rows.end);
@@ -195,13 +197,10 @@ macro_rules! grouped_kernel {
                     let n = (groups - g).div_ceil(tiles - t);
                     // SAFETY: rows start..end < w.rows; groups g..g+n exist.
                     unsafe {
+                        // Balanced tiles of at most `max_groups` groups: n is one of them.
                         match n {
-                            1 => tile_rows::<1>(w, acts, g, start..end, out),
-                            2 => tile_rows::<2>(w, acts, g, start..end, out),
-                            3 => tile_rows::<3>(w, acts, g, start..end, out),
-                            4 => tile_rows::<4>(w, acts, g, start..end, out),
-                            5 => tile_rows::<5>(w, acts, g, start..end, out),
-                            _ => tile_rows::<6>(w, acts, g, start..end, out),
+                            $($g => tile_rows::<$g>(w, acts, g, start..end, out),)+
+                            _ => unreachable!("a tile of {n} groups (at most {max_groups})"),
                         }
                     }
                     g += n;
@@ -267,7 +266,7 @@ grouped_kernel!(
     group_tile,
     weight_pieces,
     isum_maddubs,
-    2,
+    [1, 2],
     "avx2,fma,f16c"
 );
 grouped_kernel!(
@@ -275,7 +274,7 @@ grouped_kernel!(
     group_tile_vnni,
     weight_pairs,
     isum_vnni,
-    6,
+    [1, 2, 3, 4, 5, 6],
     "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
 );
 
