@@ -543,14 +543,15 @@ impl Scheduler {
             let remaining = seq.num_uncomputed_tokens() as u64;
             let aged = remaining + seq.arrival_step.saturating_mul(AGING_TOKENS_PER_STEP);
             let needs_shared = is_waiting && !seq.is_fully_covered(block_size);
+            let completes = want == seq.num_uncomputed_tokens();
             self.candidates.push(PrefillCandidate {
                 id: seq.id,
                 tenant,
                 waiting: is_waiting,
                 rank: (needs_shared, aged, seq.id),
                 want,
-                completes: want == seq.num_uncomputed_tokens(),
-                whole: seq.num_computed_tokens == 0 && want == seq.num_uncomputed_tokens(),
+                completes,
+                whole: completes && seq.num_computed_tokens == 0,
                 granted: 0,
             });
         }

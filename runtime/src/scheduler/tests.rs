@@ -277,13 +277,25 @@ const CPU_COST: StepCost = StepCost {
     per_attended_token_ns: 0.0,
 };
 
+/// [`decoding_scheduler`] at [`CPU_COST`] with one new prompt of `prompt` tokens (sequence
+/// 100) added; the receivers keep every sequence's stream open.
+fn decoding_with_prompt(
+    pool: &Arc<BlockPool>,
+    target: Option<Duration>,
+    prompt: usize,
+) -> (Scheduler, Vec<mpsc::Receiver<TokenEvent>>) {
+    let (mut s, mut receivers) = decoding_scheduler(pool, target, CPU_COST);
+    let (q, rx) = seq(100, prompt, 4, pool.empty_reservation());
+    receivers.push(rx);
+    s.add(q);
+    (s, receivers)
+}
+
 #[test]
 fn prefill_cap_follows_the_cost_model() {
     let pool = BlockPool::new(4096, 4, 1);
     let target = Some(Duration::from_millis(100));
-    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
-    let (long, _rl) = seq(100, 2000, 4, pool.empty_reservation());
-    s.add(long);
+    let (mut s, _rx) = decoding_with_prompt(&pool, target, 2000);
     let batch = step(&mut s);
     // 5 ms + 10 decodes × 2 ms = 25 ms; the other 75 ms buy 75 prompt tokens at 1 ms each.
     assert_eq!(batch.prefill_cap, 75);
@@ -340,9 +352,7 @@ fn a_whole_prompt_just_over_the_cap_stretches_it_to_finish_in_one_step() {
     let pool = BlockPool::new(4096, 4, 1);
     let target = Some(Duration::from_millis(100));
     // The cap is 75 (see prefill_cap_follows_the_cost_model); 75 + 75 / 4 = 93.
-    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
-    let (short, _r) = seq(100, 93, 4, pool.empty_reservation());
-    s.add(short);
+    let (mut s, _rx) = decoding_with_prompt(&pool, target, 93);
     let batch = step(&mut s);
     assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (93, 93));
     let first_token = batch
@@ -356,26 +366,20 @@ fn a_whole_prompt_just_over_the_cap_stretches_it_to_finish_in_one_step() {
     );
 
     // One token more: no stretch, the prompt takes two steps.
-    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
-    let (longer, _r) = seq(100, 94, 4, pool.empty_reservation());
-    s.add(longer);
+    let (mut s, _rx) = decoding_with_prompt(&pool, target, 94);
     let batch = step(&mut s);
     assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (75, 75));
 
     // A prompt under way never stretches a step, even when its rest would fit: 160 tokens
     // leave 85 after the first step, within 93, but the cap stays.
-    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
-    let (long, _r) = seq(100, 160, 4, pool.empty_reservation());
-    s.add(long);
+    let (mut s, _rx) = decoding_with_prompt(&pool, target, 160);
     let batch = step(&mut s);
     assert_eq!(batch.shape.prefill_tokens, 75);
     let batch = step(&mut s);
     assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (75, 75));
 
     // Without a target nothing is capped, so nothing stretches past the budget.
-    let (mut s, _rx) = decoding_scheduler(&pool, None, CPU_COST);
-    let (whole, _r) = seq(100, 600, 4, pool.empty_reservation());
-    s.add(whole);
+    let (mut s, _rx) = decoding_with_prompt(&pool, None, 600);
     let batch = step(&mut s);
     assert_eq!((batch.prefill_cap, batch.num_tokens), (502, 512));
 }
@@ -392,17 +396,13 @@ fn prefill_gets_the_whole_budget_when_nothing_decodes_or_without_a_target() {
     let batch = step(&mut s);
     assert_eq!((batch.prefill_cap, batch.num_tokens), (512, 512));
 
-    let (mut s, _rx) = decoding_scheduler(&pool, None, CPU_COST);
-    let (long, _rl) = seq(100, 2000, 4, pool.empty_reservation());
-    s.add(long);
+    let (mut s, _rx) = decoding_with_prompt(&pool, None, 2000);
     let batch = step(&mut s);
     assert_eq!((batch.prefill_cap, batch.num_tokens), (502, 512));
 
     // Decodes alone over the target: prefill still moves, one block a step.
     let target = Some(Duration::from_millis(20));
-    let (mut s, _rx) = decoding_scheduler(&pool, target, CPU_COST);
-    let (long, _rl) = seq(100, 2000, 4, pool.empty_reservation());
-    s.add(long);
+    let (mut s, _rx) = decoding_with_prompt(&pool, target, 2000);
     let batch = step(&mut s);
     assert_eq!((batch.prefill_cap, batch.shape.prefill_tokens), (4, 4));
 }
