@@ -25,14 +25,23 @@ static METADATA: Metadata<'static> =
 type Labels<'a> = [(&'static str, &'a str)];
 
 struct Cache<H> {
+    map: RwLock<Entries<H>>,
+}
+
+struct Entries<H> {
     /// By hash of name and labels; each entry checked against its key (collisions).
-    map: RwLock<HashMap<u64, Vec<(Key, H)>>>,
+    by_hash: HashMap<u64, Vec<(Key, H)>>,
+    /// Handles in `by_hash`, so the bound is checked without walking the map.
+    len: usize,
 }
 
 impl<H: Clone> Cache<H> {
     fn new() -> Cache<H> {
         Cache {
-            map: RwLock::new(HashMap::new()),
+            map: RwLock::new(Entries {
+                by_hash: HashMap::new(),
+                len: 0,
+            }),
         }
     }
 
@@ -41,18 +50,20 @@ impl<H: Clone> Cache<H> {
             return register(&key(name, labels));
         }
         let hash = hash(name, labels);
-        if let Some(entries) = self.map.read().get(&hash)
+        if let Some(entries) = self.map.read().by_hash.get(&hash)
             && let Some((_, handle)) = entries.iter().find(|(key, _)| same(key, name, labels))
         {
             return handle.clone();
         }
         let key = key(name, labels);
         let handle = register(&key);
-        let mut map = self.map.write();
-        if map.values().map(Vec::len).sum::<usize>() < MAX_CACHED {
-            let entries = map.entry(hash).or_default();
+        let mut guard = self.map.write();
+        let map = &mut *guard;
+        if map.len < MAX_CACHED {
+            let entries = map.by_hash.entry(hash).or_default();
             if !entries.iter().any(|(cached, _)| *cached == key) {
                 entries.push((key, handle.clone()));
+                map.len += 1;
             }
         }
         handle
