@@ -120,12 +120,11 @@ async fn a_tenant_at_its_validation_cap_is_refused_before_its_body_is_read() {
     // Two slow uploads: headers and the first bytes of a body that never completes.
     let mut uploads = Vec::new();
     for _ in 0..2 {
-        let mut stream = raw_connect(server.addr, &headers_only("sk-up", 4096)).await;
-        stream.write_all(b"{\"model\":").await.unwrap();
-        uploads.push(stream);
+        uploads.push(slow_upload(server.addr, "sk-up").await);
     }
-    // Until both uploads hold their places, a probe may still get in (a malformed body: 400).
-    let refused = probe_until_refused(&client, "sk-up").await;
+    // Until both uploads hold their places, a probe may still get in (a malformed body: 400),
+    // and a probe holding a place may get an upload refused: that upload is sent again.
+    let refused = probe_until_refused(&client, "sk-up", server.addr, &mut uploads).await;
     assert!(refused.contains("intake_full"), "{refused}");
     assert!(refused.contains("max_validating"), "{refused}");
 
@@ -153,8 +152,22 @@ async fn a_tenant_at_its_validation_cap_is_refused_before_its_body_is_read() {
     }
 }
 
+/// Headers of a 4 KiB chat upload for `key` and the first bytes of its body, the rest never sent.
+async fn slow_upload(addr: SocketAddr, key: &str) -> TcpStream {
+    let mut stream = raw_connect(addr, &headers_only(key, 4096)).await;
+    stream.write_all(b"{\"model\":").await.expect("write");
+    stream
+}
+
 /// Sends malformed bodies for `key` until one is refused by intake; returns that answer.
-async fn probe_until_refused(client: &Client, key: &str) -> String {
+/// A probe is itself one of `key`'s places while it is read, so an upload that arrives then is
+/// refused (answered at once): every upload that got an answer or was closed is sent again.
+async fn probe_until_refused(
+    client: &Client,
+    key: &str,
+    addr: SocketAddr,
+    uploads: &mut [TcpStream],
+) -> String {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         let reply = client.post_bytes(CHAT, Some(key), "{").await;
@@ -162,6 +175,16 @@ async fn probe_until_refused(client: &Client, key: &str) -> String {
             429 => return String::from_utf8_lossy(&reply.body).into_owned(),
             400 => {}
             other => panic!("unexpected {other}: {:?}", reply.body),
+        }
+        for upload in uploads.iter_mut() {
+            let mut byte = [0u8; 1];
+            let answered = match upload.try_read(&mut byte) {
+                Ok(_) => true,
+                Err(error) => error.kind() != std::io::ErrorKind::WouldBlock,
+            };
+            if answered {
+                *upload = slow_upload(addr, key).await;
+            }
         }
         assert!(tokio::time::Instant::now() < deadline, "never refused");
         tokio::time::sleep(Duration::from_millis(10)).await;
