@@ -136,8 +136,11 @@ fn system_prompt() -> String {
 }
 
 /// Sends `n` concurrent greedy requests of `key` that share [`system_prompt`] and returns the
-/// most of them admission held in flight at once (polled from its per-tenant snapshot).
-async fn most_in_flight(server: &TestServer, tenant: &str, key: &str, n: usize) -> usize {
+/// most of them that held blocks of the pool at once (used or reserved), polled from the
+/// engine's per-step snapshot of its sequences. Not from admission's in-flight count: that
+/// drops when a response has been written, a moment after the engine freed its blocks, so a
+/// queued request admitted into those blocks would briefly count alongside the one it replaced.
+async fn most_holding_blocks(server: &TestServer, tenant: &str, key: &str, n: usize) -> usize {
     let body = json!({
         "model": common::MODEL,
         "messages": [
@@ -155,13 +158,13 @@ async fn most_in_flight(server: &TestServer, tenant: &str, key: &str, n: usize) 
         .collect();
     let mut most = 0;
     while !requests.iter().all(|r| r.is_finished()) {
-        let in_flight = server
-            .admission
-            .queue_snapshot()
+        let holding = server
+            .engine
+            .inspect()
             .iter()
-            .find(|row| row.tenant == tenant)
-            .map_or(0, |row| row.in_flight);
-        most = most.max(in_flight);
+            .filter(|seq| &*seq.label == tenant && seq.blocks + seq.reserved_blocks > 0)
+            .count();
+        most = most.max(holding);
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     for request in requests {
@@ -222,9 +225,9 @@ async fn a_cached_system_prompt_lets_more_requests_hold_the_pool_at_once() {
         "sizes: prompt {prompt_tokens} tokens, {full} blocks each, {cached} cacheable"
     );
 
-    let uncached = most_in_flight(&server, "uncached", "sk-uncached", 6).await;
+    let uncached = most_holding_blocks(&server, "uncached", "sk-uncached", 6).await;
     server.wait_for_idle_kv(Duration::from_secs(60)).await;
-    let cached_at_once = most_in_flight(&server, "cached", "sk-cached", 6).await;
+    let cached_at_once = most_holding_blocks(&server, "cached", "sk-cached", 6).await;
     assert!(uncached <= 2, "without the cache {uncached} fit at once");
     assert!(
         cached_at_once >= 4,

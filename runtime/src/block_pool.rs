@@ -672,6 +672,18 @@ impl Reservation {
     pub fn belongs_to(&self, pool: &BlockPool) -> bool {
         std::ptr::eq(Arc::as_ptr(&self.pool), pool)
     }
+
+    /// Gives every reserved block beyond `keep` back to the pool (and wakes its waiters);
+    /// returns how many went back.
+    pub fn release_beyond(&mut self, keep: usize) -> usize {
+        let surplus = self.reserved.saturating_sub(keep);
+        if surplus > 0 {
+            self.pool.state.lock().reserved -= surplus;
+            self.reserved -= surplus;
+            self.pool.freed.notify_waiters();
+        }
+        surplus
+    }
 }
 
 impl Drop for Reservation {

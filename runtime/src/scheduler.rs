@@ -44,7 +44,9 @@
 //! lookup pins the blocks in the same critical section, so a hit cannot be evicted before use.
 //! If the rest cannot get its blocks, the hit blocks go straight back (still cached): a waiting
 //! sequence never holds blocks, which the preemption rules above rely on. After each step every
-//! block that became full and computed is registered (prefill and decode alike).
+//! block that became full and computed is registered (prefill and decode alike). An admitted
+//! sequence keeps only the reservation it can still draw: a hit found after the gateway sized
+//! the reservation (a prefix another request computed meanwhile) gives the rest back at once.
 //!
 //! **Hold-back** (SGLang's cache-aware scheduling, for requests that share a prompt and arrive
 //! together): a waiting sequence whose first uncached full block is being computed right now
@@ -765,6 +767,12 @@ impl Scheduler {
                 self.admission_blocked = true;
                 continue;
             }
+            // The reservation was sized by the gateway from the prefix cached at admission;
+            // blocks found since in the cache and shared with a running sequence cost nothing,
+            // so what it can no longer draw goes back now, to admit the next request, instead
+            // of idling until this one ends. It stays fully covered.
+            seq.credit
+                .release_beyond(seq.remaining_block_growth(block_size));
             if seq.num_preemptions == 0 && seq.cache_salt.is_some() {
                 seq.num_cached_tokens = seq.num_computed_tokens.min(seq.prompt_len);
                 self.prefix_query_tokens += seq.prompt_len as u64;

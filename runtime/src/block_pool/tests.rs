@@ -40,6 +40,30 @@ fn reservations_are_atomic_and_return_on_drop() {
 }
 
 #[test]
+fn a_reservation_gives_back_what_it_holds_beyond_a_bound() {
+    let pool = BlockPool::new(10, 16, 1024);
+    let mut credit = pool.try_reserve(6).expect("6 of 10 free");
+    let waiter = pool.wait_for_free();
+    tokio::pin!(waiter);
+    waiter.as_mut().enable();
+    assert_eq!(credit.release_beyond(8), 0, "nothing beyond 8 of 6");
+    assert_eq!(credit.release_beyond(2), 4);
+    assert_eq!(credit.blocks(), 2);
+    assert_eq!(pool.snapshot().reserved_blocks, 2);
+    assert_consistent(&pool);
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(
+        std::future::Future::poll(waiter.as_mut(), &mut context).is_ready(),
+        "waiters hear of the blocks given back"
+    );
+    let _other = pool
+        .try_reserve(8)
+        .expect("the 4 given back are free again");
+    drop(credit);
+    assert_eq!(pool.snapshot().reserved_blocks, 8);
+}
+
+#[test]
 fn reserve_within_respects_the_limit_including_used_blocks() {
     let pool = BlockPool::new(10, 16, 1);
     let mut credit = pool.empty_reservation();

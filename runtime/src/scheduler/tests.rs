@@ -649,6 +649,53 @@ fn a_shared_prefix_is_held_back_until_computed_then_hit() {
 }
 
 #[test]
+fn a_reservation_beyond_what_a_shared_prefix_leaves_to_draw_goes_back_at_admission() {
+    // A and B share their first 24 tokens (6 blocks of 4) and each reserved its whole request
+    // (30 + 2 - 1 KV tokens: 8 blocks), as the gateway does when nothing is cached yet. B waits
+    // while A computes the shared blocks, then finds them cached and in use: it draws only its
+    // own 2 blocks, so the 6 it reserved for the prefix go back to the pool when it starts.
+    let pool = BlockPool::new(64, 4, 1);
+    let mut s = Scheduler::new(config(4, 8, 16, 8), pool.clone());
+    let (mut a, _ra) = salted_seq(1, 30, 30, 0, "t", &pool);
+    let (mut b, _rb) = salted_seq(2, 30, 24, 500, "t", &pool);
+    a.credit = pool.try_reserve(8).expect("free");
+    b.credit = pool.try_reserve(8).expect("free");
+    s.add(a);
+    s.add(b);
+    while s.waiting().any(|q| q.id == SeqId(2)) {
+        let batch = step(&mut s);
+        assert!(!batch.seqs.is_empty(), "no progress");
+    }
+    let b = s
+        .running()
+        .iter()
+        .find(|q| q.id == SeqId(2))
+        .expect("B runs");
+    assert_eq!(b.num_computed_tokens + b.num_scheduled_tokens, 30);
+    assert_eq!(b.block_table.len(), 8, "6 shared blocks and 2 of its own");
+    assert_eq!(
+        b.credit.blocks(),
+        0,
+        "B can draw no more, so it keeps no reservation"
+    );
+    assert!(b.is_fully_covered(4));
+    let a = s
+        .running()
+        .iter()
+        .find(|q| q.id == SeqId(1))
+        .expect("A runs");
+    let occupancy = pool.snapshot();
+    assert_eq!(occupancy.used_blocks, 10, "A's 8 and B's own 2");
+    assert_eq!(occupancy.reserved_blocks, a.credit.blocks());
+    while s.has_work() {
+        let batch = step(&mut s);
+        assert!(!batch.seqs.is_empty(), "no progress");
+    }
+    let occupancy = pool.snapshot();
+    assert_eq!((occupancy.used_blocks, occupancy.reserved_blocks), (0, 0));
+}
+
+#[test]
 fn identical_prompts_admitted_together_all_hit_the_first_ones_blocks() {
     // Four copies of one 40-token prompt: the first computes it, the other three wait and then
     // compute only the last block (the last token is always computed, for its logits).
