@@ -13,6 +13,7 @@ use common::{
 };
 use hyper::StatusCode;
 use kvgate_gateway::admission::PoolId;
+use kvgate_runtime::scheduler::StepShape;
 
 const CHAT: &str = "/v1/chat/completions";
 const WAIT: Duration = Duration::from_secs(120);
@@ -367,13 +368,14 @@ async fn a_queue_wait_longer_than_the_request_timeout_ends_in_admissions_answer(
 }
 
 /// The 48 MiB measurement of issue 16, scaled down to run in seconds: a pool that holds one
-/// request at a time, 8 concurrent requests of ~40 + 200 tokens, a 1 s `max_queue_wait` —
-/// shorter than one request's 200 decode steps on any CPU this runs on, so whoever is not
-/// first cannot start in time. They are told so when they are enqueued (429
-/// `kv_cache_saturated` with a Retry-After), from the engine's step cost model fitted at
-/// start, before the engine has served anything: every refusal arrives before the first
-/// served request's answer. Nobody waits out the deadline for a 503, and the token bucket
-/// ends where the served requests' usage puts it.
+/// request at a time, 8 concurrent requests of ~40 + 200 tokens, a `max_queue_wait` of a
+/// quarter of one request's 200 decode steps as this machine's step cost model prices them
+/// (fitted at start; a fixed wait would be longer than those steps on a fast enough CPU), so
+/// whoever is not first cannot start in time. They are told so when they are enqueued (429
+/// `kv_cache_saturated` with a Retry-After), from that model, before the engine has served
+/// anything: every refusal arrives before the first served request's answer. Nobody waits
+/// out the deadline for a 503, and the token bucket ends where the served requests' usage
+/// puts it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kv_backlog_that_cannot_drain_in_time_is_refused_at_once_and_the_rest_served() {
     // 21 blocks under the 0.9 watermark; a request needs ~15.
@@ -382,9 +384,26 @@ async fn a_kv_backlog_that_cannot_drain_in_time_is_refused_at_once_and_the_rest_
         ..Options::default()
     };
     let limit: u64 = 4000;
-    let extra =
-        format!("max_concurrency = 16\ntokens_per_minute = {limit}\nmax_queue_wait = \"1s\"");
-    let server = tenant_a_server(&extra, "", options).await;
+    let extra = |wait: &str| {
+        format!("max_concurrency = 16\ntokens_per_minute = {limit}\nmax_queue_wait = \"{wait}\"")
+    };
+    let server = tenant_a_server(&extra("60s"), "", options).await;
+    let cost = server.engine.stats().step_cost;
+    let one_request: Duration = (0..200)
+        .map(|i| {
+            let mut decode = StepShape::default();
+            decode.add_decode(40 + i);
+            cost.predict(&decode)
+        })
+        .sum();
+    let wait = (one_request / 4).max(Duration::from_millis(20));
+    let spec = [TenantSpec {
+        name: "a",
+        key: "sk-a",
+        extra: &extra(&format!("{}ms", wait.as_millis())),
+    }];
+    std::fs::write(&server.policy_path, policy(&spec, "")).expect("write the policy");
+    server.store.reload().expect("the new policy is valid");
     let start = Instant::now();
     let requests = spawn_long_chats(&server.client(), 8, 200);
     let (mut served, mut refused, mut used) = (Vec::new(), Vec::new(), 0);

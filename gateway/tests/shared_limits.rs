@@ -107,7 +107,7 @@ fn replica(policy: &str) -> (Admission, PolicyStore) {
 
 fn policy(redis: &RedisServer, shared_extra: &str, tenant: &str) -> String {
     format!(
-        "[shared]\nredis = \"{}\"\ntimeout = \"100ms\"\n{shared_extra}\n[tenants.a]\n{tenant}\n",
+        "[shared]\nredis = \"{}\"\ntimeout = \"1s\"\n{shared_extra}\n[tenants.a]\n{tenant}\n",
         redis.url()
     )
 }

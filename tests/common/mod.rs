@@ -224,7 +224,10 @@ fn start_runtime(options: &Options) -> Runtime {
         RuntimeOptions {
             kv_memory_bytes: (options.num_blocks * bytes_per_block) as u64,
             block_size: options.block_size,
-            threads: None,
+            // Two compute threads whatever the machine: cargo runs a file's tests at once, each
+            // with its engine, and the timing-based expectations (step cost, queue waits) were
+            // set on two cores; all cores per engine would oversubscribe a large runner.
+            threads: Some(2),
             max_num_seqs: options.max_num_seqs,
             max_batched_tokens: 256,
             command_queue: options.engine_queue,

@@ -3,6 +3,7 @@ legacy completions, model listing, typed errors, and retries that honour our Ret
 
 import threading
 import time
+import urllib.request
 
 import httpx
 import openai
@@ -12,6 +13,20 @@ from openai import OpenAI
 
 def _client(server, tenant="main", **kwargs):
     return OpenAI(base_url=server["base_url"], api_key=server["keys"][tenant], **kwargs)
+
+
+def _wait_until_queued(server, tenant, limit=60.0):
+    """Polls the gateway's metrics until `tenant` has a request waiting in its queue."""
+    metrics = server["base_url"].removesuffix("/v1") + "/metrics"
+    prefix = f'kvgate_requests_queued{{tenant="{tenant}"}} '
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(metrics, timeout=10) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith(prefix) and float(line[len(prefix):]) >= 1:
+                    return
+        time.sleep(0.02)
+    raise AssertionError(f"no request of {tenant} reached the queue within {limit} s")
 
 
 def test_chat_completion(server):
@@ -102,7 +117,7 @@ def test_retry_honours_retry_after(server):
 
     queued = threading.Thread(target=queued_request)
     queued.start()
-    time.sleep(0.5)  # let it reach the queue
+    _wait_until_queued(server, "solo")
 
     # 3. The third request is refused, honours Retry-After, and gets through on a retry.
     reply = retrying.chat.completions.create(
