@@ -62,6 +62,28 @@ pub struct MemoryUsage {
     pub kv_bytes: u64,
     /// Activations and scratch buffers.
     pub workspace_bytes: u64,
+    /// The device's own view, on a backend that runs on one (the CUDA driver's `cuMemGetInfo`,
+    /// read at each step); `None` on the CPU.
+    pub device: Option<DeviceMemoryView>,
+}
+
+/// Memory of the whole device as its driver reports it: every process on it counts, not only
+/// this one, so it shows what the backend's own accounting cannot (another process growing into
+/// the memory kvgate planned around).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceMemoryView {
+    pub used_bytes: u64,
+    pub total_bytes: u64,
+}
+
+impl DeviceMemoryView {
+    /// From the driver's (free, total).
+    pub fn from_free_total((free, total): (u64, u64)) -> Self {
+        DeviceMemoryView {
+            used_bytes: total.saturating_sub(free),
+            total_bytes: total,
+        }
+    }
 }
 
 impl MemoryUsage {
@@ -96,4 +118,17 @@ pub trait Backend: Send {
     fn forward(&mut self, inputs: &BatchInputs, logits: &mut Vec<f32>) -> Result<(), BackendError>;
     /// Memory currently held: weights, KV cache, workspace.
     fn memory(&self) -> MemoryUsage;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceMemoryView;
+
+    #[test]
+    fn the_drivers_free_and_total_become_used_and_total() {
+        let view = DeviceMemoryView::from_free_total((3 << 30, 8 << 30));
+        assert_eq!((view.used_bytes, view.total_bytes), (5 << 30, 8 << 30));
+        // A driver reporting more free than total (never expected) reads as nothing used.
+        assert_eq!(DeviceMemoryView::from_free_total((9, 8)).used_bytes, 0);
+    }
 }

@@ -417,6 +417,15 @@ fn memory_plan_is_honoured_and_reported() {
         mem.peak,
         plan.budget
     );
+    // What the metrics export: the driver's view of the whole device, which holds at least
+    // everything this backend allocated.
+    let device = gpu.memory().device.expect("the driver's view on a GPU");
+    assert_eq!(device.total_bytes, total);
+    assert!(
+        device.used_bytes >= mem.allocated && device.used_bytes <= device.total_bytes,
+        "{device:?} against {} allocated",
+        mem.allocated
+    );
 }
 
 /// Decode tok/s of the CUDA backend at 1, 16, 64 and 256 sequences (128-token contexts) on a

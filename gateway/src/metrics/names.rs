@@ -35,6 +35,8 @@ pub const MEMORY_RESERVED_BYTES: &str = "kvgate_memory_reserved_bytes";
 pub const MEMORY_PEAK_ALLOCATED_BYTES: &str = "kvgate_memory_peak_allocated_bytes";
 pub const MEMORY_BUDGET_BYTES: &str = "kvgate_memory_budget_bytes";
 pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "kvgate_process_resident_memory_bytes";
+pub const DEVICE_MEMORY_USED_BYTES: &str = "kvgate_device_memory_used_bytes";
+pub const DEVICE_MEMORY_TOTAL_BYTES: &str = "kvgate_device_memory_total_bytes";
 pub const SEQUENCES: &str = "kvgate_sequences";
 pub const REQUESTS_IN_FLIGHT: &str = "kvgate_requests_in_flight";
 pub const REQUESTS_QUEUED: &str = "kvgate_requests_queued";
@@ -283,6 +285,18 @@ pub const STATE: &[Family] = &[
         Gauge,
         &[],
         "Resident set size of the kvgate process.",
+    ),
+    family(
+        DEVICE_MEMORY_USED_BYTES,
+        Gauge,
+        &[],
+        "GPU memory in use as the driver reports it (cuMemGetInfo), every process on the device included; absent on the CPU.",
+    ),
+    family(
+        DEVICE_MEMORY_TOTAL_BYTES,
+        Gauge,
+        &[],
+        "GPU memory in total as the driver reports it; absent on the CPU.",
     ),
     family(
         SEQUENCES,

@@ -128,6 +128,13 @@ impl StateTracker {
         if let Some(rss) = snap.resident_bytes {
             family(PROCESS_RESIDENT_MEMORY_BYTES, &[(&[], rss as f64)]);
         }
+        if let Some(device) = memory.device {
+            family(DEVICE_MEMORY_USED_BYTES, &[(&[], device.used_bytes as f64)]);
+            family(
+                DEVICE_MEMORY_TOTAL_BYTES,
+                &[(&[], device.total_bytes as f64)],
+            );
+        }
 
         let sequences = [
             (&[("state", "running")][..], stats.running as f64),
@@ -229,7 +236,7 @@ pub(super) fn write_upstreams(out: &mut Writer, rows: &[UpstreamCapacitySnapshot
 mod tests {
     use super::*;
     use crate::metrics::exposition::Scrape;
-    use kvgate_runtime::backend::MemoryUsage;
+    use kvgate_runtime::backend::{DeviceMemoryView, MemoryUsage};
 
     fn snapshot() -> Snapshot {
         Snapshot {
@@ -246,6 +253,10 @@ mod tests {
                     weights_bytes: 1000,
                     kv_bytes: 2000,
                     workspace_bytes: 500,
+                    device: Some(DeviceMemoryView {
+                        used_bytes: 7000,
+                        total_bytes: 9000,
+                    }),
                 },
                 ..EngineStats::default()
             },
@@ -349,6 +360,8 @@ mod tests {
         );
         assert_eq!(scrape.value(MEMORY_RESERVED_BYTES, &[]), Some(3500.0));
         assert_eq!(scrape.value(MEMORY_BUDGET_BYTES, &[]), Some(8000.0));
+        assert_eq!(scrape.value(DEVICE_MEMORY_USED_BYTES, &[]), Some(7000.0));
+        assert_eq!(scrape.value(DEVICE_MEMORY_TOTAL_BYTES, &[]), Some(9000.0));
         assert_eq!(
             scrape.value(REQUESTS_QUEUED, &[("tenant", "acme")]),
             Some(5.0)
@@ -364,6 +377,17 @@ mod tests {
             7,
             "admission queue + engine waiting"
         );
+    }
+
+    #[test]
+    fn the_device_memory_families_are_absent_without_a_device() {
+        let mut snap = snapshot();
+        snap.stats.memory.device = None;
+        let scrape = render(&StateTracker::default(), &snap);
+        for name in [DEVICE_MEMORY_USED_BYTES, DEVICE_MEMORY_TOTAL_BYTES] {
+            assert!(!scrape.types.contains_key(name), "{name} on the CPU");
+        }
+        assert_eq!(scrape.value(MEMORY_RESERVED_BYTES, &[]), Some(3500.0));
     }
 
     #[test]

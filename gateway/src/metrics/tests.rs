@@ -59,6 +59,7 @@ impl Backend for GatedBackend {
             weights_bytes: 1000,
             kv_bytes: 6400,
             workspace_bytes: 24,
+            device: None,
         }
     }
 }

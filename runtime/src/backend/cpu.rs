@@ -162,6 +162,7 @@ impl Backend for CpuBackend {
             weights_bytes: self.weights_bytes,
             kv_bytes: self.kv.bytes(),
             workspace_bytes: self.ws.bytes(),
+            device: None,
         }
     }
 }

@@ -22,7 +22,7 @@ use kvgate_kernels::cuda::device::{DevBuf, DeviceError, DeviceMemory, DeviceOps}
 pub use memory_plan::{MemoryPlan, MemoryPlanError, MemoryPlanInputs};
 
 use crate::backend::step_plan::{StepLimits, StepPlan};
-use crate::backend::{Backend, BackendError, BatchInputs, MemoryUsage};
+use crate::backend::{Backend, BackendError, BatchInputs, DeviceMemoryView, MemoryUsage};
 use crate::gguf::GgufFile;
 use crate::model::ModelConfig;
 use weights::DeviceModel;
@@ -196,6 +196,11 @@ impl<D: DeviceOps> Backend for CudaBackend<D> {
             weights_bytes: self.model.bytes,
             kv_bytes: self.kv_bytes,
             workspace_bytes: self.ws.bytes,
+            device: self
+                .dev
+                .memory()
+                .driver_free_total
+                .map(DeviceMemoryView::from_free_total),
         }
     }
 }

@@ -158,6 +158,7 @@ impl Backend for FakeBackend {
             weights_bytes: 1000,
             kv_bytes: self.kv.len() as u64 * 8,
             workspace_bytes: 0,
+            device: None,
         }
     }
 }
