@@ -94,15 +94,21 @@ fn sent_by_port(gateway: &TestServer) -> Vec<(u16, u64)> {
         .collect()
 }
 
-fn ejected(gateway: &TestServer, port: u16) -> bool {
-    let upstream = gateway.upstreams.get(POOLED).unwrap();
+/// The replica of [`POOLED`] listening on `port`.
+fn replica_at(gateway: &TestServer, port: u16) -> Arc<upstream::Replica> {
+    let upstream = gateway.upstreams.get(POOLED).expect("pooled model");
+    let suffix = format!(":{port}");
     upstream
         .replicas()
         .replicas()
         .iter()
-        .find(|replica| replica.base_url().ends_with(&format!(":{port}")))
+        .find(|replica| replica.base_url().ends_with(&suffix))
+        .cloned()
         .expect("replica")
-        .is_ejected()
+}
+
+fn ejected(gateway: &TestServer, port: u16) -> bool {
+    replica_at(gateway, port).is_ejected()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -384,20 +390,16 @@ fn stub_answer(path: &str, kv: &AtomicU64, done: &AtomicUsize) -> Response<Full<
 /// Waits until `gateway`'s last scrape of each stub reports the KV usage the stub was set to
 /// (a fixed sleep could end before a starved scrape task ran).
 async fn wait_for_scrapes(gateway: &TestServer, stubs: &[&Stub]) {
-    let upstream = gateway.upstreams.get(POOLED).expect("the pooled upstream");
     let limit = Duration::from_secs(30);
     wait_until(
         "the gateway scraped every replica's KV usage",
         limit,
         || {
-            let replicas = upstream.replicas().replicas();
             stubs.iter().all(|stub| {
-                let port = format!(":{}", stub.addr.port());
                 let expected = stub.kv_permille.load(Ordering::SeqCst) as f64 / 1000.0;
-                replicas
-                    .iter()
-                    .find(|replica| replica.base_url().ends_with(&port))
-                    .and_then(|replica| replica.load().scraped)
+                replica_at(gateway, stub.addr.port())
+                    .load()
+                    .scraped
                     .is_some_and(|scraped| (scraped.kv_usage - expected).abs() < 0.002)
             })
         },

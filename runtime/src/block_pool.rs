@@ -688,13 +688,7 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if self.reserved > 0 {
-            let mut state = self.pool.state.lock();
-            state.reserved -= self.reserved;
-            drop(state);
-            self.reserved = 0;
-            self.pool.freed.notify_waiters();
-        }
+        self.release_beyond(0);
         if !self.pinned.is_empty() {
             // The pinned prefix stays cached: its blocks go back to the LRU list once no
             // sequence reads them (`release` notifies the waiters).
