@@ -16,12 +16,19 @@
 /// reductions, GGML block sizes).
 pub const PRELUDE: &str = include_str!("../cuda/prelude.cuh");
 
+/// The quantized block products (`kernels/cuda/qdot.cuh`) that the matvec and the tiled
+/// kernels share, as (file name, text): one copy of that code in both programs is what makes
+/// their outputs bit-identical.
+pub const QDOT: (&str, &str) = ("qdot.cuh", include_str!("../cuda/qdot.cuh"));
+
 /// One NVRTC program: a `.cu` file and the kernels it defines.
 #[derive(Clone, Copy, Debug)]
 pub struct Program {
     /// File name under `kernels/cuda/`.
     pub name: &'static str,
     pub source: &'static str,
+    /// Shared device code placed between the prelude and the file, as (file name, text).
+    pub includes: &'static [(&'static str, &'static str)],
     pub kernels: &'static [&'static str],
 }
 
@@ -30,6 +37,7 @@ pub const PROGRAMS: &[Program] = &[
     Program {
         name: "elementwise.cu",
         source: include_str!("../cuda/elementwise.cu"),
+        includes: &[],
         kernels: &[
             "embed_rows",
             "dequantize_f16",
@@ -43,6 +51,7 @@ pub const PROGRAMS: &[Program] = &[
     Program {
         name: "attention.cu",
         source: include_str!("../cuda/attention.cu"),
+        includes: &[],
         kernels: &[
             "write_kv",
             "paged_attention_d32",
@@ -54,6 +63,7 @@ pub const PROGRAMS: &[Program] = &[
     Program {
         name: "matvec.cu",
         source: include_str!("../cuda/matvec.cu"),
+        includes: &[QDOT],
         kernels: &[
             "quantize_q8_1",
             "matvec_q4_0",
@@ -67,13 +77,26 @@ pub const PROGRAMS: &[Program] = &[
             "matvec_f16",
         ],
     },
+    Program {
+        name: "mmq.cu",
+        source: include_str!("../cuda/mmq.cu"),
+        includes: &[QDOT],
+        kernels: &[
+            "mmq_q4_0", "mmq_q4_1", "mmq_q5_0", "mmq_q5_1", "mmq_q8_0", "mmq_q4_k", "mmq_q5_k",
+            "mmq_q6_k",
+        ],
+    },
 ];
 
 impl Program {
-    /// The text NVRTC compiles: the prelude, then the file (with a `#line` so that messages
-    /// name the file's own lines).
+    /// The text NVRTC compiles: the prelude, the includes, then the file (each with a
+    /// `#line` so that messages name the file's own lines).
     pub fn full_source(&self) -> String {
-        format!("{PRELUDE}\n#line 1 \"{}\"\n{}", self.name, self.source)
+        let mut text = String::from(PRELUDE);
+        for (name, source) in self.includes.iter().chain([&(self.name, self.source)]) {
+            text.push_str(&format!("\n#line 1 \"{name}\"\n{source}"));
+        }
+        text
     }
 }
 
@@ -105,6 +128,16 @@ pub const MV_THREADS: u32 = 128;
 pub const MV_ROWS_PER_BLOCK: usize = 4;
 /// Most activation rows one matvec launch multiplies (`MV_MAX_BATCH`).
 pub const MV_MAX_BATCH: usize = 8;
+/// Threads of a tiled (mmq) block (`MMQ_THREADS`).
+pub const MMQ_THREADS: u32 = 256;
+/// Weight rows per tiled block: the grid's x extent is `rows.div_ceil(MMQ_ROWS)` (`MMQ_ROWS`).
+pub const MMQ_ROWS: usize = 16;
+/// Activation rows per tiled block: the grid's y extent is `batch.div_ceil(MMQ_COLS)`
+/// (`MMQ_COLS`).
+pub const MMQ_COLS: usize = 32;
+/// Dynamic shared memory of a tiled block: one stage of MMQ_COLS x 32 Q8_1 blocks
+/// (`MMQ_SMEM_BYTES`).
+pub const MMQ_SMEM_BYTES: usize = MMQ_COLS * 32 * 36;
 /// Threads of an rms_norm block (`NORM_THREADS`).
 pub const NORM_THREADS: u32 = 256;
 /// Threads of an argmax block (`ARGMAX_THREADS`).
@@ -146,6 +179,26 @@ pub fn matvec_kernel(ty: crate::quant::WeightType) -> Option<&'static str> {
         WeightType::Q4_K => "matvec_q4_k",
         WeightType::Q5_K => "matvec_q5_k",
         WeightType::Q6_K => "matvec_q6_k",
+        _ => return None,
+    })
+}
+
+/// The tiled matrix-matrix kernel for weights of `ty` (in `mmq.cu`), `None` for the float
+/// types, which have only their matvec. Same parameters as the matvec kernels, with any batch;
+/// every output is bit-identical to the matvec kernel's for the same weight and activation
+/// rows (see mmq.cu).
+#[allow(unreachable_patterns)] // new CPU-only weight types must not break this build
+pub fn mmq_kernel(ty: crate::quant::WeightType) -> Option<&'static str> {
+    use crate::quant::WeightType;
+    Some(match ty {
+        WeightType::Q4_0 => "mmq_q4_0",
+        WeightType::Q4_1 => "mmq_q4_1",
+        WeightType::Q5_0 => "mmq_q5_0",
+        WeightType::Q5_1 => "mmq_q5_1",
+        WeightType::Q8_0 => "mmq_q8_0",
+        WeightType::Q4_K => "mmq_q4_k",
+        WeightType::Q5_K => "mmq_q5_k",
+        WeightType::Q6_K => "mmq_q6_k",
         _ => return None,
     })
 }

@@ -4,7 +4,9 @@
 #include "../prelude.cuh"
 #include "../elementwise.cu"
 #include "../attention.cu"
+#include "../qdot.cuh"
 #include "../matvec.cu"
+#include "../mmq.cu"
 
 EMU_LAUNCHER(embed_rows,
              (float* out, const uint8_t* table, const int32_t* ids, int ty, int cols,
@@ -58,6 +60,14 @@ EMU_MATVEC(matvec_q8_0, uint8_t)
 EMU_MATVEC(matvec_q4_k, uint8_t)
 EMU_MATVEC(matvec_q5_k, uint8_t)
 EMU_MATVEC(matvec_q6_k, uint8_t)
+EMU_MATVEC(mmq_q4_0, uint8_t)
+EMU_MATVEC(mmq_q4_1, uint8_t)
+EMU_MATVEC(mmq_q5_0, uint8_t)
+EMU_MATVEC(mmq_q5_1, uint8_t)
+EMU_MATVEC(mmq_q8_0, uint8_t)
+EMU_MATVEC(mmq_q4_k, uint8_t)
+EMU_MATVEC(mmq_q5_k, uint8_t)
+EMU_MATVEC(mmq_q6_k, uint8_t)
 EMU_LAUNCHER(matvec_f16,
              (float* out, const uint16_t* w, const float* x, int rows, int cols, int batch),
              (out, w, x, rows, cols, batch))
@@ -97,6 +107,9 @@ inline const Entry ENTRIES[] = {
     EMU_ENTRY(matvec_q5_0),    EMU_ENTRY(matvec_q5_1),         EMU_ENTRY(matvec_q8_0),
     EMU_ENTRY(matvec_q4_k),    EMU_ENTRY(matvec_q5_k),         EMU_ENTRY(matvec_q6_k),
     EMU_ENTRY(matvec_f16),
+    EMU_ENTRY(mmq_q4_0),       EMU_ENTRY(mmq_q4_1),            EMU_ENTRY(mmq_q5_0),
+    EMU_ENTRY(mmq_q5_1),       EMU_ENTRY(mmq_q8_0),            EMU_ENTRY(mmq_q4_k),
+    EMU_ENTRY(mmq_q5_k),       EMU_ENTRY(mmq_q6_k),
 };
 
 }  // namespace emu

@@ -35,11 +35,13 @@ type LaunchByName = unsafe extern "C" fn(*const c_char, *const EmuLaunch, *mut *
 type HasKernel = unsafe extern "C" fn(*const c_char) -> i32;
 
 /// Files the emulator library is built from (hashed into its cache name).
-const SOURCES: [&str; 6] = [
+const SOURCES: [&str; 8] = [
     "prelude.cuh",
     "elementwise.cu",
     "attention.cu",
+    "qdot.cuh",
     "matvec.cu",
+    "mmq.cu",
     "emu/emu.h",
     "emu/launchers.cpp",
 ];

@@ -64,5 +64,13 @@ emu_kernels! {
     matvec_q4_k(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
     matvec_q5_k(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
     matvec_q6_k(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
+    mmq_q4_0(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
+    mmq_q4_1(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
+    mmq_q5_0(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
+    mmq_q5_1(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
+    mmq_q8_0(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
+    mmq_q4_k(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
+    mmq_q5_k(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
+    mmq_q6_k(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
     matvec_f16(out: *mut f32, w: *const u16, x: *const f32, rows: i32, cols: i32, batch: i32);
 }
