@@ -10,7 +10,7 @@ use std::sync::Arc;
 use kvgate_kernels::cuda::emu_device::EmuDevice;
 
 use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
-use kvgate_runtime::backend::cuda::{CudaBackend, CudaBackendOptions};
+use kvgate_runtime::backend::cuda::{CudaBackend, CudaBackendOptions, MMQ_MIN_EXCLUSIVE_BATCH};
 use kvgate_runtime::backend::{Backend, BackendError, BatchInputs, SeqInputs};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::model::ModelConfig;
@@ -227,6 +227,60 @@ fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, check: Check) {
         // orders) and K/V, q and probabilities are f16: logits agree to about one quantization
         // step of the largest logit.
         assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, check.tol);
+    }
+}
+
+#[test]
+fn a_sequence_gets_the_same_logit_bits_alone_and_in_a_step_large_enough_for_the_tiled_kernels() {
+    // B alone: 9 rows then 1 (the matvec kernels); beside A's 20- and 16-token chunks: 29
+    // rows then 17 (the tiled kernels). Batch invariance needs every one of B's logits to be
+    // the same float either way.
+    // Checked at compile time: if the threshold moves, pick step sizes on both sides of it.
+    const {
+        assert!(
+            9 <= MMQ_MIN_EXCLUSIVE_BATCH && 17 > MMQ_MIN_EXCLUSIVE_BATCH,
+            "the steps alone must use the matvec kernels, the shared ones the tiled kernels"
+        )
+    };
+    let (gguf, config) = tiny_model(SynthDtype::Q4_0);
+    let (a, b) = (tokens(36, 1), tokens(10, 2));
+    let (blocks_a, blocks_b): (&[u32], &[u32]) = (&[9, 2, 6], &[4]);
+    let b_part = |range: std::ops::Range<usize>| Part {
+        tokens: &b[range.clone()],
+        start: range.start,
+        blocks: blocks_b,
+        needs_logits: true,
+    };
+    let a_part = |range: std::ops::Range<usize>| Part {
+        tokens: &a[range.clone()],
+        start: range.start,
+        blocks: blocks_a,
+        needs_logits: false,
+    };
+    let mut alone = emulated(&gguf, &config);
+    let mut beside = emulated(&gguf, &config);
+    let steps = [
+        (vec![b_part(0..9)], vec![a_part(0..20), b_part(0..9)]),
+        (vec![b_part(9..10)], vec![b_part(9..10), a_part(20..36)]),
+    ];
+    for (i, (solo, shared)) in steps.iter().enumerate() {
+        let (mut got_alone, mut got_beside) = (Vec::new(), Vec::new());
+        alone
+            .forward(&batch(solo), &mut got_alone)
+            .expect("step alone");
+        beside
+            .forward(&batch(shared), &mut got_beside)
+            .expect("step beside A");
+        assert_eq!(got_alone.len(), config.vocab_size, "step {i}");
+        let differ = got_alone
+            .iter()
+            .zip(&got_beside)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert!(
+            got_alone.iter().all(|v| v.is_finite()) && differ == 0,
+            "step {i}: {differ} of B's logits differ alone vs beside A"
+        );
     }
 }
 

@@ -14,12 +14,19 @@ use std::time::Instant;
 
 use common::{Part, batch};
 use kvgate_kernels::cuda::cudarc_device::CudarcDevice;
+use kvgate_kernels::cuda::device::DevBuf;
 use kvgate_kernels::cuda::device::{DeviceOps, KernelArg, LaunchDims};
 use kvgate_kernels::cuda::probe::DeviceProbe;
-use kvgate_kernels::cuda::{ATTN_THREADS, KV_BLOCK, attention_partitions, attention_smem_bytes};
+use kvgate_kernels::cuda::{
+    ATTN_THREADS, KV_BLOCK, MMQ_COLS, MMQ_ROWS, MMQ_SMEM_BYTES, MMQ_THREADS, MV_MAX_BATCH,
+    MV_ROWS_PER_BLOCK, MV_THREADS, attention_partitions, attention_smem_bytes, matvec_kernel,
+    mmq_kernel,
+};
+use kvgate_kernels::quant::WeightType;
 use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
 use kvgate_runtime::backend::cuda::{
-    CudaBackend, CudaBackendOptions, MemoryPlan, MemoryPlanInputs, workspace_bytes,
+    CudaBackend, CudaBackendOptions, MMQ_MIN_EXCLUSIVE_BATCH, MemoryPlan, MemoryPlanInputs,
+    workspace_bytes,
 };
 use kvgate_runtime::backend::{Backend, BatchInputs};
 use kvgate_runtime::gguf::GgufFile;
@@ -584,5 +591,229 @@ fn bench_paged_attention_bandwidth() {
             copy_bw / 1e9,
             bw / copy_bw
         );
+    }
+}
+
+/// Random weight blocks of `ty` for `rows` × `cols`: random quants, and every f16 scale or
+/// minimum a finite value in ±[2⁻⁸, 2⁻⁴) (random bits there could be NaN or infinite).
+fn random_weights(ty: WeightType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut bytes: Vec<u8> = (0..ty.row_bytes(cols) * rows)
+        .map(|_| next() as u8)
+        .collect();
+    let halves: &[usize] = match ty {
+        WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => &[0],
+        WeightType::Q4_1 | WeightType::Q5_1 | WeightType::Q4_K | WeightType::Q5_K => &[0, 2],
+        WeightType::Q6_K => &[208],
+        other => panic!("no quantized layout for {other:?}"),
+    };
+    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+        for &at in halves {
+            // f16: sign random, exponent 7..11 (2^-8 .. 2^-4), mantissa random.
+            let r = next();
+            let bits = ((r & 1) << 15) as u16
+                | ((7 + (r >> 1) % 4) << 10) as u16
+                | (r >> 8) as u16 & 0x3FF;
+            block[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// A weight matrix and `max_batch` activation rows on the device, quantized to Q8_1 there.
+struct MatmulCase {
+    ty: WeightType,
+    rows: usize,
+    cols: usize,
+    w: DevBuf,
+    xq: DevBuf,
+}
+
+impl MatmulCase {
+    fn new(
+        dev: &mut CudarcDevice,
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        max_batch: usize,
+        seed: u64,
+    ) -> MatmulCase {
+        let w = dev.alloc(ty.row_bytes(cols) * rows).expect("weights");
+        dev.upload(w, 0, &random_weights(ty, rows, cols, seed))
+            .expect("upload weights");
+        let x: Vec<u8> = (0..max_batch * cols)
+            .flat_map(|i| (((i * 7919 + seed as usize) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes())
+            .collect();
+        let xf = dev.alloc(x.len()).expect("activations");
+        dev.upload(xf, 0, &x).expect("upload activations");
+        let blocks = max_batch * cols / 32;
+        let xq = dev.alloc(blocks * 36).expect("Q8_1 activations");
+        dev.launch(
+            "quantize_q8_1",
+            LaunchDims::linear(blocks.div_ceil(4), 128),
+            &[xq.arg(), xf.arg(), KernelArg::I64(blocks as i64)],
+        )
+        .expect("quantize");
+        MatmulCase {
+            ty,
+            rows,
+            cols,
+            w,
+            xq,
+        }
+    }
+
+    fn args(&self, out: KernelArg, x: KernelArg, batch: usize) -> [KernelArg; 6] {
+        [
+            out,
+            self.w.arg(),
+            x,
+            KernelArg::I32(self.rows as i32),
+            KernelArg::I32(self.cols as i32),
+            KernelArg::I32(batch as i32),
+        ]
+    }
+
+    /// The tiled kernel over `batch` rows, one launch, into `out`.
+    fn tiled(&self, dev: &mut CudarcDevice, out: DevBuf, batch: usize) {
+        let name = mmq_kernel(self.ty).expect("a tiled kernel");
+        let dims = LaunchDims::new(
+            [
+                self.rows.div_ceil(MMQ_ROWS) as u32,
+                batch.div_ceil(MMQ_COLS) as u32,
+                1,
+            ],
+            MMQ_THREADS,
+            MMQ_SMEM_BYTES,
+        );
+        dev.launch(name, dims, &self.args(out.arg(), self.xq.arg(), batch))
+            .expect("tiled launch");
+    }
+
+    /// The matvec kernel over `batch` rows in launches of `MV_MAX_BATCH`, into `out`.
+    fn chunked_matvec(&self, dev: &mut CudarcDevice, out: DevBuf, batch: usize) {
+        let name = matvec_kernel(self.ty).expect("a matvec kernel");
+        let dims = LaunchDims::linear(self.rows.div_ceil(MV_ROWS_PER_BLOCK), MV_THREADS);
+        for start in (0..batch).step_by(MV_MAX_BATCH) {
+            let n = MV_MAX_BATCH.min(batch - start);
+            let args = self.args(
+                out.at(start * self.rows * 4),
+                self.xq.at(start * self.cols / 32 * 36),
+                n,
+            );
+            dev.launch(name, dims, &args).expect("matvec launch");
+        }
+    }
+}
+
+fn download_f32(dev: &mut CudarcDevice, buf: DevBuf, n: usize) -> Vec<f32> {
+    let mut bytes = vec![0u8; n * 4];
+    dev.download(buf, 0, &mut bytes).expect("download");
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// The tiled kernels against the matvec kernels on the device, bit for bit: the CUDA step
+/// picks one or the other by step size (`MMQ_MIN_EXCLUSIVE_BATCH`), so batch invariance needs
+/// the same float from both (the emulator checks the same on the CPU, where the compiler is
+/// g++; this checks NVRTC's code).
+#[test]
+#[ignore = "requires a CUDA device"]
+fn tiled_matmul_is_bit_identical_to_matvec_on_the_device() {
+    let Some(mut dev) = gpu_or_skip("tiled_vs_matvec") else {
+        return;
+    };
+    // 2304 columns: 72 blocks (two full 32-block stages and an 8-block one), 9 super-blocks.
+    let (rows, cols, max_batch) = (301usize, 2304usize, 512usize);
+    let types = [
+        WeightType::Q4_0,
+        WeightType::Q4_1,
+        WeightType::Q5_0,
+        WeightType::Q5_1,
+        WeightType::Q8_0,
+        WeightType::Q4_K,
+        WeightType::Q5_K,
+        WeightType::Q6_K,
+    ];
+    let poison: Vec<u8> = f32::NAN.to_le_bytes().repeat(max_batch * rows);
+    let (a, b) = (
+        dev.alloc(poison.len()).expect("out"),
+        dev.alloc(poison.len()).expect("out"),
+    );
+    for (seed, ty) in types.into_iter().enumerate() {
+        let case = MatmulCase::new(&mut dev, ty, rows, cols, max_batch, seed as u64 + 1);
+        for batch in [9usize, 17, 33, 100, 512] {
+            dev.upload(a, 0, &poison).expect("poison");
+            dev.upload(b, 0, &poison).expect("poison");
+            case.tiled(&mut dev, a, batch);
+            case.chunked_matvec(&mut dev, b, batch);
+            let (tiled, matvec) = (
+                download_f32(&mut dev, a, batch * rows),
+                download_f32(&mut dev, b, batch * rows),
+            );
+            let differ = tiled
+                .iter()
+                .zip(&matvec)
+                .filter(|(t, m)| t.to_bits() != m.to_bits())
+                .count();
+            assert!(
+                tiled.iter().all(|v| v.is_finite()) && differ == 0,
+                "{ty:?} {rows}x{cols} batch {batch}: {differ} outputs differ"
+            );
+        }
+        println!("GPU-CHECK mmq_bit_identical_{ty:?}=passed");
+    }
+}
+
+/// Time of the tiled kernel (one launch) against the chunked matvec (batch / 8 launches) on
+/// Llama-2-13B's Q4_0 matrices (attention 5120 × 5120, feed-forward up 13824 × 5120), at the
+/// batch sizes around any plausible crossover: what `MMQ_MIN_EXCLUSIVE_BATCH` (a guess until
+/// this runs) should be set from.
+#[test]
+#[ignore = "requires a CUDA device"]
+fn bench_tiled_vs_chunked_matvec_llama2_13b_q4_0() {
+    let Some(mut dev) = gpu_or_skip("bench_mmq") else {
+        return;
+    };
+    let batches = [8usize, 16, 32, 64, 128, 512];
+    let max_batch = 512;
+    println!("GPU-CHECK mmq_threshold_now=batch>{MMQ_MIN_EXCLUSIVE_BATCH}");
+    for (rows, cols) in [(5120usize, 5120usize), (13824, 5120)] {
+        let case = MatmulCase::new(&mut dev, WeightType::Q4_0, rows, cols, max_batch, 99);
+        let out = dev.alloc(max_batch * rows * 4).expect("out");
+        let iterations = 20;
+        for batch in batches {
+            let time = |dev: &mut CudarcDevice, tiled: bool| {
+                let run = |dev: &mut CudarcDevice| {
+                    if tiled {
+                        case.tiled(dev, out, batch);
+                    } else {
+                        case.chunked_matvec(dev, out, batch);
+                    }
+                };
+                run(dev);
+                dev.synchronize().expect("sync");
+                let start = Instant::now();
+                for _ in 0..iterations {
+                    run(dev);
+                }
+                dev.synchronize().expect("sync");
+                start.elapsed().as_secs_f64() / f64::from(iterations) * 1e6
+            };
+            let (tiled_us, matvec_us) = (time(&mut dev, true), time(&mut dev, false));
+            println!(
+                "GPU-CHECK mmq_{rows}x{cols}_q4_0_batch{batch} tiled_us={tiled_us:.1} \
+                 matvec_us={matvec_us:.1} tiled_speedup={:.2}",
+                matvec_us / tiled_us
+            );
+        }
     }
 }

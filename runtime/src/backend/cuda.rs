@@ -20,6 +20,7 @@ use kvgate_kernels::cuda::KV_BLOCK;
 use kvgate_kernels::cuda::device::{DevBuf, DeviceError, DeviceMemory, DeviceOps};
 
 pub use memory_plan::{MemoryPlan, MemoryPlanError, MemoryPlanInputs};
+pub use step::MMQ_MIN_EXCLUSIVE_BATCH;
 
 use crate::backend::step_plan::{StepLimits, StepPlan};
 use crate::backend::{Backend, BackendError, BatchInputs, DeviceMemoryView, MemoryUsage};
