@@ -4,6 +4,8 @@
 # once), reached three ways in one run:
 #   direct  the stub itself (the baseline)
 #   nginx   Debian's nginx as a plain reverse proxy in front of it (keep-alive to the stub)
+#   hyper   examples/bare_proxy.rs: the floor of any proxy on kvgate's stack (tokio + hyper):
+#           forwards each request as it came on a keep-alive connection of its own, nothing else
 #   kvgate  `kvgate serve --upstream stub=...`: authenticates, tokenizes (tiktoken), applies
 #           the policy, admits into the upstream's capacity pool, routes, relays with the
 #           model renamed
@@ -37,8 +39,9 @@ STUB_PORT="${STUB_PORT:-19100}"
 NGINX_PORT="${NGINX_PORT:-19101}"
 KVGATE_PORT="${KVGATE_PORT:-19102}"
 BEFORE_PORT="${BEFORE_PORT:-19103}"
+HYPER_PORT="${HYPER_PORT:-19104}"
 KVGATE_BEFORE="${KVGATE_BEFORE:-}"
-TARGETS="direct nginx kvgate"
+TARGETS="direct nginx hyper kvgate"
 [ -n "$KVGATE_BEFORE" ] && TARGETS="$TARGETS before"
 
 for tool in nginx curl python3 "$OHA"; do
@@ -47,10 +50,10 @@ done
 WRK="$(command -v wrk || true)"
 
 if [ "$PROFILE" = release ]; then
-  cargo build --release -q -p kvgate --bin kvgate --example stub_upstream
+  cargo build --release -q -p kvgate --bin kvgate --example stub_upstream --example bare_proxy
   BIN="${CARGO_TARGET_DIR:-./target}/release"
 else
-  cargo build -q -p kvgate --bin kvgate --example stub_upstream
+  cargo build -q -p kvgate --bin kvgate --example stub_upstream --example bare_proxy
   BIN="${CARGO_TARGET_DIR:-./target}/debug"
 fi
 "$BIN/kvgate" fetch-model >/dev/null
@@ -109,6 +112,11 @@ nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" &
 PIDS+=($!)
 wait_for "http://127.0.0.1:$NGINX_PORT/health"
 
+# --- the bare hyper proxy, with the runtime's default workers (as kvgate).
+"$BIN/examples/bare_proxy" "127.0.0.1:$HYPER_PORT" "127.0.0.1:$STUB_PORT" >"$WORK/hyper.log" 2>&1 &
+PIDS+=($!)
+wait_for "http://127.0.0.1:$HYPER_PORT/health"
+
 # --- kvgate: one anonymous tenant whose limits never bind (no rate limits, room to queue), the
 # stub as model `stub` with a capacity no run can fill.
 cat >"$WORK/policy.toml" <<EOF
@@ -143,6 +151,7 @@ url() {
   case "$1" in
     direct) echo "http://127.0.0.1:$STUB_PORT/v1/chat/completions" ;;
     nginx) echo "http://127.0.0.1:$NGINX_PORT/v1/chat/completions" ;;
+    hyper) echo "http://127.0.0.1:$HYPER_PORT/v1/chat/completions" ;;
     kvgate) echo "http://127.0.0.1:$KVGATE_PORT/v1/chat/completions" ;;
     before) echo "http://127.0.0.1:$BEFORE_PORT/v1/chat/completions" ;;
   esac

@@ -1,0 +1,142 @@
+//! The floor of a reverse proxy built on the stack kvgate serves with (tokio + hyper), for the
+//! proxy benchmark (`scripts/bench-proxy-vs-nginx.sh`, target `hyper`): each client
+//! connection gets its own keep-alive HTTP/1.1 connection to one upstream, and every request is
+//! forwarded on it as it came (method, path, headers less `host`, the body read whole) and the
+//! answer relayed as it came. No routing, no parsing of bodies, no limits, no metrics, no pool
+//! shared between connections: whatever kvgate adds beyond this is kvgate's own work, and what
+//! this adds beyond nginx is the cost of the runtime and the HTTP library.
+//!
+//! ```sh
+//! cargo run --release --example bare_proxy -- 127.0.0.1:9102 127.0.0.1:9100 [WORKER_THREADS]
+//! ```
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Mutex;
+
+type ProxyBody = BoxBody<Bytes, hyper::Error>;
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: bare_proxy LISTEN UPSTREAM [WORKER_THREADS]   (e.g. 127.0.0.1:9102 127.0.0.1:9100)"
+    );
+    std::process::exit(2);
+}
+
+fn parse_addr(text: Option<String>, what: &str) -> SocketAddr {
+    match text.map(|text| text.parse()) {
+        Some(Ok(addr)) => addr,
+        Some(Err(error)) => {
+            eprintln!("bare_proxy: {what}: {error}");
+            usage()
+        }
+        None => usage(),
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let listen = parse_addr(args.next(), "LISTEN");
+    let upstream = parse_addr(args.next(), "UPSTREAM");
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    match args.next().map(|text| text.parse::<usize>()) {
+        Some(Ok(threads)) if threads > 0 => {
+            runtime.worker_threads(threads);
+        }
+        Some(_) => {
+            eprintln!("bare_proxy: WORKER_THREADS must be a positive integer");
+            usage()
+        }
+        // The runtime's default, as kvgate's: one worker per core.
+        None => {}
+    }
+    let runtime = match runtime.enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("bare_proxy: cannot start the runtime: {error}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(error) = runtime.block_on(serve(listen, upstream)) {
+        eprintln!("bare_proxy: {listen}: {error}");
+        std::process::exit(1);
+    }
+}
+
+async fn serve(listen: SocketAddr, upstream: SocketAddr) -> std::io::Result<()> {
+    let listener = TcpListener::bind(listen).await?;
+    println!("bare_proxy listening on {}", listener.local_addr()?);
+    loop {
+        let (stream, _) = listener.accept().await?;
+        stream.set_nodelay(true)?;
+        tokio::spawn(async move {
+            // This connection's own upstream connection, opened at its first request.
+            let sender: Arc<Mutex<Option<SendRequest<Full<Bytes>>>>> = Arc::default();
+            let service =
+                service_fn(move |request| forward(request, upstream, Arc::clone(&sender)));
+            // A client that drops its connection mid-request is no error of the proxy's.
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+async fn forward(
+    request: Request<Incoming>,
+    upstream: SocketAddr,
+    sender: Arc<Mutex<Option<SendRequest<Full<Bytes>>>>>,
+) -> Result<Response<ProxyBody>, Infallible> {
+    match relay(request, upstream, &sender).await {
+        Ok(response) => Ok(response),
+        Err(error) => {
+            *sender.lock().await = None;
+            let mut response = Response::new(
+                Full::new(Bytes::from(format!("bare_proxy: {error}\n")))
+                    .map_err(|never| match never {})
+                    .boxed(),
+            );
+            *response.status_mut() = StatusCode::BAD_GATEWAY;
+            Ok(response)
+        }
+    }
+}
+
+async fn relay(
+    request: Request<Incoming>,
+    upstream: SocketAddr,
+    sender: &Mutex<Option<SendRequest<Full<Bytes>>>>,
+) -> Result<Response<ProxyBody>, Box<dyn std::error::Error + Send + Sync>> {
+    let (mut parts, body) = request.into_parts();
+    let body = body.collect().await?.to_bytes();
+    parts.headers.remove(hyper::header::HOST);
+    let mut slot = sender.lock().await;
+    if slot.as_ref().is_none_or(|open| open.is_closed()) {
+        let stream = TcpStream::connect(upstream).await?;
+        stream.set_nodelay(true)?;
+        let (open, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(connection);
+        *slot = Some(open);
+    }
+    let Some(open) = slot.as_mut() else {
+        return Err("no upstream connection".into());
+    };
+    open.ready().await?;
+    let response = open
+        .send_request(Request::from_parts(parts, Full::new(body)))
+        .await?;
+    Ok(response.map(BodyExt::boxed))
+}
