@@ -78,18 +78,20 @@ impl RateLimitHeaders {
     /// Writes all six `x-ratelimit-*` headers (replacing any already there); a missing bucket
     /// as [`BucketStatus::UNLIMITED`].
     pub fn apply(&self, headers: &mut HeaderMap) {
-        for (status, suffix) in [(self.requests, "requests"), (self.tokens, "tokens")] {
+        // HEADER_NAMES in order: limit, remaining, reset of requests, then of tokens. Names
+        // from static text are not parsed again per response (this runs on every answer).
+        let mut names = HEADER_NAMES
+            .iter()
+            .map(|name| HeaderName::from_static(name));
+        for status in [self.requests, self.tokens] {
             let status = status.unwrap_or(BucketStatus::UNLIMITED);
             let values = [
-                ("limit", status.limit.to_string()),
-                ("remaining", status.remaining.to_string()),
-                ("reset", format_reset(status.reset)),
+                Ok(HeaderValue::from(status.limit)),
+                Ok(HeaderValue::from(status.remaining)),
+                HeaderValue::try_from(format_reset(status.reset)),
             ];
-            for (what, value) in values {
-                let name = format!("x-ratelimit-{what}-{suffix}");
-                if let (Ok(name), Ok(value)) =
-                    (HeaderName::try_from(name), HeaderValue::try_from(value))
-                {
+            for value in values {
+                if let (Some(name), Ok(value)) = (names.next(), value) {
                     headers.insert(name, value);
                 }
             }

@@ -289,7 +289,113 @@ fn rename_in_event_line(
 /// The JSON object `json` with its string `model` set to `name`; `None` when there is nothing
 /// to change (not an object, no string `model`, or already `name`). Its `usage` token
 /// counts, if any, go into `usage`; `text_events` counts it if it carries generated text.
+///
+/// This runs on every relayed answer and on every SSE event of a stream, so it reads only the
+/// three fields it needs ([`Peek`]) and splices the new name in place of the old value: the
+/// rest of the text is relayed byte for byte, never built into a tree and written again. An
+/// object the peek cannot read (a duplicate key, a field of an unexpected type) takes the
+/// general path, [`rename_in_value`].
 fn rename_in_json(
+    json: &[u8],
+    name: &str,
+    usage: &UsageCell,
+    text_events: &mut usize,
+) -> Option<Vec<u8>> {
+    // A struct also deserializes from an array: only an object takes the fast path.
+    let is_object = json.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let Some(peek) = is_object
+        .then(|| serde_json::from_slice::<Peek>(json).ok())
+        .flatten()
+    else {
+        return rename_in_value(json, name, usage, text_events);
+    };
+    if let Some(reported) = &peek.usage {
+        for (which, tokens) in [
+            (COMPLETION, reported.completion_tokens),
+            (PROMPT, reported.prompt_tokens),
+        ] {
+            if let Some(tokens) = tokens {
+                usage.set(which, tokens);
+            }
+        }
+    }
+    if peek.choices.iter().flatten().any(ChoicePeek::carries_text) {
+        *text_events += 1;
+    }
+    let raw = peek.model?;
+    let Ok(model) = serde_json::from_str::<std::borrow::Cow<str>>(raw.get()) else {
+        return None; // not a string
+    };
+    if model == name {
+        return None;
+    }
+    // `raw` borrows from `json`: its position there is the old value's.
+    let start = (raw.get().as_ptr() as usize).checked_sub(json.as_ptr() as usize)?;
+    let end = start + raw.get().len();
+    let quoted = serde_json::to_vec(name).ok()?;
+    let mut out = Vec::with_capacity(json.len() - (end - start) + quoted.len());
+    out.extend_from_slice(json.get(..start)?);
+    out.extend_from_slice(&quoted);
+    out.extend_from_slice(json.get(end..)?);
+    Some(out)
+}
+
+/// What [`rename_in_json`] reads of an answer or event; every other field is skipped unread.
+#[derive(serde::Deserialize)]
+struct Peek<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a serde_json::value::RawValue>,
+    #[serde(default)]
+    usage: Option<UsagePeek>,
+    #[serde(borrow, default)]
+    choices: Option<Vec<ChoicePeek<'a>>>,
+}
+
+#[derive(serde::Deserialize)]
+struct UsagePeek {
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChoicePeek<'a> {
+    #[serde(borrow, default)]
+    delta: Option<DeltaPeek<'a>>,
+    #[serde(borrow, default)]
+    text: Option<std::borrow::Cow<'a, str>>,
+}
+
+#[derive(serde::Deserialize)]
+struct DeltaPeek<'a> {
+    /// `Some(None)` for `"content": null`, which (as in [`carries_text`]) is no text and does
+    /// not fall back to the choice's `text`.
+    #[serde(borrow, default, deserialize_with = "present")]
+    content: Option<Option<std::borrow::Cow<'a, str>>>,
+}
+
+/// A field that is there, null or not.
+fn present<'de: 'a, 'a, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Option<std::borrow::Cow<'a, str>>>, D::Error> {
+    use serde::Deserialize;
+    Option::<std::borrow::Cow<'a, str>>::deserialize(deserializer).map(Some)
+}
+
+impl ChoicePeek<'_> {
+    /// As [`carries_text`]: a chat delta's `content`, else a completion's `text`, not empty.
+    fn carries_text(&self) -> bool {
+        let text = match self.delta.as_ref().and_then(|delta| delta.content.as_ref()) {
+            Some(content) => content.as_deref(),
+            None => self.text.as_deref(),
+        };
+        text.is_some_and(|text| !text.is_empty())
+    }
+}
+
+/// [`rename_in_json`] for any JSON: parsed into a tree, renamed, written again.
+fn rename_in_value(
     json: &[u8],
     name: &str,
     usage: &UsageCell,
@@ -392,6 +498,52 @@ mod tests {
         assert_eq!(text_events, 2, "role, empty and usage chunks carry no text");
         assert_eq!(usage.prompt_tokens(), Some(5));
         assert_eq!(usage.completion_tokens(), Some(2));
+    }
+
+    #[test]
+    fn the_peek_reads_and_renames_exactly_as_the_general_path() {
+        let cases = [
+            r#"{"id":"c","model":"/m.gguf","choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":8,"completion_tokens":1}}"#,
+            r#" { "model" : "x\u00e9\"q" , "choices" : [ { "delta" : { "content" : "Hi" } } ] } "#,
+            r#"{"model":"remote","choices":[{"text":" there"}]}"#,
+            r#"{"model":"x","choices":[{"delta":{"content":null},"text":"t"}]}"#,
+            r#"{"model":"x","choices":[{"delta":null,"text":"t"}]}"#,
+            r#"{"model":"x","choices":[{"delta":{"content":[{"type":"text"}]}}]}"#,
+            r#"{"model":"x","model":"y","choices":[]}"#,
+            r#"{"model":"x","usage":{"completion_tokens":1.5,"prompt_tokens":3}}"#,
+            r#"{"model":"x","usage":null,"choices":null}"#,
+            r#"{"model":7,"usage":{"completion_tokens":4}}"#,
+            r#"{"usage":{"completion_tokens":4}}"#,
+            r#"["x",{"completion_tokens":9}]"#,
+            r#"{"model":"x"} trailing"#,
+            r#"{"model":"x","choices":[1]}"#,
+        ];
+        for case in cases {
+            let (fast_usage, general_usage) = (UsageCell::default(), UsageCell::default());
+            let (mut fast_text, mut general_text) = (0, 0);
+            let fast = rename_in_json(case.as_bytes(), "remote", &fast_usage, &mut fast_text);
+            let general =
+                rename_in_value(case.as_bytes(), "remote", &general_usage, &mut general_text);
+            let parse = |out: Option<Vec<u8>>| {
+                out.map(|bytes| serde_json::from_slice::<Value>(&bytes).unwrap())
+            };
+            assert_eq!(parse(fast), parse(general), "{case}");
+            assert_eq!(fast_text, general_text, "{case}");
+            assert_eq!(
+                fast_usage.completion_tokens(),
+                general_usage.completion_tokens(),
+                "{case}"
+            );
+            assert_eq!(
+                fast_usage.prompt_tokens(),
+                general_usage.prompt_tokens(),
+                "{case}"
+            );
+        }
+        // The rest of the text is relayed as it came: only the value of `model` changes.
+        let text = br#"{ "id" : "c1", "model" : "/m.gguf", "z":1, "a":2 }"#;
+        let out = rename_in_json(text, "remote", &UsageCell::default(), &mut 0).unwrap();
+        assert_eq!(out, br#"{ "id" : "c1", "model" : "remote", "z":1, "a":2 }"#);
     }
 
     #[tokio::test]
