@@ -420,6 +420,25 @@ fn k_quant_matvec_matches_the_exact_q8_1_product_and_the_cpu_matmul() {
     }
 }
 
+/// The emulated launch of a quantized weight type's matvec kernel (`out`, `w`, Q8_1 `x`,
+/// rows, cols, batch).
+type QuantizedLaunch = fn(&Emu, Launch, *mut f32, *const u8, *const u8, i32, i32, i32);
+
+/// The matvec kernel of a quantized weight type.
+fn quantized_matvec(ty: WeightType) -> QuantizedLaunch {
+    match ty {
+        WeightType::Q4_0 => Emu::matvec_q4_0,
+        WeightType::Q4_1 => Emu::matvec_q4_1,
+        WeightType::Q5_0 => Emu::matvec_q5_0,
+        WeightType::Q5_1 => Emu::matvec_q5_1,
+        WeightType::Q8_0 => Emu::matvec_q8_0,
+        WeightType::Q4_K => Emu::matvec_q4_k,
+        WeightType::Q5_K => Emu::matvec_q5_k,
+        WeightType::Q6_K => Emu::matvec_q6_k,
+        other => panic!("no matvec kernel for {other:?}"),
+    }
+}
+
 /// `x` (`m` rows of `cols`) quantized to Q8_1 on the emulated device.
 fn emu_quantize_q8_1(x: &Buf<f32>, m: usize, cols: usize) -> Buf<u8> {
     let blocks = m * cols / 32;
@@ -444,17 +463,7 @@ fn emu_matvec_chunked(
     cols: usize,
     m: usize,
 ) -> Vec<f32> {
-    let matvec = match ty {
-        WeightType::Q4_0 => Emu::matvec_q4_0,
-        WeightType::Q4_1 => Emu::matvec_q4_1,
-        WeightType::Q5_0 => Emu::matvec_q5_0,
-        WeightType::Q5_1 => Emu::matvec_q5_1,
-        WeightType::Q8_0 => Emu::matvec_q8_0,
-        WeightType::Q4_K => Emu::matvec_q4_k,
-        WeightType::Q5_K => Emu::matvec_q5_k,
-        WeightType::Q6_K => Emu::matvec_q6_k,
-        other => panic!("no matvec kernel for {other:?}"),
-    };
+    let matvec = quantized_matvec(ty);
     let mut out = poisoned(m * rows);
     let launch = Launch::new(
         [rows.div_ceil(MV_ROWS_PER_BLOCK) as u32, 1, 1],
@@ -870,26 +879,8 @@ fn emu_matvec(
         emu().matvec_f16(launch, out.mut_ptr(), w.ptr().cast(), x.ptr(), r, c, b);
         return out;
     }
-    let blocks = m * cols / 32;
-    let mut xq = Buf::of(&vec![0u8; blocks * 36]);
-    emu().quantize_q8_1(
-        Launch::new([blocks.div_ceil(4) as u32, 1, 1], 128, 0),
-        xq.mut_ptr(),
-        x.ptr(),
-        blocks as i64,
-    );
-    let matvec = match ty {
-        WeightType::Q4_0 => Emu::matvec_q4_0,
-        WeightType::Q4_1 => Emu::matvec_q4_1,
-        WeightType::Q5_0 => Emu::matvec_q5_0,
-        WeightType::Q5_1 => Emu::matvec_q5_1,
-        WeightType::Q8_0 => Emu::matvec_q8_0,
-        WeightType::Q4_K => Emu::matvec_q4_k,
-        WeightType::Q5_K => Emu::matvec_q5_k,
-        WeightType::Q6_K => Emu::matvec_q6_k,
-        other => panic!("no matvec kernel for {other:?}"),
-    };
-    matvec(emu(), launch, out.mut_ptr(), w.ptr(), xq.ptr(), r, c, b);
+    let xq = emu_quantize_q8_1(x, m, cols);
+    quantized_matvec(ty)(emu(), launch, out.mut_ptr(), w.ptr(), xq.ptr(), r, c, b);
     out
 }
 
