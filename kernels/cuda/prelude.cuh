@@ -2,8 +2,8 @@
 //  * NVRTC: no CUDA headers are needed (the host may have only libnvrtc and a driver), so the
 //    fixed-width integer types are defined here and f16 conversions, dp4a and 16-byte loads go
 //    through inline PTX;
-//  * the CPU emulator (KVGATE_CUDA_EMU, emu/emu.h): the same source compiled by g++ with one OS
-//    thread per CUDA thread, so CI runs every kernel without a GPU.
+//  * the CPU emulator (KVGATE_CUDA_EMU, emu/emu.h): the same source compiled by g++ with a
+//    fiber per CUDA thread, so CI runs every kernel without a GPU.
 // Kernels keep to what both targets support: every lane of a warp reaches each shuffle and every
 // thread of a block each __syncthreads (early returns are warp- or block-uniform), dynamic shared
 // memory through DYN_SMEM, f16 data as uint16_t bits.

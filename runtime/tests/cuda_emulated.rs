@@ -104,27 +104,16 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
-/// How a check runs: the full schedule (three steps: A's 34-token prompt chunked at 20 beside
-/// B's 9-token prefill and decode) or a short one (two steps: A's prompt chunked at 14, whose
-/// second chunk crosses into the next block and reads the first from the cache, beside B's
-/// prefill and decode) that keeps the slower emulated checks of further weight types cheap.
-#[derive(Clone, Copy)]
-struct Check {
-    short: bool,
-    /// Tolerance as a fraction of the largest logit.
-    tol: f32,
-}
-
-const FULL: Check = Check {
-    short: false,
-    tol: 2e-2,
-};
+/// Tolerance of a check, as a fraction of the largest logit. The schedule is always the same
+/// three steps: A's 34-token prompt chunked at 20 (the second chunk crosses into the next
+/// block and reads the first from the cache) beside B's 9-token prefill and decode.
+const TOLERANCE: f32 = 2e-2;
 
 fn whole_steps_match_the_cpu_backend(shape: SynthShape, dtype: SynthDtype) {
-    whole_steps_match(shape, dtype, FULL);
+    whole_steps_match(shape, dtype, TOLERANCE);
 }
 
-fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, check: Check) {
+fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, tol: f32) {
     let (gguf, config) = synth_model(shape, dtype);
     let mut cpu = CpuBackend::new(
         Arc::clone(&gguf),
@@ -177,37 +166,7 @@ fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, check: Check) {
             needs_logits: true,
         }],
     ];
-    let short: Vec<Vec<Part>> = vec![
-        vec![
-            Part {
-                tokens: &a[..14],
-                start: 0,
-                blocks: blocks_a,
-                needs_logits: false,
-            },
-            Part {
-                tokens: &b[..3],
-                start: 0,
-                blocks: blocks_b,
-                needs_logits: true,
-            },
-        ],
-        vec![
-            Part {
-                tokens: &b[3..4],
-                start: 3,
-                blocks: blocks_b,
-                needs_logits: true,
-            },
-            Part {
-                tokens: &a[14..18],
-                start: 14,
-                blocks: blocks_a,
-                needs_logits: true,
-            },
-        ],
-    ];
-    let steps = if check.short { short } else { full };
+    let steps = full;
     let (mut want, mut got) = (Vec::new(), Vec::new());
     for (i, parts) in steps.iter().enumerate() {
         let inputs = batch(parts);
@@ -226,7 +185,7 @@ fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, check: Check) {
         // Activations are requantized to 8 bits at every matmul (both sides, summed in other
         // orders) and K/V, q and probabilities are f16: logits agree to about one quantization
         // step of the largest logit.
-        assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, check.tol);
+        assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, tol);
     }
 }
 
@@ -303,11 +262,7 @@ fn emulated_steps_match_the_cpu_backend_f16() {
 /// exact Q8_1 product to 1e-5 (kvgate-kernels `cuda::emu`); here 5e-2.
 #[test]
 fn emulated_steps_match_the_cpu_backend_q4_k_m() {
-    let check = Check {
-        short: true,
-        tol: 5e-2,
-    };
-    whole_steps_match(SynthShape::TinyK, SynthDtype::Q4_K_M, check);
+    whole_steps_match(SynthShape::TinyK, SynthDtype::Q4_K_M, 5e-2);
 }
 
 /// On the 128-wide tiny shape no width is a multiple of 256, so the K-quant dtypes fall back
@@ -315,12 +270,8 @@ fn emulated_steps_match_the_cpu_backend_q4_k_m() {
 /// as the CPU (Q8_0's quants are Q8_1's), so the Q4_0 tolerance.
 #[test]
 fn emulated_steps_match_the_cpu_backend_q5_0_and_q5_1() {
-    let check = Check {
-        short: true,
-        tol: 2e-2,
-    };
-    whole_steps_match(SynthShape::Tiny, SynthDtype::Q4_K, check);
-    whole_steps_match(SynthShape::Tiny, SynthDtype::Q5_K, check);
+    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::Q4_K);
+    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::Q5_K);
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! CI's execution check, no GPU needed: every CUDA kernel runs on the CPU from the same `.cu`
-//! source, compiled by g++ with the emulation layer in `kernels/cuda/emu/emu.h` (one OS thread
-//! per CUDA thread, `__syncthreads` as a barrier, shuffles through a per-warp exchange), and
+//! source, compiled by g++ with the emulation layer in `kernels/cuda/emu/emu.h` (a fiber per
+//! CUDA thread, `__syncthreads` as a barrier, shuffles through a per-warp exchange), and
 //! is compared with this crate's CPU kernels on random inputs. Outputs are poisoned before each
 //! launch (NaN), sizes are odd on purpose (rows not a multiple of the rows per block, contexts
 //! not a multiple of the block size, several partitions, GQA groups, scattered block ids).
@@ -555,22 +555,16 @@ fn tiled_matmul_is_bit_identical_to_matvec_and_matches_cpu_for_32_element_types(
     let mut rng = StdRng::seed_from_u64(17);
     // 17 rows: two row tiles of 16, the second with one row (one warp with one valid row of
     // its two, seven idle warps); 1088 columns: 34 blocks, a full 32-block stage and a 2-block
-    // one; 96 columns: 3 blocks, one partial stage. Q4_0's batches: one row over the matvec's
-    // 8, a partial second matvec chunk, two full activation tiles, a partial last tile. The
-    // emulator runs an OS thread per CUDA thread and the chunked matvec reference is most of
-    // the cost, so the other types take one batch (two tiles, the second partial): their
-    // products are the same qdot.cuh code in both kernels; the tiling is the same template.
+    // one; 96 columns: 3 blocks, one partial stage. Batches: one row over the matvec's 8, a
+    // partial second matvec chunk, two tiles with the second partial, two full activation
+    // tiles, a partial last tile.
+    const BATCHES: &[usize] = &[9, 17, 40, 64, 100];
     let cases = [
-        (
-            WeightType::Q4_0,
-            17usize,
-            1088usize,
-            &[9usize, 17, 64, 100][..],
-        ),
-        (WeightType::Q8_0, 17, 1088, &[40][..]),
-        (WeightType::Q4_1, 17, 1088, &[40][..]),
-        (WeightType::Q5_0, 17, 1088, &[40][..]),
-        (WeightType::Q5_1, 17, 1088, &[40][..]),
+        (WeightType::Q4_0, 17usize, 1088usize, BATCHES),
+        (WeightType::Q8_0, 17, 1088, BATCHES),
+        (WeightType::Q4_1, 17, 1088, BATCHES),
+        (WeightType::Q5_0, 17, 1088, BATCHES),
+        (WeightType::Q5_1, 17, 1088, BATCHES),
         (WeightType::Q4_1, 20, 96, &[33][..]),
     ];
     for (ty, rows, cols, batches) in cases {
@@ -600,7 +594,7 @@ fn tiled_matmul_is_bit_identical_to_matvec_and_matches_exact_products_for_k_quan
     for ty in K_TYPES {
         let w = random_matrix(&mut rng, ty, rows, cols);
         let wb = Buf::of(&w);
-        for batch in [9usize, 40] {
+        for batch in [9usize, 40, 100] {
             let what = format!("{ty:?} {rows}x{cols} batch {batch}");
             let x = random(&mut rng, batch * cols, 1.0);
             let xq = emu_quantize_q8_1(&Buf::of(&x), batch, cols);

@@ -1,8 +1,9 @@
 //! [`DeviceOps`] on the CPU: the CUDA C sources compiled by g++ against the emulation layer in
-//! `kernels/cuda/emu/` (one OS thread per CUDA thread, barriers, per-warp shuffle exchange),
+//! `kernels/cuda/emu/` (a fiber per CUDA thread, barriers, per-warp shuffle exchange),
 //! with "device memory" in host allocations. The CUDA backend's launch sequence runs on it
-//! unchanged, which is how CI checks a whole forward step without a GPU. Slow (a thread per
-//! CUDA thread): for tests on tiny shapes only, behind the `cuda-emu` feature.
+//! unchanged, which is how CI checks a whole forward step without a GPU. Slow (one CPU thread
+//! runs every CUDA thread of a block in turn): for tests on tiny shapes only, behind the
+//! `cuda-emu` feature.
 
 use std::ffi::{CString, c_char, c_void};
 use std::path::{Path, PathBuf};
