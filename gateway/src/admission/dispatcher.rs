@@ -10,7 +10,10 @@
 //! * **the upkeep task** ([`run`]) runs a step whenever something else may let a queued request
 //!   start or must refuse one: a running request released its slot, the block pool returned
 //!   blocks, a queue deadline passed, a policy reload, and every [`REFORECAST_EVERY`] while
-//!   anything is queued. Each step expires, re-forecasts, dispatches and publishes.
+//!   anything is queued. Each step expires, re-forecasts, dispatches and publishes. While the
+//!   queue is empty it listens only for a caller that leaves a request queued (and reloads):
+//!   a release then starts nothing, and waking a task for it on every finished request was a
+//!   cross-thread wake-up and a step per request for nothing.
 //!
 //! The step is the same code whoever runs it, so a request admitted on its own task gets the
 //! decision the upkeep task would have made at that moment (`tests.rs` runs the same sequences
@@ -868,68 +871,92 @@ pub(super) async fn run(core: Arc<Core>, mut closed: mpsc::Receiver<std::convert
     loop {
         // Read each time: a reload may add a pool (it wakes this task through `changed`).
         let pools = Arc::clone(core.dispatcher.lock().pools());
-        // Register for wake-ups *before* looking at the state, so a release that happens
-        // while the step runs is not missed (a pool notifies only current waiters). They stay
-        // registered while the timer is re-armed below.
-        let mut freed: Vec<_> = pools
-            .iter()
-            .map(|pool| Box::pin(pool.freed().notified()))
-            .collect();
-        for notified in &mut freed {
-            notified.as_mut().enable();
-        }
-        let freed = any_notified(freed);
-        let released = ledger.released.notified();
-        tokio::pin!(freed, released);
-        released.as_mut().enable();
-
-        let mut wake_at = {
-            let mut dispatcher = core.dispatcher.lock();
-            #[cfg(test)]
-            {
-                dispatcher.step_requested = false;
+        let idle = {
+            // Register for wake-ups *before* looking at the state, so a release that happens
+            // while the step runs is not missed (a pool notifies only current waiters). They
+            // stay registered while the timer is re-armed below.
+            let mut freed: Vec<_> = pools
+                .iter()
+                .map(|pool| Box::pin(pool.freed().notified()))
+                .collect();
+            for notified in &mut freed {
+                notified.as_mut().enable();
             }
-            let now = Instant::now();
-            dispatcher.step(now);
-            dispatcher.plan_wake(now)
-        };
-        loop {
-            let changed = core.changed.notified();
-            let wake = async {
-                match wake_at {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
+            let freed = any_notified(freed);
+            let released = ledger.released.notified();
+            tokio::pin!(freed, released);
+            released.as_mut().enable();
+
+            let (mut wake_at, idle) = {
+                let mut dispatcher = core.dispatcher.lock();
+                #[cfg(test)]
+                {
+                    dispatcher.step_requested = false;
                 }
+                let now = Instant::now();
+                dispatcher.step(now);
+                let wake_at = dispatcher.plan_wake(now);
+                (wake_at, dispatcher.queue.is_empty())
             };
+            if !idle {
+                loop {
+                    let changed = core.changed.notified();
+                    let wake = async {
+                        match wake_at {
+                            Some(at) => tokio::time::sleep_until(at).await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::select! {
+                        biased;
+                        None = closed.recv() => {
+                            // Every handle is gone: drop the queue now (its reply channels close).
+                            let queued = std::mem::take(&mut core.dispatcher.lock().queue);
+                            drop(queued);
+                            return;
+                        }
+                        () = &mut freed => break,
+                        () = &mut released => break,
+                        Ok(()) = policy_updates.changed() => {
+                            core.dispatcher.lock().apply_reload();
+                            break;
+                        }
+                        () = wake => break,
+                        () = changed => {
+                            // A caller's step needs an earlier wake-up than planned: re-arm the
+                            // timer, no step (the caller's did the work).
+                            let mut dispatcher = core.dispatcher.lock();
+                            if dispatcher.pools().len() != pools.len() {
+                                // A pool was added: watch its freed blocks too (from the top).
+                                break;
+                            }
+                            #[cfg(test)]
+                            if dispatcher.step_requested {
+                                break;
+                            }
+                            wake_at = dispatcher.plan_wake(Instant::now());
+                        }
+                    }
+                }
+            }
+            idle
+        };
+        if idle {
+            // Nothing is queued, so freed blocks and released slots cannot start anything:
+            // the registrations above are gone, or every finished request would wake this
+            // task for a step with nothing to do. A caller that leaves an entry queued wakes
+            // it (`submit` answers true: the empty queue had no wake-up planned), and the
+            // step after registering again sees every release since.
             tokio::select! {
                 biased;
                 None = closed.recv() => {
-                    // Every handle is gone: drop the queue now (its reply channels close).
-                    let queued = std::mem::take(&mut core.dispatcher.lock().queue);
-                    drop(queued);
+                    drop(std::mem::take(&mut core.dispatcher.lock().queue));
                     return;
                 }
-                () = &mut freed => break,
-                () = &mut released => break,
                 Ok(()) = policy_updates.changed() => {
                     core.dispatcher.lock().apply_reload();
-                    break;
                 }
-                () = wake => break,
-                () = changed => {
-                    // A caller's step needs an earlier wake-up than planned: re-arm the timer,
-                    // no step (the caller's did the work).
-                    let mut dispatcher = core.dispatcher.lock();
-                    if dispatcher.pools().len() != pools.len() {
-                        // A pool was added: watch its freed blocks too (from the top).
-                        break;
-                    }
-                    #[cfg(test)]
-                    if dispatcher.step_requested {
-                        break;
-                    }
-                    wake_at = dispatcher.plan_wake(Instant::now());
-                }
+                () = core.changed.notified() => {}
             }
         }
     }

@@ -1440,6 +1440,10 @@ impl Run {
         self.admission.core.dispatcher.lock().steps
     }
 
+    fn queued(&self) -> usize {
+        self.admission.core.dispatcher.lock().queued_len()
+    }
+
     /// The upkeep task has run every step it had due by now (paused time may have moved).
     fn caught_up(&self) -> bool {
         let due = self.admission.core.dispatcher.lock().upkeep_wake();
@@ -1492,19 +1496,56 @@ impl Run {
     }
 }
 
-/// Lets both runs' tasks go until each has taken a step since `before` (when `step`), has an
-/// answer or a queue entry for every request, and its upkeep task has run the steps it had due.
-async fn settle(runs: &[&Run], before: &[u64], step: bool) {
+/// Lets both runs' tasks go until each has taken a step since `before` (where its `step` is
+/// true), has an answer or a queue entry for every request, and its upkeep task has run the
+/// steps it had due.
+async fn settle(runs: &[&Run], before: &[u64], step: &[bool]) {
     until(|| {
-        runs.iter().zip(before).all(|(run, before)| {
-            (!step || run.steps() > *before) && run.settled() && run.caught_up()
-        })
+        runs.iter()
+            .zip(before)
+            .zip(step)
+            .all(|((run, before), step)| {
+                (!step || run.steps() > *before) && run.settled() && run.caught_up()
+            })
     })
     .await;
     // Whatever else the last change woke (the upkeep task after a caller's step) runs too.
     for _ in 0..50 {
         tokio::task::yield_now().await;
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn releases_wake_the_upkeep_task_only_while_something_is_queued() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\n";
+    let (admission, _pool, store) = setup(100, policy);
+    let steps = || admission.core.dispatcher.lock().steps;
+    let settle = || async {
+        for _ in 0..200 {
+            tokio::task::yield_now().await;
+        }
+    };
+    settle().await;
+
+    // Nothing queued: admitting and finishing a request is the caller's step alone.
+    let before = steps();
+    let first = admission.admit(ticket(&store, "a", 10, 10)).await.unwrap();
+    drop(first);
+    settle().await;
+    assert_eq!(steps(), before + 1, "only the caller's own step ran");
+
+    // One running, one queued behind the tenant's concurrency: the release must still start
+    // the queued one at once (no time passes), through the upkeep task.
+    let running = admission.admit(ticket(&store, "a", 10, 10)).await.unwrap();
+    let waiting = spawn_admit(&admission, ticket(&store, "a", 20, 10));
+    until(|| queued(&admission) == 1).await;
+    settle().await;
+    let before = steps();
+    drop(running);
+    let started = admitted(waiting).await;
+    assert!(steps() > before, "the upkeep task stepped for the release");
+    assert_eq!(queued(&admission), 0);
+    drop(started);
 }
 
 /// Small deterministic generator (xorshift64*), so a failing sequence can be replayed.
@@ -1537,7 +1578,7 @@ async fn admitting_on_the_callers_task_decides_as_the_upkeep_task_would() {
                     let output = 1 + dice.below(60) as usize;
                     fast.send(tenant, prompt, output);
                     queued.send(tenant, prompt, output);
-                    settle(&[&fast, &queued], &before, true).await;
+                    settle(&[&fast, &queued], &before, &[true, true]).await;
                 }
                 11..=17 => {
                     if fast.held.is_empty() {
@@ -1545,16 +1586,19 @@ async fn admitting_on_the_callers_task_decides_as_the_upkeep_task_would() {
                     }
                     let which = dice.below(fast.held.len() as u64) as usize;
                     let completion = dice.below(30) as usize;
+                    // A release steps only a run with something queued: with the queue empty
+                    // it can start nothing, and the upkeep task does not listen for it.
+                    let step = [fast.queued() > 0, queued.queued() > 0];
                     for run in [&mut fast, &mut queued] {
                         let mut guard = run.held.swap_remove(which);
                         guard.mark_started();
                         guard.record_completion(completion);
                     }
-                    settle(&[&fast, &queued], &before, true).await;
+                    settle(&[&fast, &queued], &before, &step).await;
                 }
                 _ => {
                     tokio::time::advance(Duration::from_millis(dice.below(1500))).await;
-                    settle(&[&fast, &queued], &before, false).await;
+                    settle(&[&fast, &queued], &before, &[false, false]).await;
                 }
             }
             let (a, b) = (fast.collect(), queued.collect());
