@@ -3,7 +3,8 @@
 //! * [`forwarded_body`]: the client's JSON as sent (unknown fields included, so options kvgate
 //!   ignores still reach an engine that honours them), with `model` set to the upstream's id,
 //!   the completion budget validation settled on made explicit, and the messages
-//!   `truncate_oldest` dropped removed.
+//!   `truncate_oldest` dropped removed. Only the top-level keys are parsed; every value is
+//!   copied as the client wrote it (a conversation that was shortened takes the whole tree).
 //! * [`Replica::send`]: POST to the same OpenAI path under the replica's URL, on one of the
 //!   replica's keep-alive connections (`conn.rs`), with the replica's own key (`api_key_env`) if it has one: the client's
 //!   `Authorization` is never forwarded. No connection, or no response headers within the
@@ -22,6 +23,7 @@
 //!   fails midway cannot be amended (its status and length are out), so that connection is
 //!   aborted.
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -35,6 +37,7 @@ use http::{HeaderMap, Request};
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, Full, Limited};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use super::Replica;
 use super::conn::UpstreamBody;
@@ -64,12 +67,56 @@ pub(crate) fn forwarded_body(
     valid: &ValidRequest,
     upstream_model: &str,
 ) -> Result<Bytes, GatewayError> {
-    let mut body: serde_json::Map<String, Value> = serde_json::from_slice(raw)
-        .map_err(|error| GatewayError::Internal(format!("re-reading a valid body: {error}")))?;
+    if valid.dropped_messages > 0 {
+        return forwarded_body_rewritten(raw, valid, upstream_model);
+    }
+    // Only the top level is read: every other value (the messages, a long prompt) is copied as
+    // the client wrote it, not parsed into a tree and written again.
+    let body: BTreeMap<String, &RawValue> = serde_json::from_slice(raw).map_err(re_reading)?;
+    let mut members: BTreeMap<&str, &str> = body
+        .iter()
+        .map(|(key, value)| (key.as_str(), value.get()))
+        .collect();
+    let model = serde_json::to_string(upstream_model).map_err(writing)?;
+    members.insert("model", &model);
+    let budget = valid.max_tokens.to_string();
+    match valid.endpoint {
+        // Validation read `max_completion_tokens` when both were given: send that one alone.
+        Endpoint::Chat if members.contains_key("max_completion_tokens") => {
+            members.remove("max_tokens");
+            members.insert("max_completion_tokens", &budget);
+        }
+        Endpoint::Chat | Endpoint::Completion => {
+            members.insert("max_tokens", &budget);
+        }
+    }
+    // In key order, as the tree path's map writes them.
+    let mut out = Vec::with_capacity(raw.len() + upstream_model.len() + 32);
+    out.push(b'{');
+    for (i, (key, value)) in members.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, key).map_err(writing)?;
+        out.push(b':');
+        out.extend_from_slice(value.as_bytes());
+    }
+    out.push(b'}');
+    Ok(Bytes::from(out))
+}
+
+/// [`forwarded_body`] for a conversation `truncate_oldest` shortened: the whole body as a tree,
+/// so messages can be removed from it.
+fn forwarded_body_rewritten(
+    raw: &[u8],
+    valid: &ValidRequest,
+    upstream_model: &str,
+) -> Result<Bytes, GatewayError> {
+    let mut body: serde_json::Map<String, Value> =
+        serde_json::from_slice(raw).map_err(re_reading)?;
     body.insert("model".to_owned(), Value::from(upstream_model));
     let budget = Value::from(valid.max_tokens);
     match valid.endpoint {
-        // Validation read `max_completion_tokens` when both were given: send that one alone.
         Endpoint::Chat if body.contains_key("max_completion_tokens") => {
             body.remove("max_tokens");
             body.insert("max_completion_tokens".to_owned(), budget);
@@ -78,14 +125,18 @@ pub(crate) fn forwarded_body(
             body.insert("max_tokens".to_owned(), budget);
         }
     }
-    if valid.dropped_messages > 0
-        && let Some(Value::Array(messages)) = body.get_mut("messages")
-    {
+    if let Some(Value::Array(messages)) = body.get_mut("messages") {
         drop_oldest_turns(messages, valid.dropped_messages);
     }
-    serde_json::to_vec(&body)
-        .map(Bytes::from)
-        .map_err(|error| GatewayError::Internal(format!("writing the upstream body: {error}")))
+    serde_json::to_vec(&body).map(Bytes::from).map_err(writing)
+}
+
+fn re_reading(error: serde_json::Error) -> GatewayError {
+    GatewayError::Internal(format!("re-reading a valid body: {error}"))
+}
+
+fn writing(error: serde_json::Error) -> GatewayError {
+    GatewayError::Internal(format!("writing the upstream body: {error}"))
 }
 
 /// Removes the `dropped` oldest non-system messages, as `truncate_oldest` did when it counted
@@ -487,6 +538,39 @@ mod tests {
         let raw = json!({"model": "remote", "prompt": "Once"});
         let sent = forwarded(raw, &valid(Endpoint::Completion, 16, 0));
         assert_eq!(sent["max_tokens"], 16);
+    }
+
+    #[test]
+    fn the_top_level_path_sends_what_the_tree_path_sends_and_copies_values_as_written() {
+        let bodies = [
+            r#"{"model":"remote","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+            r#" { "messages" : [ {"role":"user", "content":"caf\u00e9 \"q\" \n"} ] ,
+                 "model":"m", "temperature": 1.0e0, "extra": {"nested": [1, null, false]} } "#,
+            r#"{"model":"m","messages":[],"max_tokens":9,"max_completion_tokens":20}"#,
+            r#"{"model":"m","messages":[],"max_tokens":9}"#,
+            r#"{"model":"m","prompt":"Once","max_tokens":3,"\u006dodel":"dup"}"#,
+            r#"{"model":"m","prompt":"x","n":1,"n":2,"logit_bias":{"50256":-100}}"#,
+        ];
+        for raw in bodies {
+            for endpoint in [Endpoint::Chat, Endpoint::Completion] {
+                let valid = valid(endpoint, 20, 0);
+                let fast = forwarded_body(raw.as_bytes(), &valid, "up \"model\"").unwrap();
+                let tree =
+                    forwarded_body_rewritten(raw.as_bytes(), &valid, "up \"model\"").unwrap();
+                let fast_value: Value = serde_json::from_slice(&fast).unwrap();
+                let tree_value: Value = serde_json::from_slice(&tree).unwrap();
+                assert_eq!(fast_value, tree_value, "{raw}");
+                assert_eq!(fast_value["model"], "up \"model\"", "{raw}");
+            }
+        }
+        // Values are the client's text, not re-written numbers or escapes.
+        let raw = r#"{"model":"m","temperature":1.0e0,"messages":[{"content":"caf\u00e9"}]}"#;
+        let sent = forwarded_body(raw.as_bytes(), &valid(Endpoint::Chat, 5, 0), "u").unwrap();
+        let sent = std::str::from_utf8(&sent).unwrap();
+        assert_eq!(
+            sent,
+            r#"{"max_tokens":5,"messages":[{"content":"caf\u00e9"}],"model":"u","temperature":1.0e0}"#
+        );
     }
 
     #[test]
