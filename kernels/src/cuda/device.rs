@@ -71,6 +71,10 @@ pub enum KernelArg {
     F32(f32),
 }
 
+/// Dynamic shared memory one block may opt in to on the smallest architecture kvgate compiles
+/// for (sm_80: 163 KiB; sm_90 allows 227 KiB).
+pub const MAX_DYNAMIC_SHARED_BYTES: u32 = 163 * 1024;
+
 /// Grid and block of one launch (blocks are one-dimensional in every kvgate kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchDims {
@@ -88,6 +92,33 @@ impl LaunchDims {
             // an absurd request fails at launch instead of running with a tiny buffer.
             shared_bytes: u32::try_from(shared_bytes).unwrap_or(u32::MAX),
         }
+    }
+
+    /// What the hardware refuses at launch, checked by both devices so the emulator refuses it
+    /// too: blocks of 32..=1024 threads (a multiple of 32: every kvgate kernel works in whole
+    /// warps), grid x up to 2³¹ − 1 and y, z up to 65 535 blocks, and dynamic shared memory up
+    /// to [`MAX_DYNAMIC_SHARED_BYTES`].
+    pub fn check_limits(&self) -> Result<(), String> {
+        let [x, y, z] = self.grid;
+        if self.threads == 0 || !self.threads.is_multiple_of(32) || self.threads > 1024 {
+            return Err(format!(
+                "{self}: blocks must be 32..=1024 threads, a multiple of 32"
+            ));
+        }
+        if x == 0 || y == 0 || z == 0 {
+            return Err(format!("{self}: empty grid"));
+        }
+        if x > i32::MAX as u32 || y > 65_535 || z > 65_535 {
+            return Err(format!(
+                "{self}: over CUDA's grid limits (x ≤ 2147483647, y and z ≤ 65535)"
+            ));
+        }
+        if self.shared_bytes > MAX_DYNAMIC_SHARED_BYTES {
+            return Err(format!(
+                "{self}: over the {MAX_DYNAMIC_SHARED_BYTES} B of shared memory a block may have"
+            ));
+        }
+        Ok(())
     }
 
     /// A one-dimensional grid of `blocks` blocks.
@@ -202,6 +233,26 @@ impl AllocTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn launches_over_cudas_limits_are_refused_naming_the_limit() {
+        assert!(
+            LaunchDims::new([2_000_000, 65_535, 3], 128, 48 * 1024)
+                .check_limits()
+                .is_ok()
+        );
+        let refused = |dims: LaunchDims, what: &str| {
+            let error = dims.check_limits().expect_err(what);
+            assert!(error.contains(what), "{error}");
+        };
+        refused(LaunchDims::new([1, 65_536, 1], 128, 0), "grid limits");
+        refused(LaunchDims::new([1, 1, 65_536], 128, 0), "grid limits");
+        refused(LaunchDims::new([1 << 31, 1, 1], 128, 0), "grid limits");
+        refused(LaunchDims::new([0, 1, 1], 128, 0), "empty grid");
+        refused(LaunchDims::new([1, 1, 1], 96 + 1, 0), "multiple of 32");
+        refused(LaunchDims::new([1, 1, 1], 2048, 0), "multiple of 32");
+        refused(LaunchDims::new([1, 1, 1], 128, 164 * 1024), "shared memory");
+    }
 
     #[test]
     fn alloc_table_tracks_peak_and_rejects_foreign_or_overrunning_ranges() {

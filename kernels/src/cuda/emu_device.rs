@@ -196,16 +196,9 @@ impl DeviceOps for EmuDevice {
             kernel: name.to_string(),
             detail,
         };
-        let threads = dims.threads;
-        // The emulator aborts the process on a block it cannot run; refuse it here instead.
-        if threads == 0 || !threads.is_multiple_of(32) || threads > 1024 {
-            return Err(launch_error(format!(
-                "{dims}: blocks must be 32..=1024 threads, a multiple of 32"
-            )));
-        }
-        if dims.grid.contains(&0) {
-            return Err(launch_error(format!("{dims}: empty grid")));
-        }
+        // What a GPU would refuse is refused here too (the emulator itself would run a grid
+        // of any size, and aborts the process on a block it cannot run).
+        dims.check_limits().map_err(launch_error)?;
         // Every parameter as 8 bytes: pointers are addresses, scalars sit in the low bytes
         // (little-endian), which is where the kernel's narrower parameter type reads them.
         let mut values = Vec::with_capacity(args.len());
