@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# CPU per relayed request of two kvgate builds in upstream mode, side by side in one run (the
+# A/B behind BENCHMARKS.md's proxy CPU figures): both gateways front the same stub
+# (examples/stub_upstream.rs) with the same policy as scripts/bench-proxy-vs-nginx.sh; rounds
+# alternate which goes first. Per round and build:
+#   c=1   one connection for 4 s (wrk -t1 -c1): p50, and the gateway process's user and system
+#         CPU per request (utime/stime from /proc/PID/stat over the run, divided by requests);
+#   peak  64 connections for 10 s (wrk -t2 -c64): requests/s, CPU per request, and context
+#         switches per request (all of the gateway's threads).
+# Everything shares the machine's cores: at peak the gateway, wrk and the stub compete for
+# them, so requests/s also depends on how the scheduler shares the cores out.
+#
+#   scripts/bench-proxy-cpu.sh NEW_KVGATE OLD_KVGATE      # ROUNDS=4 by default
+#
+# Needs wrk (apt-get install wrk), curl, the stub (cargo build --example stub_upstream; STUB=
+# to use another build) and the default model (`kvgate fetch-model`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -eq 2 ] || { echo "usage: $0 NEW_KVGATE OLD_KVGATE" >&2; exit 2; }
+NEW="$1" OLD="$2"
+ROUNDS="${ROUNDS:-4}"
+STUB="${STUB:-./target/debug/examples/stub_upstream}"
+for tool in wrk curl "$NEW" "$OLD" "$STUB"; do
+  command -v "$tool" >/dev/null || { echo "bench-proxy-cpu: $tool is missing" >&2; exit 1; }
+done
+
+WORK="$(mktemp -d /tmp/bench-proxy-cpu.XXXXXX)"
+cleanup() {
+  kill $(jobs -p) 2>/dev/null || true
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+"$STUB" 127.0.0.1:19100 1 >"$WORK/stub.log" 2>&1 &
+cat >"$WORK/policy.toml" <<EOF_POLICY
+anonymous_tenant = "bench"
+
+[defaults]
+max_input_tokens = 1024
+max_output_tokens = 512
+max_total_tokens = 1536
+max_concurrency = 4096
+queue_depth = 8192
+queue_tokens = 100000000
+max_queue_wait = "30s"
+
+[tenants.bench]
+EOF_POLICY
+start() { # NAME BINARY PORT
+  "$2" serve --listen "127.0.0.1:$3" --kv-memory 64MiB --pre-drain 0s --policy "$WORK/policy.toml" \
+    --upstream "stub=http://127.0.0.1:19100,capacity=100000000" >"$WORK/$1.log" 2>&1 &
+  echo $! >"$WORK/$1.pid"
+}
+start new "$NEW" 19102
+start old "$OLD" 19103
+for url in http://127.0.0.1:19100/health http://127.0.0.1:19102/healthz http://127.0.0.1:19103/healthz; do
+  for _ in $(seq 600); do curl -sf -o /dev/null "$url" && break; sleep 0.1; done
+  curl -sf -o /dev/null "$url" || { echo "bench-proxy-cpu: $url never answered" >&2; exit 1; }
+done
+
+BODY='{"model":"stub","messages":[{"role":"user","content":"Say ok."}],"max_tokens":16}'
+cat >"$WORK/post.lua" <<EOF_LUA
+wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+wrk.body = '$BODY'
+EOF_LUA
+port() { [ "$1" = new ] && echo 19102 || echo 19103; }
+cpu() { awk '{u += $14; s += $15} END {print u, s}' "/proc/$1/stat"; }
+switches() { cat /proc/"$1"/task/*/status | awk '/^voluntary_ctxt/ {v += $2} /^nonvoluntary_ctxt/ {n += $2} END {print v, n}'; }
+TICK_US=$((1000000 / $(getconf CLK_TCK)))
+measure() { # NAME CONNS THREADS SECONDS
+  local name=$1 pid
+  pid="$(cat "$WORK/$name.pid")"
+  read -r u0 s0 < <(cpu "$pid")
+  read -r v0 n0 < <(switches "$pid")
+  wrk -t"$3" -c"$2" -d"$4"s -s "$WORK/post.lua" --latency \
+    "http://127.0.0.1:$(port "$name")/v1/chat/completions" >"$WORK/wrk.txt"
+  read -r u1 s1 < <(cpu "$pid")
+  read -r v1 n1 < <(switches "$pid")
+  local n
+  n="$(awk '/requests in/ {print $1}' "$WORK/wrk.txt")"
+  grep -q "Non-2xx" "$WORK/wrk.txt" && { echo "bench-proxy-cpu: $name answered non-2xx" >&2; exit 1; }
+  printf '%-4s c=%-3s %9s req/s  p50 %-9s user %4d us  sys %4d us  switches/request %s + %s\n' \
+    "$name" "$2" "$(awk '/Requests\/sec/ {print $2}' "$WORK/wrk.txt")" \
+    "$(awk '/ 50%/ {print $2}' "$WORK/wrk.txt")" $(((u1 - u0) * TICK_US / n)) \
+    $(((s1 - s0) * TICK_US / n)) \
+    "$(awk -v a="$v0" -v b="$v1" -v n="$n" 'BEGIN {printf "%.2f", (b - a) / n}')" \
+    "$(awk -v a="$n0" -v b="$n1" -v n="$n" 'BEGIN {printf "%.2f", (b - a) / n}')"
+}
+
+echo "== $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, new=$NEW old=$OLD, load $(cut -d' ' -f1-3 /proc/loadavg)"
+for name in new old; do measure "$name" 1 1 2 >/dev/null; done # warm-up
+for round in $(seq "$ROUNDS"); do
+  order="new old"
+  [ $((round % 2)) = 0 ] && order="old new"
+  for name in $order; do measure "$name" 1 1 4; done
+  for name in $order; do measure "$name" 64 2 10; done
+done
+echo "== load at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
