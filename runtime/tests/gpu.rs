@@ -216,6 +216,14 @@ fn every_weight_type_runs_whole_steps_like_the_cpu_backend() {
     }
 }
 
+/// 5e-2 of the largest logit, as the emulated check at this shape (tests/cuda_emulated.rs):
+/// over 30 random layers the two backends drift apart by single 8-bit rounding flips. This
+/// exact test run on the CUDA emulator (the same kernels, compiled for the CPU) measured 1.98%
+/// (first chunk), 2.45% (second chunk) and 2.48% (decode): the 3e-2 it had left ~0.5% for the
+/// device's own rounding (FMA contraction), too little for a check that runs only when a GPU
+/// is lent.
+const SMOLLM2_TOLERANCE: f32 = 5e-2;
+
 #[test]
 #[ignore = "requires a CUDA device"]
 fn smollm2_shaped_model_logits_match_the_cpu_backend() {
@@ -244,7 +252,7 @@ fn smollm2_shaped_model_logits_match_the_cpu_backend() {
         "prefill",
         &forward(&mut gpu, &prefill),
         &forward(&mut cpu, &prefill),
-        3e-2,
+        SMOLLM2_TOLERANCE,
     );
     let decode = batch(&[Part {
         tokens: &prompt[599..],
@@ -255,7 +263,7 @@ fn smollm2_shaped_model_logits_match_the_cpu_backend() {
         "decode",
         &forward(&mut gpu, &decode),
         &forward(&mut cpu, &decode),
-        3e-2,
+        SMOLLM2_TOLERANCE,
     );
 }
 
