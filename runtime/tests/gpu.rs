@@ -5,6 +5,10 @@
 //! pass by skipping.
 //!
 //! Lines starting `GPU-CHECK ` are the measurements gpu-check.sh collects.
+//!
+//! `KVGATE_GPU_TESTS_DEVICE=emu` runs them on the CUDA emulator instead (the same kernels
+//! compiled for the CPU; slow, so only the tests on small shapes are practical): how their own
+//! logic and tolerances were checked before any GPU was lent.
 
 mod common;
 
@@ -16,6 +20,7 @@ use common::{Part, batch};
 use kvgate_kernels::cuda::cudarc_device::CudarcDevice;
 use kvgate_kernels::cuda::device::DevBuf;
 use kvgate_kernels::cuda::device::{DeviceOps, KernelArg, LaunchDims};
+use kvgate_kernels::cuda::emu_device::EmuDevice;
 use kvgate_kernels::cuda::probe::DeviceProbe;
 use kvgate_kernels::cuda::{
     ATTN_THREADS, KV_BLOCK, MMQ_COLS, MMQ_ROWS, MMQ_SMEM_BYTES, MMQ_THREADS, MV_MAX_BATCH,
@@ -33,9 +38,22 @@ use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::model::ModelConfig;
 use kvgate_runtime::synth::{SynthDtype, SynthModel, SynthShape, SynthSpec};
 
-/// The device for a GPU test, or `None` (skip) with the reason printed; a failure instead
-/// when `KVGATE_REQUIRE_GPU=1`.
-fn gpu_or_skip(test: &str) -> Option<CudarcDevice> {
+/// The device the tests run on: the GPU, or the emulator (see the module docs).
+type Dev = Box<dyn DeviceOps>;
+
+/// The device for a GPU test: the emulator when `KVGATE_GPU_TESTS_DEVICE=emu`, else the GPU
+/// ([`real_gpu_or_skip`]).
+fn gpu_or_skip(test: &str) -> Option<Dev> {
+    if std::env::var("KVGATE_GPU_TESTS_DEVICE").is_ok_and(|v| v == "emu") {
+        let dev = EmuDevice::new().unwrap_or_else(|e| panic!("{test}: the CUDA emulator: {e}"));
+        return Some(Box::new(dev));
+    }
+    real_gpu_or_skip(test).map(|dev| Box::new(dev) as Dev)
+}
+
+/// The GPU, for the benchmarks (which time it), or `None` (skip) with the reason printed; a
+/// failure instead when `KVGATE_REQUIRE_GPU=1`.
+fn real_gpu_or_skip(test: &str) -> Option<CudarcDevice> {
     let required = std::env::var("KVGATE_REQUIRE_GPU").is_ok_and(|v| v == "1");
     let reason = match DeviceProbe::run().usable_gpu(0) {
         Ok(_) => match CudarcDevice::open(0, &cubin_cache()) {
@@ -91,13 +109,13 @@ fn open(path: &Path) -> (Arc<GgufFile>, ModelConfig) {
     (gguf, config)
 }
 
-fn cuda_backend(
-    dev: CudarcDevice,
+fn cuda_backend<D: DeviceOps>(
+    dev: D,
     gguf: &Arc<GgufFile>,
     config: &ModelConfig,
     num_blocks: usize,
     max_num_seqs: usize,
-) -> CudaBackend<CudarcDevice> {
+) -> CudaBackend<D> {
     let options = CudaBackendOptions {
         num_blocks,
         block_size: KV_BLOCK,
@@ -448,7 +466,7 @@ fn memory_plan_is_honoured_and_reported() {
 #[test]
 #[ignore = "requires a CUDA device"]
 fn bench_decode_throughput_llama2_13b_q4_0() {
-    let Some(mut dev) = gpu_or_skip("bench_decode") else {
+    let Some(mut dev) = real_gpu_or_skip("bench_decode") else {
         return;
     };
     let copy_bw = dev
@@ -514,7 +532,7 @@ fn bench_decode_throughput_llama2_13b_q4_0() {
 #[test]
 #[ignore = "requires a CUDA device"]
 fn bench_paged_attention_bandwidth() {
-    let Some(mut dev) = gpu_or_skip("bench_attention") else {
+    let Some(mut dev) = real_gpu_or_skip("bench_attention") else {
         return;
     };
     let copy_bw = dev
@@ -644,8 +662,8 @@ struct MatmulCase {
 }
 
 impl MatmulCase {
-    fn new(
-        dev: &mut CudarcDevice,
+    fn new<D: DeviceOps + ?Sized>(
+        dev: &mut D,
         ty: WeightType,
         rows: usize,
         cols: usize,
@@ -689,7 +707,7 @@ impl MatmulCase {
     }
 
     /// The tiled kernel over `batch` rows, one launch, into `out`.
-    fn tiled(&self, dev: &mut CudarcDevice, out: DevBuf, batch: usize) {
+    fn tiled<D: DeviceOps + ?Sized>(&self, dev: &mut D, out: DevBuf, batch: usize) {
         let name = mmq_kernel(self.ty).expect("a tiled kernel");
         let dims = LaunchDims::new(
             [
@@ -705,7 +723,7 @@ impl MatmulCase {
     }
 
     /// The matvec kernel over `batch` rows in launches of `MV_MAX_BATCH`, into `out`.
-    fn chunked_matvec(&self, dev: &mut CudarcDevice, out: DevBuf, batch: usize) {
+    fn chunked_matvec<D: DeviceOps + ?Sized>(&self, dev: &mut D, out: DevBuf, batch: usize) {
         let name = matvec_kernel(self.ty).expect("a matvec kernel");
         let dims = LaunchDims::linear(self.rows.div_ceil(MV_ROWS_PER_BLOCK), MV_THREADS);
         for start in (0..batch).step_by(MV_MAX_BATCH) {
@@ -720,7 +738,7 @@ impl MatmulCase {
     }
 }
 
-fn download_f32(dev: &mut CudarcDevice, buf: DevBuf, n: usize) -> Vec<f32> {
+fn download_f32<D: DeviceOps + ?Sized>(dev: &mut D, buf: DevBuf, n: usize) -> Vec<f32> {
     let mut bytes = vec![0u8; n * 4];
     dev.download(buf, 0, &mut bytes).expect("download");
     bytes
@@ -788,7 +806,7 @@ fn tiled_matmul_is_bit_identical_to_matvec_on_the_device() {
 #[test]
 #[ignore = "requires a CUDA device"]
 fn bench_tiled_vs_chunked_matvec_llama2_13b_q4_0() {
-    let Some(mut dev) = gpu_or_skip("bench_mmq") else {
+    let Some(mut dev) = real_gpu_or_skip("bench_mmq") else {
         return;
     };
     let batches = [8usize, 16, 32, 64, 128, 512];

@@ -185,6 +185,34 @@ pub trait DeviceOps: Send {
     fn memory(&self) -> DeviceMemory;
 }
 
+/// A boxed device is a device: callers that choose the device at run time (the GPU tests, which
+/// can also run on the emulator) hold `Box<dyn DeviceOps>`.
+impl<D: DeviceOps + ?Sized> DeviceOps for Box<D> {
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+    fn alloc(&mut self, bytes: usize) -> Result<DevBuf, DeviceError> {
+        (**self).alloc(bytes)
+    }
+    fn upload(&mut self, dst: DevBuf, offset: usize, src: &[u8]) -> Result<(), DeviceError> {
+        (**self).upload(dst, offset, src)
+    }
+    fn download(&mut self, src: DevBuf, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
+        (**self).download(src, offset, dst)
+    }
+    fn launch(
+        &mut self,
+        name: &str,
+        dims: LaunchDims,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        (**self).launch(name, dims, args)
+    }
+    fn memory(&self) -> DeviceMemory {
+        (**self).memory()
+    }
+}
+
 impl fmt::Display for LaunchDims {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let [x, y, z] = self.grid;
