@@ -7,8 +7,9 @@
 //! Lines starting `GPU-CHECK ` are the measurements gpu-check.sh collects.
 //!
 //! `KVGATE_GPU_TESTS_DEVICE=emu` runs them on the CUDA emulator instead (the same kernels
-//! compiled for the CPU; slow, so only the tests on small shapes are practical): how their own
-//! logic and tolerances were checked before any GPU was lent.
+//! compiled for the CPU; slow): how their own logic and tolerances were checked before any GPU
+//! was lent. The benchmarks and `memory_plan_is_honoured_and_reported` (a plan made from the
+//! driver's memory, for 13B weights) always need the real device.
 
 mod common;
 
@@ -401,7 +402,8 @@ fn blocks_reused_after_a_cancelled_sequence_give_fresh_results() {
 #[test]
 #[ignore = "requires a CUDA device"]
 fn memory_plan_is_honoured_and_reported() {
-    let Some(dev) = gpu_or_skip("memory_plan") else {
+    // The real device: the plan is made from the driver's free/total memory, for 13B weights.
+    let Some(dev) = real_gpu_or_skip("memory_plan") else {
         return;
     };
     let (gguf, config) = synth(SynthShape::Llama2_13b, SynthDtype::Q4_0);
