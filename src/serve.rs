@@ -42,7 +42,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
         specs.extend(load_upstreams_file(path)?);
     }
     let upstreams = Upstreams::new(specs)?;
-    let tokio = tokio::runtime::Builder::new_multi_thread()
+    let mut tokio = tokio::runtime::Builder::new_multi_thread();
+    if let Some(workers) = args.http_workers {
+        tokio.worker_threads(usize::from(workers));
+    }
+    let tokio = tokio
         .enable_all()
         .build()
         .context("starting the async runtime")?;

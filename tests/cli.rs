@@ -166,6 +166,42 @@ fn listen_takes_ip_port_or_host_port_and_explains_anything_else() {
     std::fs::remove_dir_all(&home).ok();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_workers_sets_the_threads_serving_http_and_refuses_zero() {
+    let home = scratch_dir("http-workers");
+    let output = run(&["serve", "--http-workers", "0"], &home);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("--http-workers"), "{stderr}");
+
+    let server = serve(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-memory",
+            "64MiB",
+            "--http-workers",
+            "3",
+        ],
+        &home,
+    );
+    // The async runtime names its workers; the engine's threads are named otherwise.
+    let workers = std::fs::read_dir(format!("/proc/{}/task", server.pid()))
+        .expect("/proc lists the server's threads")
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == "tokio-rt-worker")
+        .count();
+    // 3: not the default (one per core) on the machines this runs on.
+    assert_eq!(workers, 3, "threads named tokio-rt-worker");
+    let reply = Client::new(server.addr)
+        .post("/v1/chat/completions", None, &chat("Say hi.", 4))
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    let (status, _) = server.stop();
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    std::fs::remove_dir_all(&home).ok();
+}
+
 #[test]
 fn policy_check_says_ok_once_and_which_unknown_keys_mode_applies() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

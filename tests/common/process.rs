@@ -136,6 +136,11 @@ pub fn ready_addr(line: &str) -> Option<SocketAddr> {
 }
 
 impl Served {
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends `SIG<name>` (`"TERM"`, `"INT"`) to the server.
     pub fn signal(&self, name: &str) {
         let pid = self.child.id().to_string();
