@@ -180,10 +180,7 @@ impl DeviceOps for CudarcDevice {
             .get(name)
             .ok_or_else(|| DeviceError::UnknownKernel(name.to_string()))?;
         // The driver's own refusal names no limit; this one does.
-        dims.check_limits().map_err(|detail| DeviceError::Launch {
-            kernel: name.to_string(),
-            detail,
-        })?;
+        dims.check_limits(name)?;
         if dims.shared_bytes > DEFAULT_MAX_SHARED {
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

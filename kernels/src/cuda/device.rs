@@ -98,27 +98,38 @@ impl LaunchDims {
     /// too: blocks of 32..=1024 threads (a multiple of 32: every kvgate kernel works in whole
     /// warps), grid x up to 2³¹ − 1 and y, z up to 65 535 blocks, and dynamic shared memory up
     /// to [`MAX_DYNAMIC_SHARED_BYTES`].
-    pub fn check_limits(&self) -> Result<(), String> {
+    /// A refusal is [`DeviceError::Launch`] for `kernel`, naming the limit.
+    pub fn check_limits(&self, kernel: &str) -> Result<(), DeviceError> {
+        self.limit_exceeded().map_or(Ok(()), |detail| {
+            Err(DeviceError::Launch {
+                kernel: kernel.to_string(),
+                detail,
+            })
+        })
+    }
+
+    /// The first limit [`LaunchDims::check_limits`] finds exceeded, described.
+    fn limit_exceeded(&self) -> Option<String> {
         let [x, y, z] = self.grid;
         if self.threads == 0 || !self.threads.is_multiple_of(32) || self.threads > 1024 {
-            return Err(format!(
+            return Some(format!(
                 "{self}: blocks must be 32..=1024 threads, a multiple of 32"
             ));
         }
         if x == 0 || y == 0 || z == 0 {
-            return Err(format!("{self}: empty grid"));
+            return Some(format!("{self}: empty grid"));
         }
         if x > i32::MAX as u32 || y > 65_535 || z > 65_535 {
-            return Err(format!(
+            return Some(format!(
                 "{self}: over CUDA's grid limits (x ≤ 2147483647, y and z ≤ 65535)"
             ));
         }
         if self.shared_bytes > MAX_DYNAMIC_SHARED_BYTES {
-            return Err(format!(
+            return Some(format!(
                 "{self}: over the {MAX_DYNAMIC_SHARED_BYTES} B of shared memory a block may have"
             ));
         }
-        Ok(())
+        None
     }
 
     /// A one-dimensional grid of `blocks` blocks.
@@ -266,11 +277,11 @@ mod tests {
     fn launches_over_cudas_limits_are_refused_naming_the_limit() {
         assert!(
             LaunchDims::new([2_000_000, 65_535, 3], 128, 48 * 1024)
-                .check_limits()
+                .check_limits("k")
                 .is_ok()
         );
         let refused = |dims: LaunchDims, what: &str| {
-            let error = dims.check_limits().expect_err(what);
+            let error = dims.check_limits("k").expect_err(what).to_string();
             assert!(error.contains(what), "{error}");
         };
         refused(LaunchDims::new([1, 65_536, 1], 128, 0), "grid limits");

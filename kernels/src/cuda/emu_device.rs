@@ -192,13 +192,9 @@ impl DeviceOps for EmuDevice {
         dims: LaunchDims,
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
-        let launch_error = |detail: String| DeviceError::Launch {
-            kernel: name.to_string(),
-            detail,
-        };
         // What a GPU would refuse is refused here too (the emulator itself would run a grid
         // of any size, and aborts the process on a block it cannot run).
-        dims.check_limits().map_err(launch_error)?;
+        dims.check_limits(name)?;
         // Every parameter as 8 bytes: pointers are addresses, scalars sit in the low bytes
         // (little-endian), which is where the kernel's narrower parameter type reads them.
         let mut values = Vec::with_capacity(args.len());
