@@ -3,8 +3,8 @@
 //! * [`forwarded_body`]: the client's JSON as sent (unknown fields included, so options kvgate
 //!   ignores still reach an engine that honours them), with `model` set to the upstream's id,
 //!   the completion budget validation settled on made explicit, and the messages
-//!   `truncate_oldest` dropped removed. Only the top-level keys are parsed; every value is
-//!   copied as the client wrote it (a conversation that was shortened takes the whole tree).
+//!   `truncate_oldest` dropped removed. Only the top-level keys are parsed; every other value
+//!   is copied as the client wrote it (of a shortened conversation, all but `messages`).
 //! * [`Replica::send`]: POST to the same OpenAI path under the replica's URL, on one of the
 //!   replica's keep-alive connections (`conn.rs`), with the replica's own key (`api_key_env`) if it has one: the client's
 //!   `Authorization` is never forwarded. No connection, or no response headers within the
@@ -67,9 +67,6 @@ pub(crate) fn forwarded_body(
     valid: &ValidRequest,
     upstream_model: &str,
 ) -> Result<Bytes, GatewayError> {
-    if valid.dropped_messages > 0 {
-        return forwarded_body_rewritten(raw, valid, upstream_model);
-    }
     // Only the top level is read: every other value (the messages, a long prompt) is copied as
     // the client wrote it, not parsed into a tree and written again.
     let body: BTreeMap<String, &RawValue> = serde_json::from_slice(raw).map_err(re_reading)?;
@@ -90,7 +87,17 @@ pub(crate) fn forwarded_body(
             members.insert("max_tokens", &budget);
         }
     }
-    // In key order, as the tree path's map writes them.
+    // A conversation `truncate_oldest` shortened: only its messages are parsed and rewritten.
+    let shortened;
+    if valid.dropped_messages > 0
+        && let Some(messages) = body.get("messages")
+        && let Ok(mut messages) = serde_json::from_str::<Vec<Value>>(messages.get())
+    {
+        drop_oldest_turns(&mut messages, valid.dropped_messages);
+        shortened = serde_json::to_string(&messages).map_err(writing)?;
+        members.insert("messages", &shortened);
+    }
+    // In key order, as a serde_json map writes them.
     let mut out = Vec::with_capacity(raw.len() + upstream_model.len() + 32);
     out.push(b'{');
     for (i, (key, value)) in members.into_iter().enumerate() {
@@ -103,32 +110,6 @@ pub(crate) fn forwarded_body(
     }
     out.push(b'}');
     Ok(Bytes::from(out))
-}
-
-/// [`forwarded_body`] for a conversation `truncate_oldest` shortened: the whole body as a tree,
-/// so messages can be removed from it.
-fn forwarded_body_rewritten(
-    raw: &[u8],
-    valid: &ValidRequest,
-    upstream_model: &str,
-) -> Result<Bytes, GatewayError> {
-    let mut body: serde_json::Map<String, Value> =
-        serde_json::from_slice(raw).map_err(re_reading)?;
-    body.insert("model".to_owned(), Value::from(upstream_model));
-    let budget = Value::from(valid.max_tokens);
-    match valid.endpoint {
-        Endpoint::Chat if body.contains_key("max_completion_tokens") => {
-            body.remove("max_tokens");
-            body.insert("max_completion_tokens".to_owned(), budget);
-        }
-        Endpoint::Chat | Endpoint::Completion => {
-            body.insert("max_tokens".to_owned(), budget);
-        }
-    }
-    if let Some(Value::Array(messages)) = body.get_mut("messages") {
-        drop_oldest_turns(messages, valid.dropped_messages);
-    }
-    serde_json::to_vec(&body).map(Bytes::from).map_err(writing)
 }
 
 fn re_reading(error: serde_json::Error) -> GatewayError {
@@ -540,6 +521,29 @@ mod tests {
         assert_eq!(sent["max_tokens"], 16);
     }
 
+    /// What `forwarded_body` sent before it copied values as written: the whole body as a
+    /// `serde_json` tree, edited and written again. The reference its output must equal.
+    fn forwarded_body_as_a_tree(raw: &[u8], valid: &ValidRequest, upstream_model: &str) -> Value {
+        let mut body: serde_json::Map<String, Value> = serde_json::from_slice(raw).unwrap();
+        body.insert("model".to_owned(), Value::from(upstream_model));
+        let budget = Value::from(valid.max_tokens);
+        match valid.endpoint {
+            Endpoint::Chat if body.contains_key("max_completion_tokens") => {
+                body.remove("max_tokens");
+                body.insert("max_completion_tokens".to_owned(), budget);
+            }
+            Endpoint::Chat | Endpoint::Completion => {
+                body.insert("max_tokens".to_owned(), budget);
+            }
+        }
+        if valid.dropped_messages > 0
+            && let Some(Value::Array(messages)) = body.get_mut("messages")
+        {
+            drop_oldest_turns(messages, valid.dropped_messages);
+        }
+        Value::Object(body)
+    }
+
     #[test]
     fn the_top_level_path_sends_what_the_tree_path_sends_and_copies_values_as_written() {
         let bodies = [
@@ -553,14 +557,15 @@ mod tests {
         ];
         for raw in bodies {
             for endpoint in [Endpoint::Chat, Endpoint::Completion] {
-                let valid = valid(endpoint, 20, 0);
-                let fast = forwarded_body(raw.as_bytes(), &valid, "up \"model\"").unwrap();
-                let tree =
-                    forwarded_body_rewritten(raw.as_bytes(), &valid, "up \"model\"").unwrap();
-                let fast_value: Value = serde_json::from_slice(&fast).unwrap();
-                let tree_value: Value = serde_json::from_slice(&tree).unwrap();
-                assert_eq!(fast_value, tree_value, "{raw}");
-                assert_eq!(fast_value["model"], "up \"model\"", "{raw}");
+                // 1: a shortened conversation, whose messages are rewritten.
+                for dropped in [0, 1] {
+                    let valid = valid(endpoint, 20, dropped);
+                    let fast = forwarded_body(raw.as_bytes(), &valid, "up \"model\"").unwrap();
+                    let tree = forwarded_body_as_a_tree(raw.as_bytes(), &valid, "up \"model\"");
+                    let fast_value: Value = serde_json::from_slice(&fast).unwrap();
+                    assert_eq!(fast_value, tree, "{raw}");
+                    assert_eq!(fast_value["model"], "up \"model\"", "{raw}");
+                }
             }
         }
         // Values are the client's text, not re-written numbers or escapes.
