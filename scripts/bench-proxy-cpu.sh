@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU per relayed request of two kvgate builds in upstream mode, side by side in one run (the
 # A/B behind BENCHMARKS.md's proxy CPU figures): both gateways front the same stub
-# (examples/stub_upstream.rs) with the same policy as scripts/bench-proxy-vs-nginx.sh; rounds
+# (examples/stub_upstream.rs) with the policy of scripts/bench-proxy-vs-nginx.sh
+# (scripts/bench-proxy-policy.toml); rounds
 # alternate which goes first. Per round and build:
 #   c=1   one connection for 4 s (wrk -t1 -c1): p50, and the gateway process's user and system
 #         CPU per request (utime/stime from /proc/PID/stat over the run, divided by requests);
@@ -33,22 +34,8 @@ cleanup() {
 trap cleanup EXIT
 
 "$STUB" 127.0.0.1:19100 1 >"$WORK/stub.log" 2>&1 &
-cat >"$WORK/policy.toml" <<EOF_POLICY
-anonymous_tenant = "bench"
-
-[defaults]
-max_input_tokens = 1024
-max_output_tokens = 512
-max_total_tokens = 1536
-max_concurrency = 4096
-queue_depth = 8192
-queue_tokens = 100000000
-max_queue_wait = "30s"
-
-[tenants.bench]
-EOF_POLICY
 start() { # NAME BINARY PORT
-  "$2" serve --listen "127.0.0.1:$3" --kv-memory 64MiB --pre-drain 0s --policy "$WORK/policy.toml" \
+  "$2" serve --listen "127.0.0.1:$3" --kv-memory 64MiB --pre-drain 0s --policy scripts/bench-proxy-policy.toml \
     --upstream "stub=http://127.0.0.1:19100,capacity=100000000" >"$WORK/$1.log" 2>&1 &
   echo $! >"$WORK/$1.pid"
 }

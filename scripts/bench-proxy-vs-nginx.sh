@@ -117,30 +117,16 @@ wait_for "http://127.0.0.1:$NGINX_PORT/health"
 PIDS+=($!)
 wait_for "http://127.0.0.1:$HYPER_PORT/health"
 
-# --- kvgate: one anonymous tenant whose limits never bind (no rate limits, room to queue), the
+# --- kvgate: one anonymous tenant whose limits never bind (scripts/bench-proxy-policy.toml), the
 # stub as model `stub` with a capacity no run can fill.
-cat >"$WORK/policy.toml" <<EOF
-anonymous_tenant = "bench"
-
-[defaults]
-max_input_tokens = 1024
-max_output_tokens = 512
-max_total_tokens = 1536
-max_concurrency = 4096
-queue_depth = 8192
-queue_tokens = 100000000
-max_queue_wait = "30s"
-
-[tenants.bench]
-EOF
 "$BIN/kvgate" serve --listen "127.0.0.1:$KVGATE_PORT" --kv-memory 64MiB --pre-drain 0s \
-  --policy "$WORK/policy.toml" \
+  --policy scripts/bench-proxy-policy.toml \
   --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/kvgate.log" 2>&1 &
 PIDS+=($!)
 wait_for "http://127.0.0.1:$KVGATE_PORT/healthz"
 if [ -n "$KVGATE_BEFORE" ]; then
   "$KVGATE_BEFORE" serve --listen "127.0.0.1:$BEFORE_PORT" --kv-memory 64MiB --pre-drain 0s \
-    --policy "$WORK/policy.toml" \
+    --policy scripts/bench-proxy-policy.toml \
     --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/before.log" 2>&1 &
   PIDS+=($!)
   wait_for "http://127.0.0.1:$BEFORE_PORT/healthz"
