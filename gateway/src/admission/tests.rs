@@ -1452,8 +1452,7 @@ impl Run {
 
     /// Every request sent has an answer or is queued.
     fn settled(&self) -> bool {
-        let queued = self.admission.core.dispatcher.lock().queued_len();
-        self.answers.lock().count + queued == self.decisions.len()
+        self.answers.lock().count + self.queued() == self.decisions.len()
     }
 
     fn send(&mut self, tenant: &str, prompt: usize, output: usize) {
