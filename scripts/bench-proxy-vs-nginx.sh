@@ -118,19 +118,16 @@ PIDS+=($!)
 wait_for "http://127.0.0.1:$HYPER_PORT/health"
 
 # --- kvgate: one anonymous tenant whose limits never bind (scripts/bench-proxy-policy.toml), the
-# stub as model `stub` with a capacity no run can fill.
-"$BIN/kvgate" serve --listen "127.0.0.1:$KVGATE_PORT" --kv-memory 64MiB --pre-drain 0s \
-  --policy scripts/bench-proxy-policy.toml \
-  --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/kvgate.log" 2>&1 &
-PIDS+=($!)
-wait_for "http://127.0.0.1:$KVGATE_PORT/healthz"
-if [ -n "$KVGATE_BEFORE" ]; then
-  "$KVGATE_BEFORE" serve --listen "127.0.0.1:$BEFORE_PORT" --kv-memory 64MiB --pre-drain 0s \
+# stub as model `stub` with a capacity no run can fill. The `before` build, when given, the same.
+start_kvgate() { # NAME BINARY PORT
+  "$2" serve --listen "127.0.0.1:$3" --kv-memory 64MiB --pre-drain 0s \
     --policy scripts/bench-proxy-policy.toml \
-    --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/before.log" 2>&1 &
+    --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/$1.log" 2>&1 &
   PIDS+=($!)
-  wait_for "http://127.0.0.1:$BEFORE_PORT/healthz"
-fi
+  wait_for "http://127.0.0.1:$3/healthz"
+}
+start_kvgate kvgate "$BIN/kvgate" "$KVGATE_PORT"
+[ -n "$KVGATE_BEFORE" ] && start_kvgate before "$KVGATE_BEFORE" "$BEFORE_PORT"
 
 BODY='{"model":"stub","messages":[{"role":"user","content":"Say ok."}],"max_tokens":16}'
 url() {

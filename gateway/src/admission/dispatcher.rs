@@ -867,14 +867,17 @@ pub(super) async fn run(core: Arc<Core>, mut closed: mpsc::Receiver<std::convert
         let dispatcher = core.dispatcher.lock();
         (Arc::clone(&dispatcher.ledger), dispatcher.store.clone())
     };
-    let mut policy_updates = store.subscribe();
+    let mut wakers = Wakers {
+        closed: &mut closed,
+        policy_updates: store.subscribe(),
+    };
     loop {
         // Read each time: a reload may add a pool (it wakes this task through `changed`).
         let pools = Arc::clone(core.dispatcher.lock().pools());
-        let idle = {
+        let busy = {
             // Register for wake-ups *before* looking at the state, so a release that happens
             // while the step runs is not missed (a pool notifies only current waiters). They
-            // stay registered while the timer is re-armed below.
+            // stay registered while the timer is re-armed in `wait_busy`.
             let mut freed: Vec<_> = pools
                 .iter()
                 .map(|pool| Box::pin(pool.freed().notified()))
@@ -887,77 +890,133 @@ pub(super) async fn run(core: Arc<Core>, mut closed: mpsc::Receiver<std::convert
             tokio::pin!(freed, released);
             released.as_mut().enable();
 
-            let (mut wake_at, idle) = {
-                let mut dispatcher = core.dispatcher.lock();
-                #[cfg(test)]
-                {
-                    dispatcher.step_requested = false;
-                }
-                let now = Instant::now();
-                dispatcher.step(now);
-                let wake_at = dispatcher.plan_wake(now);
-                (wake_at, dispatcher.queue.is_empty())
-            };
-            if !idle {
-                loop {
-                    let changed = core.changed.notified();
-                    let wake = async {
-                        match wake_at {
-                            Some(at) => tokio::time::sleep_until(at).await,
-                            None => std::future::pending().await,
-                        }
+            match step_now(&core) {
+                Some(wake_at) => {
+                    let releases = Releases {
+                        freed: freed.as_mut(),
+                        released: released.as_mut(),
                     };
-                    tokio::select! {
-                        biased;
-                        None = closed.recv() => {
-                            // Every handle is gone: drop the queue now (its reply channels close).
-                            let queued = std::mem::take(&mut core.dispatcher.lock().queue);
-                            drop(queued);
-                            return;
-                        }
-                        () = &mut freed => break,
-                        () = &mut released => break,
-                        Ok(()) = policy_updates.changed() => {
-                            core.dispatcher.lock().apply_reload();
-                            break;
-                        }
-                        () = wake => break,
-                        () = changed => {
-                            // A caller's step needs an earlier wake-up than planned: re-arm the
-                            // timer, no step (the caller's did the work).
-                            let mut dispatcher = core.dispatcher.lock();
-                            if dispatcher.pools().len() != pools.len() {
-                                // A pool was added: watch its freed blocks too (from the top).
-                                break;
-                            }
-                            #[cfg(test)]
-                            if dispatcher.step_requested {
-                                break;
-                            }
-                            wake_at = dispatcher.plan_wake(Instant::now());
-                        }
-                    }
+                    Some(
+                        wakers
+                            .wait_busy(&core, pools.len(), wake_at, releases)
+                            .await,
+                    )
                 }
+                None => None,
             }
-            idle
         };
-        if idle {
-            // Nothing is queued, so freed blocks and released slots cannot start anything:
-            // the registrations above are gone, or every finished request would wake this
-            // task for a step with nothing to do. A caller that leaves an entry queued wakes
-            // it (`submit` answers true: the empty queue had no wake-up planned), and the
-            // step after registering again sees every release since.
+        // With nothing queued, the registrations above are gone (the block dropped them).
+        let woke = match busy {
+            Some(woke) => woke,
+            None => wakers.wait_idle(&core).await,
+        };
+        if let Woke::Closed = woke {
+            // Every handle is gone: drop the queue now (its reply channels close).
+            drop(std::mem::take(&mut core.dispatcher.lock().queue));
+            return;
+        }
+    }
+}
+
+/// Why the upkeep task stopped waiting.
+enum Woke {
+    /// Something may start or time out: step again.
+    Step,
+    /// Every [`super::Admission`] handle is gone.
+    Closed,
+}
+
+/// Runs one step; `Some(next planned wake-up)` while requests stay queued, `None` once the
+/// queue is empty.
+fn step_now(core: &Core) -> Option<Option<Instant>> {
+    let mut dispatcher = core.dispatcher.lock();
+    #[cfg(test)]
+    {
+        dispatcher.step_requested = false;
+    }
+    let now = Instant::now();
+    dispatcher.step(now);
+    let wake_at = dispatcher.plan_wake(now);
+    (!dispatcher.queue.is_empty()).then_some(wake_at)
+}
+
+/// The wake-ups that matter only while something is queued: blocks freed in a pool, and
+/// concurrency slots released. Registered before the step that decided to wait for them.
+struct Releases<'a, F, R> {
+    freed: Pin<&'a mut F>,
+    released: Pin<&'a mut R>,
+}
+
+/// The wake-ups the upkeep task always listens for.
+struct Wakers<'a> {
+    closed: &'a mut mpsc::Receiver<std::convert::Infallible>,
+    policy_updates: tokio::sync::watch::Receiver<Arc<Policy>>,
+}
+
+impl Wakers<'_> {
+    /// Waits while requests are queued: for a release, a reload, the planned wake-up (a
+    /// deadline or a forecast), or the end. `pools`: how many pools the releases watch.
+    async fn wait_busy<F, R>(
+        &mut self,
+        core: &Core,
+        pools: usize,
+        mut wake_at: Option<Instant>,
+        mut releases: Releases<'_, F, R>,
+    ) -> Woke
+    where
+        F: Future<Output = ()>,
+        R: Future<Output = ()>,
+    {
+        loop {
+            let changed = core.changed.notified();
+            let wake = async {
+                match wake_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
-                None = closed.recv() => {
-                    drop(std::mem::take(&mut core.dispatcher.lock().queue));
-                    return;
-                }
-                Ok(()) = policy_updates.changed() => {
+                None = self.closed.recv() => return Woke::Closed,
+                () = releases.freed.as_mut() => return Woke::Step,
+                () = releases.released.as_mut() => return Woke::Step,
+                Ok(()) = self.policy_updates.changed() => {
                     core.dispatcher.lock().apply_reload();
+                    return Woke::Step;
                 }
-                () = core.changed.notified() => {}
+                () = wake => return Woke::Step,
+                () = changed => {
+                    // A caller's step needs an earlier wake-up than planned: re-arm the timer,
+                    // no step (the caller's did the work).
+                    let mut dispatcher = core.dispatcher.lock();
+                    if dispatcher.pools().len() != pools {
+                        // A pool was added: watch its freed blocks too (from the top).
+                        return Woke::Step;
+                    }
+                    #[cfg(test)]
+                    if dispatcher.step_requested {
+                        return Woke::Step;
+                    }
+                    wake_at = dispatcher.plan_wake(Instant::now());
+                }
             }
+        }
+    }
+
+    /// Waits while nothing is queued. Freed blocks and released slots cannot start anything
+    /// then, so they are not listened to, or every finished request would wake this task for
+    /// a step with nothing to do. A caller that leaves an entry queued wakes it (`submit`
+    /// answers true: the empty queue had no wake-up planned), and the step after registering
+    /// again sees every release since.
+    async fn wait_idle(&mut self, core: &Core) -> Woke {
+        tokio::select! {
+            biased;
+            None = self.closed.recv() => Woke::Closed,
+            Ok(()) = self.policy_updates.changed() => {
+                core.dispatcher.lock().apply_reload();
+                Woke::Step
+            }
+            () = core.changed.notified() => Woke::Step,
         }
     }
 }
