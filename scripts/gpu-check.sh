@@ -16,6 +16,9 @@
 # runtime's switch-over, MMQ_MIN_EXCLUSIVE_BATCH in runtime/src/backend/cuda/step.rs, is an
 # unmeasured guess until that output is read: set it to the largest batch whose
 # tiled_speedup is below 1 (results are the same bits either way; only speed changes).
+# They also check the tiled prefill attention kernel (paged_attention_tiled_d*) bit for bit
+# against the row kernel on the device (tiled_attention_is_bit_identical_to_the_row_kernel_on_
+# the_device, lines `GPU-CHECK tiled_attention_bit_identical_d<D>_g<group>=passed`).
 #
 # `run --dry-run` does everything that needs no GPU (finds the binaries, writes the small
 # synthetic models, prints each command) so the script can be checked on a CPU-only machine.

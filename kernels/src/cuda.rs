@@ -57,6 +57,9 @@ pub const PROGRAMS: &[Program] = &[
             "paged_attention_d32",
             "paged_attention_d64",
             "paged_attention_d128",
+            "paged_attention_tiled_d32",
+            "paged_attention_tiled_d64",
+            "paged_attention_tiled_d128",
             "attention_reduce",
         ],
     },
@@ -120,8 +123,11 @@ pub const ATTN_PARTITION: usize = 512;
 const ATTN_WARPS: usize = 4;
 /// Most query heads per KV head (`ATTN_MAX_GROUP`).
 pub const ATTN_MAX_GROUP: usize = 8;
-/// Head dimensions with a paged-attention instance (`paged_attention_d{32,64,128}`).
+/// Head dimensions with a paged-attention instance (`paged_attention_d{32,64,128}` and
+/// `paged_attention_tiled_d{32,64,128}`).
 pub const ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
+/// Query heads (tile rows × group) one tiled attention block covers (`ATTN_TILE_HEADS`).
+pub const ATTN_TILE_HEADS: usize = 16;
 /// Threads of a matvec block: one warp per weight row (`MV_THREADS`).
 pub const MV_THREADS: u32 = 128;
 /// Weight rows per matvec block (`MV_WARPS`).
@@ -207,6 +213,22 @@ pub fn mmq_kernel(ty: crate::quant::WeightType) -> Option<&'static str> {
 /// `head_dim`: queries, one partition of scores, per-warp partial outputs, max and sum.
 pub fn attention_smem_bytes(group: usize, head_dim: usize) -> usize {
     4 * (group * head_dim + group * ATTN_PARTITION + ATTN_WARPS * group * head_dim + 2 * group)
+}
+
+/// Query rows of one sequence a tiled attention block (`paged_attention_tiled_d*`) covers for
+/// a query group of `group` heads: as many as fit [`ATTN_TILE_HEADS`] heads (16 rows at group
+/// 1, 4 at group 4, 2 at group 8). At least 1, so a tile table built from it always makes
+/// progress; groups over [`ATTN_MAX_GROUP`] are refused before any launch.
+pub fn attention_tile_rows(group: usize) -> usize {
+    (ATTN_TILE_HEADS / group.max(1)).max(1)
+}
+
+/// Dynamic shared memory of one tiled attention block of `head_dim` (laid out for
+/// [`ATTN_TILE_HEADS`] heads whatever the group): queries, one partition of scores, per-warp
+/// partial outputs, max and sum, and each head's token count.
+pub fn attention_tiled_smem_bytes(head_dim: usize) -> usize {
+    let h = ATTN_TILE_HEADS;
+    4 * (h * head_dim + h * ATTN_PARTITION + ATTN_WARPS * h * head_dim + 2 * h + h)
 }
 
 /// Partitions of the longest context in a step: the z extent of the attention grid and the

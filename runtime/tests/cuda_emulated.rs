@@ -5,8 +5,12 @@
 //! block ids — comparing every logits row.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
+use kvgate_kernels::cuda::device::{
+    DevBuf, DeviceError, DeviceMemory, DeviceOps, KernelArg, LaunchDims,
+};
 use kvgate_kernels::cuda::emu_device::EmuDevice;
 
 use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
@@ -26,7 +30,11 @@ fn tiny_model(dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
 fn synth_model(shape: SynthShape, dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
     let dir = std::env::temp_dir().join(format!("kvgate-cuda-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let path: PathBuf = dir.join(format!("{shape}-{dtype}.gguf"));
+    // A file per call: tests of the same shape and type run in parallel, and two writers of
+    // one path share its `.partial` file (one's rename then fails).
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let path: PathBuf = dir.join(format!("{shape}-{dtype}-{call}.gguf"));
     let spec = SynthSpec {
         shape,
         dtype,
@@ -240,6 +248,124 @@ fn a_sequence_gets_the_same_logit_bits_alone_and_in_a_step_large_enough_for_the_
             got_alone.iter().all(|v| v.is_finite()) && differ == 0,
             "step {i}: {differ} of B's logits differ alone vs beside A"
         );
+    }
+}
+
+/// The emulated device, also recording the name of every kernel launched on it.
+struct Recording {
+    dev: EmuDevice,
+    launched: Arc<Mutex<Vec<String>>>,
+}
+
+impl DeviceOps for Recording {
+    fn describe(&self) -> String {
+        self.dev.describe()
+    }
+    fn alloc(&mut self, bytes: usize) -> Result<DevBuf, DeviceError> {
+        self.dev.alloc(bytes)
+    }
+    fn upload(&mut self, dst: DevBuf, offset: usize, src: &[u8]) -> Result<(), DeviceError> {
+        self.dev.upload(dst, offset, src)
+    }
+    fn download(&mut self, src: DevBuf, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.dev.download(src, offset, dst)
+    }
+    fn launch(
+        &mut self,
+        name: &str,
+        dims: LaunchDims,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        self.launched
+            .lock()
+            .expect("not poisoned")
+            .push(name.to_string());
+        self.dev.launch(name, dims, args)
+    }
+    fn memory(&self) -> DeviceMemory {
+        self.dev.memory()
+    }
+}
+
+#[test]
+fn chunked_prefill_beside_decodes_goes_through_the_tiled_attention_kernel_and_matches_the_cpu() {
+    // A's 45-token prompt in three chunks (17, 13 and 15 rows: the tiny shape's group of 2
+    // makes tiles of 8 rows, so every chunk ends in a partial tile, and the later chunks read
+    // the earlier ones from the cache), beside B's 3-token prompt and decodes and C's 1-token
+    // prompt; then a decode-only step. Steps with a prefill chunk must run the tiled attention
+    // kernel, the decode-only step the row kernel, and every logit must match the CPU backend.
+    let (gguf, config) = tiny_model(SynthDtype::Q4_0);
+    let mut cpu = CpuBackend::new(
+        Arc::clone(&gguf),
+        config.clone(),
+        CpuBackendOptions {
+            num_blocks: NUM_BLOCKS,
+            block_size: BLOCK,
+            max_batched_tokens: 40,
+            threads: Some(1),
+        },
+    )
+    .expect("cpu backend");
+    let launched = Arc::new(Mutex::new(Vec::new()));
+    let dev = Recording {
+        dev: EmuDevice::new().expect("the CUDA emulator builds (needs g++)"),
+        launched: Arc::clone(&launched),
+    };
+    let mut gpu =
+        CudaBackend::new(dev, Arc::clone(&gguf), config.clone(), options()).expect("starts");
+    let (a, b, c) = (tokens(46, 5), tokens(6, 6), tokens(1, 7));
+    let (blocks_a, blocks_b, blocks_c): (&[u32], &[u32], &[u32]) = (&[7, 0, 10], &[3], &[5]);
+    fn part<'a>(tokens: &'a [u32], range: std::ops::Range<usize>, blocks: &'a [u32]) -> Part<'a> {
+        Part {
+            tokens: &tokens[range.clone()],
+            start: range.start,
+            blocks,
+            needs_logits: true,
+        }
+    }
+    // (the step's sequences, whether it has a prefill chunk)
+    let steps = [
+        (
+            vec![part(&a, 0..17, blocks_a), part(&b, 0..3, blocks_b)],
+            true,
+        ),
+        (
+            vec![part(&b, 3..4, blocks_b), part(&a, 17..30, blocks_a)],
+            true,
+        ),
+        (
+            vec![
+                part(&a, 30..45, blocks_a),
+                part(&b, 4..5, blocks_b),
+                part(&c, 0..1, blocks_c),
+            ],
+            true,
+        ),
+        (
+            vec![part(&a, 45..46, blocks_a), part(&b, 5..6, blocks_b)],
+            false,
+        ),
+    ];
+    let (tiled, row) = ("paged_attention_tiled_d32", "paged_attention_d32");
+    for (i, (parts, prefill)) in steps.iter().enumerate() {
+        let inputs = batch(parts);
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        cpu.forward(&inputs, &mut want).expect("cpu step");
+        launched.lock().expect("not poisoned").clear();
+        gpu.forward(&inputs, &mut got).expect("emulated step");
+        let names = launched.lock().expect("not poisoned").clone();
+        let (expected, other) = if *prefill { (tiled, row) } else { (row, tiled) };
+        assert_eq!(
+            names.iter().filter(|n| *n == expected).count(),
+            config.num_layers,
+            "step {i}: one {expected} launch per layer, launched {names:?}"
+        );
+        assert!(
+            !names.iter().any(|n| n == other),
+            "step {i}: {other} launched"
+        );
+        assert_eq!(got.len(), parts.len() * config.vocab_size, "step {i}");
+        assert_close(&format!("step {i}"), &got, &want, TOLERANCE);
     }
 }
 

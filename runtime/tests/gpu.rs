@@ -25,8 +25,8 @@ use kvgate_kernels::cuda::emu_device::EmuDevice;
 use kvgate_kernels::cuda::probe::DeviceProbe;
 use kvgate_kernels::cuda::{
     ATTN_THREADS, KV_BLOCK, MMQ_COLS, MMQ_ROWS, MMQ_SMEM_BYTES, MMQ_THREADS, MV_MAX_BATCH,
-    MV_ROWS_PER_BLOCK, MV_THREADS, attention_partitions, attention_smem_bytes, matvec_kernel,
-    mmq_kernel,
+    MV_ROWS_PER_BLOCK, MV_THREADS, attention_partitions, attention_smem_bytes, attention_tile_rows,
+    attention_tiled_smem_bytes, matvec_kernel, mmq_kernel,
 };
 use kvgate_kernels::quant::WeightType;
 use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
@@ -798,6 +798,188 @@ fn tiled_matmul_is_bit_identical_to_matvec_on_the_device() {
             );
         }
         println!("GPU-CHECK mmq_bit_identical_{ty:?}=passed");
+    }
+}
+
+/// The tiled attention kernel against the row kernel on the device, bit for bit: the CUDA step
+/// runs steps with a prefill chunk through the tiled kernel and decode-only steps through the
+/// row kernel, so batch invariance needs the same floats from both (the emulator checks the
+/// same on the CPU, where the compiler is g++; this checks NVRTC's code, FMA contraction
+/// included). Prefill chunks crossing the 512-token partitions, a prompt from position 0 and
+/// a decode row, over every head dimension and groups 1, 3, 4 and 8.
+#[test]
+#[ignore = "requires a CUDA device"]
+fn tiled_attention_is_bit_identical_to_the_row_kernel_on_the_device() {
+    let Some(mut dev) = gpu_or_skip("tiled_attention") else {
+        return;
+    };
+    // (sequence, first position, rows) per chunk; each sequence's context ends at its chunk.
+    let chunks = [
+        (0usize, 500usize, 37usize),
+        (1, 0, 29),
+        (2, 1199, 1),
+        (3, 1020, 30),
+    ];
+    let seqs = chunks.len();
+    let rows: Vec<(usize, usize)> = chunks
+        .iter()
+        .flat_map(|&(s, first, n)| (first..first + n).map(move |pos| (s, pos + 1)))
+        .collect();
+    let n = rows.len();
+    let max_ctx = chunks
+        .iter()
+        .map(|&(_, first, n)| first + n)
+        .max()
+        .unwrap_or(1);
+    let (max_blocks, parts) = (max_ctx.div_ceil(KV_BLOCK), attention_partitions(max_ctx));
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for (hd, group, kv_heads) in [
+        (32usize, 1usize, 4usize),
+        (64, 3, 3),
+        (128, 4, 2),
+        (128, 8, 1),
+    ] {
+        let heads = group * kv_heads;
+        // K and V: f16 in ±[2⁻⁴, 1); queries f32 in (-3, 3), so the softmax is far from uniform.
+        let mut cache = || -> Vec<u8> {
+            (0..seqs * max_blocks * kv_heads * KV_BLOCK * hd)
+                .flat_map(|_| {
+                    let r = next();
+                    ((0x2C00 + r % 0x1000) as u16 | (((r >> 16) & 1) as u16) << 15).to_le_bytes()
+                })
+                .collect()
+        };
+        let (k_cache, v_cache) = (cache(), cache());
+        let q: Vec<u8> = (0..n * heads * hd)
+            .flat_map(|_| ((next() % 6000) as f32 / 1000.0 - 3.0).to_le_bytes())
+            .collect();
+        // Integer inputs: block tables (sequence s's block b is block b * seqs + s, so reads
+        // are scattered), row → sequence, row → context, then the tile table as the CUDA step
+        // builds it (each chunk cut into tiles of attention_tile_rows rows).
+        let mut ints: Vec<i32> = Vec::new();
+        for s in 0..seqs {
+            ints.extend((0..max_blocks).map(|b| (b * seqs + s) as i32));
+        }
+        let row_seq_at = ints.len();
+        ints.extend(rows.iter().map(|&(s, _)| s as i32));
+        let row_ctx_at = ints.len();
+        ints.extend(rows.iter().map(|&(_, ctx)| ctx as i32));
+        let tiles_at = ints.len();
+        let mut first_row = 0;
+        for &(_, _, count) in &chunks {
+            for first in (first_row..first_row + count).step_by(attention_tile_rows(group)) {
+                let rows_in_tile = attention_tile_rows(group).min(first_row + count - first);
+                ints.extend([first as i32, rows_in_tile as i32]);
+            }
+            first_row += count;
+        }
+        let tiles = (ints.len() - tiles_at) / 2;
+        let upload = |dev: &mut Dev, bytes: &[u8]| {
+            let buf = dev.alloc(bytes.len()).expect("alloc");
+            dev.upload(buf, 0, bytes).expect("upload");
+            buf
+        };
+        let ints_bytes: Vec<u8> = ints.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let (k, v, qb, meta) = (
+            upload(&mut dev, &k_cache),
+            upload(&mut dev, &v_cache),
+            upload(&mut dev, &q),
+            upload(&mut dev, &ints_bytes),
+        );
+        let sizes = [
+            n * heads * hd,
+            n * heads * parts * hd,
+            n * heads * parts * 2,
+        ];
+        // Per kernel: out, part_out, part_stats, NaN-poisoned, so an entry one kernel writes
+        // and the other does not differs too.
+        let mut results: Vec<Vec<Vec<f32>>> = Vec::new();
+        for tiled in [false, true] {
+            let outs: Vec<DevBuf> = sizes
+                .iter()
+                .map(|&len| upload(&mut dev, &f32::NAN.to_le_bytes().repeat(len)))
+                .collect();
+            let mut args = vec![
+                outs[0].arg(),
+                outs[1].arg(),
+                outs[2].arg(),
+                qb.arg(),
+                k.arg(),
+                v.arg(),
+                meta.arg(),
+                meta.at(4 * row_seq_at),
+                meta.at(4 * row_ctx_at),
+            ];
+            let (name, dims) = if tiled {
+                args.push(meta.at(4 * tiles_at));
+                (
+                    format!("paged_attention_tiled_d{hd}"),
+                    LaunchDims::new(
+                        [kv_heads as u32, tiles as u32, parts as u32],
+                        ATTN_THREADS,
+                        attention_tiled_smem_bytes(hd),
+                    ),
+                )
+            } else {
+                (
+                    format!("paged_attention_d{hd}"),
+                    LaunchDims::new(
+                        [kv_heads as u32, n as u32, parts as u32],
+                        ATTN_THREADS,
+                        attention_smem_bytes(group, hd),
+                    ),
+                )
+            };
+            args.extend([
+                KernelArg::I32(max_blocks as i32),
+                KernelArg::I32(kv_heads as i32),
+                KernelArg::I32(group as i32),
+                KernelArg::I32(parts as i32),
+                KernelArg::F32(1.0 / (hd as f32).sqrt()),
+            ]);
+            dev.launch(&name, dims, &args).expect("attention");
+            let reduce = [
+                outs[0].arg(),
+                outs[1].arg(),
+                outs[2].arg(),
+                meta.at(4 * row_ctx_at),
+                KernelArg::I32(heads as i32),
+                KernelArg::I32(hd as i32),
+                KernelArg::I32(parts as i32),
+            ];
+            let reduce_dims = LaunchDims::new([heads as u32, n as u32, 1], 64, 0);
+            dev.launch("attention_reduce", reduce_dims, &reduce)
+                .expect("reduce");
+            results.push(
+                outs.iter()
+                    .zip(sizes)
+                    .map(|(&buf, len)| download_f32(&mut dev, buf, len))
+                    .collect(),
+            );
+        }
+        for (i, name) in ["out", "part_out", "part_stats"].into_iter().enumerate() {
+            let (row, tiled) = (&results[0][i], &results[1][i]);
+            let differ = row
+                .iter()
+                .zip(tiled)
+                .filter(|(r, t)| r.to_bits() != t.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "head_dim {hd}, group {group}: {differ} of {name}'s entries differ"
+            );
+        }
+        assert!(
+            results[0][0].iter().all(|v| v.is_finite()),
+            "every output written"
+        );
+        println!("GPU-CHECK tiled_attention_bit_identical_d{hd}_g{group}=passed");
     }
 }
 

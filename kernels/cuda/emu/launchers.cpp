@@ -43,6 +43,18 @@ EMU_LAUNCHER(write_kv,
 EMU_ATTENTION(32)
 EMU_ATTENTION(64)
 EMU_ATTENTION(128)
+#define EMU_ATTENTION_TILED(D)                                                               \
+    EMU_LAUNCHER(paged_attention_tiled_d##D,                                                 \
+                 (float* out, float* part_out, float* part_stats, const float* q,            \
+                  const uint16_t* k_cache, const uint16_t* v_cache,                          \
+                  const int32_t* block_tables, const int32_t* row_seq,                       \
+                  const int32_t* row_ctx, const int32_t* tiles, int max_blocks_per_seq,      \
+                  int n_kv_heads, int group, int max_parts, float scale),                    \
+                 (out, part_out, part_stats, q, k_cache, v_cache, block_tables, row_seq,     \
+                  row_ctx, tiles, max_blocks_per_seq, n_kv_heads, group, max_parts, scale))
+EMU_ATTENTION_TILED(32)
+EMU_ATTENTION_TILED(64)
+EMU_ATTENTION_TILED(128)
 EMU_LAUNCHER(attention_reduce,
              (float* out, const float* part_out, const float* part_stats,
               const int32_t* row_ctx, int n_heads, int head_dim, int max_parts),
@@ -103,6 +115,8 @@ inline const Entry ENTRIES[] = {
     EMU_ENTRY(rope_norm),      EMU_ENTRY(swiglu),              EMU_ENTRY(add_inplace),
     EMU_ENTRY(argmax_rows),    EMU_ENTRY(write_kv),            EMU_ENTRY(paged_attention_d32),
     EMU_ENTRY(paged_attention_d64), EMU_ENTRY(paged_attention_d128), EMU_ENTRY(attention_reduce),
+    EMU_ENTRY(paged_attention_tiled_d32), EMU_ENTRY(paged_attention_tiled_d64),
+    EMU_ENTRY(paged_attention_tiled_d128),
     EMU_ENTRY(quantize_q8_1),  EMU_ENTRY(matvec_q4_0),         EMU_ENTRY(matvec_q4_1),
     EMU_ENTRY(matvec_q5_0),    EMU_ENTRY(matvec_q5_1),         EMU_ENTRY(matvec_q8_0),
     EMU_ENTRY(matvec_q4_k),    EMU_ENTRY(matvec_q5_k),         EMU_ENTRY(matvec_q6_k),

@@ -8,7 +8,7 @@
 use super::{
     ARGMAX_THREADS, ATTN_HEAD_DIMS, ATTN_THREADS, KV_BLOCK, MMQ_COLS, MMQ_ROWS, MMQ_SMEM_BYTES,
     MMQ_THREADS, MV_MAX_BATCH, MV_ROWS_PER_BLOCK, MV_THREADS, NORM_THREADS, attention_partitions,
-    attention_smem_bytes,
+    attention_smem_bytes, attention_tile_rows, attention_tiled_smem_bytes,
 };
 use crate::attention::{KvLayout, ReductionOrder, paged_attention_reference, write_kv};
 use crate::matmul::tests::random_matrix;
@@ -682,119 +682,307 @@ struct AttentionCase {
     rows: Vec<(usize, usize)>,
 }
 
-fn run_attention_case(case: &AttentionCase, seed: u64) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let layout = KvLayout {
-        block_size: KV_BLOCK,
-        num_kv_heads: case.n_kv_heads,
-        head_dim: case.head_dim,
-    };
-    let n_heads = case.n_kv_heads * case.group;
-    let blocks_per_seq: Vec<usize> = case.seq_lens.iter().map(|l| l.div_ceil(KV_BLOCK)).collect();
-    let max_blocks = *blocks_per_seq.iter().max().expect("sequences");
-    // A pool with spare blocks, handed out in shuffled order.
-    let num_blocks = blocks_per_seq.iter().sum::<usize>() + 3;
-    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
-    for i in (1..ids.len()).rev() {
-        ids.swap(i, rng.random_range(0..=i));
-    }
-    let mut tables = vec![0i32; case.seq_lens.len() * max_blocks];
-    let mut next = ids.into_iter();
-    for (s, &n) in blocks_per_seq.iter().enumerate() {
-        for b in 0..n {
-            tables[s * max_blocks + b] = next.next().expect("enough blocks") as i32;
+impl AttentionCase {
+    /// `chunks` of (sequence, first position, rows): a prefill chunk's rows at consecutive
+    /// positions (context = position + 1), a decode row as a chunk of one.
+    fn of_chunks(
+        n_kv_heads: usize,
+        group: usize,
+        head_dim: usize,
+        seq_lens: Vec<usize>,
+        chunks: &[(usize, usize, usize)],
+    ) -> AttentionCase {
+        let rows = chunks
+            .iter()
+            .flat_map(|&(seq, first, n)| (first..first + n).map(move |pos| (seq, pos + 1)))
+            .collect();
+        AttentionCase {
+            n_kv_heads,
+            group,
+            head_dim,
+            seq_lens,
+            rows,
         }
     }
-    let cache_len = num_blocks * layout.block_elems();
-    let k_cpu: Vec<f16> = (0..cache_len)
-        .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
-        .collect();
-    let v_cpu: Vec<f16> = (0..cache_len)
-        .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
-        .collect();
-    let width = n_heads * case.head_dim;
-    // Queries large enough that the softmax is far from uniform.
-    let q = random(&mut rng, case.rows.len() * width, 3.0);
-    let scale = 1.0 / (case.head_dim as f32).sqrt();
+}
 
-    let max_ctx = case.rows.iter().map(|r| r.1).max().expect("rows");
-    let parts = attention_partitions(max_ctx);
-    let mut out = poisoned(case.rows.len() * width);
-    let mut part_out = poisoned(case.rows.len() * n_heads * parts * case.head_dim);
-    let mut part_stats = poisoned(case.rows.len() * n_heads * parts * 2);
-    let row_seq: Vec<i32> = case.rows.iter().map(|r| r.0 as i32).collect();
-    let row_ctx: Vec<i32> = case.rows.iter().map(|r| r.1 as i32).collect();
-    let (qb, kb, vb) = (
-        Buf::of(&q),
-        Buf::of(&to_device_layout(&k_cpu, &layout)),
-        Buf::of(&to_device_layout(&v_cpu, &layout)),
-    );
-    let (tb, sb, cb) = (Buf::of(&tables), Buf::of(&row_seq), Buf::of(&row_ctx));
-    let attention = match case.head_dim {
-        32 => Emu::paged_attention_d32,
-        64 => Emu::paged_attention_d64,
-        128 => Emu::paged_attention_d128,
-        d => panic!("no instance for head_dim {d}; have {ATTN_HEAD_DIMS:?}"),
-    };
-    attention(
-        emu(),
-        Launch::new(
-            [case.n_kv_heads as u32, case.rows.len() as u32, parts as u32],
-            ATTN_THREADS,
-            attention_smem_bytes(case.group, case.head_dim),
-        ),
-        out.mut_ptr(),
-        part_out.mut_ptr(),
-        part_stats.mut_ptr(),
-        qb.ptr(),
-        kb.ptr(),
-        vb.ptr(),
-        tb.ptr(),
-        sb.ptr(),
-        cb.ptr(),
-        max_blocks as i32,
-        case.n_kv_heads as i32,
-        case.group as i32,
-        parts as i32,
-        scale,
-    );
-    emu().attention_reduce(
-        Launch::new([n_heads as u32, case.rows.len() as u32, 1], 64, 0),
-        out.mut_ptr(),
-        part_out.ptr(),
-        part_stats.ptr(),
-        cb.ptr(),
-        n_heads as i32,
-        case.head_dim as i32,
-        parts as i32,
-    );
-    let got = out.to_vec();
-    for (r, &(seq, ctx)) in case.rows.iter().enumerate() {
-        let table: Vec<u32> = tables[seq * max_blocks..(seq + 1) * max_blocks]
-            .iter()
-            .map(|&b| b as u32)
+/// A case's inputs on the (emulated) device and the CPU, built once and run through either
+/// attention kernel.
+struct AttentionSetup<'a> {
+    case: &'a AttentionCase,
+    layout: KvLayout,
+    n_heads: usize,
+    max_blocks: usize,
+    tables: Vec<i32>,
+    k_cpu: Vec<f16>,
+    v_cpu: Vec<f16>,
+    q: Vec<f32>,
+    scale: f32,
+    parts: usize,
+    bufs: [Buf<u16>; 2],
+    qb: Buf<f32>,
+    int_bufs: [Buf<i32>; 3],
+}
+
+/// What one attention launch (and the reduce after it) leaves in its three outputs; entries
+/// the kernels never write keep their NaN poison, so comparing whole buffers bit for bit also
+/// checks that two kernels write the same entries.
+struct AttentionOutputs {
+    out: Vec<f32>,
+    part_out: Vec<f32>,
+    part_stats: Vec<f32>,
+}
+
+impl AttentionSetup<'_> {
+    fn new(case: &AttentionCase, seed: u64) -> AttentionSetup<'_> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let layout = KvLayout {
+            block_size: KV_BLOCK,
+            num_kv_heads: case.n_kv_heads,
+            head_dim: case.head_dim,
+        };
+        let n_heads = case.n_kv_heads * case.group;
+        let blocks_per_seq: Vec<usize> =
+            case.seq_lens.iter().map(|l| l.div_ceil(KV_BLOCK)).collect();
+        let max_blocks = *blocks_per_seq.iter().max().expect("sequences");
+        // A pool with spare blocks, handed out in shuffled order.
+        let num_blocks = blocks_per_seq.iter().sum::<usize>() + 3;
+        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.random_range(0..=i));
+        }
+        let mut tables = vec![0i32; case.seq_lens.len() * max_blocks];
+        let mut next = ids.into_iter();
+        for (s, &n) in blocks_per_seq.iter().enumerate() {
+            for b in 0..n {
+                tables[s * max_blocks + b] = next.next().expect("enough blocks") as i32;
+            }
+        }
+        let cache_len = num_blocks * layout.block_elems();
+        let k_cpu: Vec<f16> = (0..cache_len)
+            .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
             .collect();
-        let mut want = vec![0f32; width];
-        paged_attention_reference(
-            &layout,
-            &q[r * width..(r + 1) * width],
+        let v_cpu: Vec<f16> = (0..cache_len)
+            .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
+            .collect();
+        // Queries large enough that the softmax is far from uniform.
+        let q = random(&mut rng, case.rows.len() * n_heads * case.head_dim, 3.0);
+        let max_ctx = case.rows.iter().map(|r| r.1).max().expect("rows");
+        let row_seq: Vec<i32> = case.rows.iter().map(|r| r.0 as i32).collect();
+        let row_ctx: Vec<i32> = case.rows.iter().map(|r| r.1 as i32).collect();
+        AttentionSetup {
+            case,
             n_heads,
-            &k_cpu,
-            &v_cpu,
-            &table,
-            ctx,
-            scale,
-            ReductionOrder::TinyBlas,
-            &mut want,
+            max_blocks,
+            scale: 1.0 / (case.head_dim as f32).sqrt(),
+            parts: attention_partitions(max_ctx),
+            bufs: [
+                Buf::of(&to_device_layout(&k_cpu, &layout)),
+                Buf::of(&to_device_layout(&v_cpu, &layout)),
+            ],
+            qb: Buf::of(&q),
+            int_bufs: [Buf::of(&tables), Buf::of(&row_seq), Buf::of(&row_ctx)],
+            layout,
+            tables,
+            k_cpu,
+            v_cpu,
+            q,
+        }
+    }
+
+    /// Runs the row kernel (`tiles` None: grid y over rows) or the tiled kernel over the tile
+    /// table `tiles` ((first row, rows) pairs), then the reduce.
+    fn run(&self, tiles: Option<&[i32]>) -> AttentionOutputs {
+        let case = self.case;
+        let rows = case.rows.len();
+        let width = self.n_heads * case.head_dim;
+        let mut out = poisoned(rows * width);
+        let mut part_out = poisoned(rows * self.n_heads * self.parts * case.head_dim);
+        let mut part_stats = poisoned(rows * self.n_heads * self.parts * 2);
+        let [kb, vb] = &self.bufs;
+        let [tb, sb, cb] = &self.int_bufs;
+        let (kv_heads, max_blocks) = (case.n_kv_heads as i32, self.max_blocks as i32);
+        let (group, parts) = (case.group as i32, self.parts as i32);
+        match tiles {
+            None => {
+                let attention = match case.head_dim {
+                    32 => Emu::paged_attention_d32,
+                    64 => Emu::paged_attention_d64,
+                    128 => Emu::paged_attention_d128,
+                    d => panic!("no instance for head_dim {d}; have {ATTN_HEAD_DIMS:?}"),
+                };
+                attention(
+                    emu(),
+                    Launch::new(
+                        [kv_heads as u32, rows as u32, parts as u32],
+                        ATTN_THREADS,
+                        attention_smem_bytes(case.group, case.head_dim),
+                    ),
+                    out.mut_ptr(),
+                    part_out.mut_ptr(),
+                    part_stats.mut_ptr(),
+                    self.qb.ptr(),
+                    kb.ptr(),
+                    vb.ptr(),
+                    tb.ptr(),
+                    sb.ptr(),
+                    cb.ptr(),
+                    max_blocks,
+                    kv_heads,
+                    group,
+                    parts,
+                    self.scale,
+                );
+            }
+            Some(tiles) => {
+                let attention = match case.head_dim {
+                    32 => Emu::paged_attention_tiled_d32,
+                    64 => Emu::paged_attention_tiled_d64,
+                    128 => Emu::paged_attention_tiled_d128,
+                    d => panic!("no instance for head_dim {d}; have {ATTN_HEAD_DIMS:?}"),
+                };
+                let tiles_buf = Buf::of(tiles);
+                attention(
+                    emu(),
+                    Launch::new(
+                        [kv_heads as u32, (tiles.len() / 2) as u32, parts as u32],
+                        ATTN_THREADS,
+                        attention_tiled_smem_bytes(case.head_dim),
+                    ),
+                    out.mut_ptr(),
+                    part_out.mut_ptr(),
+                    part_stats.mut_ptr(),
+                    self.qb.ptr(),
+                    kb.ptr(),
+                    vb.ptr(),
+                    tb.ptr(),
+                    sb.ptr(),
+                    cb.ptr(),
+                    tiles_buf.ptr(),
+                    max_blocks,
+                    kv_heads,
+                    group,
+                    parts,
+                    self.scale,
+                );
+            }
+        }
+        emu().attention_reduce(
+            Launch::new([self.n_heads as u32, rows as u32, 1], 64, 0),
+            out.mut_ptr(),
+            part_out.ptr(),
+            part_stats.ptr(),
+            cb.ptr(),
+            self.n_heads as i32,
+            case.head_dim as i32,
+            parts,
         );
-        // f16 probabilities: a partitioned row rounds each partition's normalised
-        // probabilities, the CPU the global ones; both round to 2^-11 relative.
-        assert_close(
-            &format!("row {r} (seq {seq}, context {ctx})"),
-            &got[r * width..(r + 1) * width],
-            &want,
-            2e-3,
+        AttentionOutputs {
+            out: out.to_vec(),
+            part_out: part_out.to_vec(),
+            part_stats: part_stats.to_vec(),
+        }
+    }
+
+    /// Every row of `got` against the CPU backend's attention.
+    fn check_against_cpu(&self, what: &str, got: &[f32]) {
+        let width = self.n_heads * self.case.head_dim;
+        let mb = self.max_blocks;
+        for (r, &(seq, ctx)) in self.case.rows.iter().enumerate() {
+            let table: Vec<u32> = self.tables[seq * mb..(seq + 1) * mb]
+                .iter()
+                .map(|&b| b as u32)
+                .collect();
+            let mut want = vec![0f32; width];
+            paged_attention_reference(
+                &self.layout,
+                &self.q[r * width..(r + 1) * width],
+                self.n_heads,
+                &self.k_cpu,
+                &self.v_cpu,
+                &table,
+                ctx,
+                self.scale,
+                ReductionOrder::TinyBlas,
+                &mut want,
+            );
+            // f16 probabilities: a partitioned row rounds each partition's normalised
+            // probabilities, the CPU the global ones; both round to 2^-11 relative.
+            assert_close(
+                &format!("{what}: row {r} (seq {seq}, context {ctx})"),
+                &got[r * width..(r + 1) * width],
+                &want,
+                2e-3,
+            );
+        }
+    }
+}
+
+/// The tile table the CUDA backend would build: runs of consecutive rows of one sequence at
+/// consecutive positions, cut into tiles of at most `max_rows` rows, as (first row, rows).
+fn tile_table(rows: &[(usize, usize)], max_rows: usize) -> Vec<i32> {
+    let mut tiles: Vec<i32> = Vec::new();
+    for (r, &(seq, ctx)) in rows.iter().enumerate() {
+        let extends = r > 0 && rows[r - 1] == (seq, ctx - 1);
+        match tiles.last_mut() {
+            Some(count) if extends && (*count as usize) < max_rows => *count += 1,
+            _ => tiles.extend([r as i32, 1]),
+        }
+    }
+    tiles
+}
+
+/// Asserts that two launches left the same bits in every entry of every output.
+#[track_caller]
+fn assert_same_bits(what: &str, got: &AttentionOutputs, want: &AttentionOutputs, width: usize) {
+    for (name, g, w, per_row) in [
+        ("out", &got.out, &want.out, width),
+        (
+            "part_out",
+            &got.part_out,
+            &want.part_out,
+            want.part_out.len() / (want.out.len() / width),
+        ),
+        (
+            "part_stats",
+            &got.part_stats,
+            &want.part_stats,
+            want.part_stats.len() / (want.out.len() / width),
+        ),
+    ] {
+        assert_eq!(g.len(), w.len(), "{what}: {name} length");
+        if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
+            panic!(
+                "{what}: {name}[{i}] (row {}) is {} ({:#010x}), the row kernel's {} ({:#010x})",
+                i / per_row,
+                g[i],
+                g[i].to_bits(),
+                w[i],
+                w[i].to_bits()
+            );
+        }
+    }
+}
+
+/// Runs the row kernel against the CPU reference, and the tiled kernel — over the backend's
+/// tiling and over single-row tiles — against the row kernel, bit for bit, and the CPU.
+fn run_attention_case(case: &AttentionCase, seed: u64) {
+    let setup = AttentionSetup::new(case, seed);
+    let rows = setup.run(None);
+    setup.check_against_cpu("row kernel", &rows.out);
+    let width = setup.n_heads * case.head_dim;
+    let max_rows = attention_tile_rows(case.group);
+    for (tiling, tiles) in [
+        ("tiles", tile_table(&case.rows, max_rows)),
+        ("single-row tiles", tile_table(&case.rows, 1)),
+    ] {
+        let what = format!(
+            "tiled kernel, {tiling} (head_dim {}, group {})",
+            case.head_dim, case.group
         );
+        let tiled = setup.run(Some(&tiles));
+        assert_same_bits(&what, &tiled, &rows, width);
+        setup.check_against_cpu(&what, &tiled.out);
     }
 }
 
@@ -838,18 +1026,33 @@ fn decode_attention_matches_cpu_for_every_head_dim_and_the_largest_group() {
 fn prefill_rows_attend_causally_over_the_paged_cache() {
     // A chunk of 6 tokens at positions 510..516 of a 516-token sequence (earlier chunks in the
     // cache; the chunk crosses the 512-token partition), next to another sequence's decode row.
-    let mut rows: Vec<(usize, usize)> = (510..516).map(|pos| (0, pos + 1)).collect();
-    rows.push((1, 40));
     run_attention_case(
-        &AttentionCase {
-            n_kv_heads: 3,
-            group: 3,
-            head_dim: 64,
-            seq_lens: vec![516, 40],
-            rows,
-        },
+        &AttentionCase::of_chunks(3, 3, 64, vec![516, 40], &[(0, 510, 6), (1, 39, 1)]),
         10,
     );
+}
+
+#[test]
+fn tiled_prefill_attention_is_bit_identical_to_the_row_kernel_for_every_head_dim_and_group() {
+    // Per geometry, one step's rows: a chunk of 21 rows of sequence 0 at positions 500..521
+    // (its first 500 tokens from the cache; the chunk crosses the 512-token partition, so its
+    // rows have one or two partitions, and the partition boundary falls inside a tile), a
+    // whole 19-token prompt of sequence 1 (contexts 1..19, a partial last tile), a decode row
+    // of sequence 2 at context 45, and a 5-row chunk of sequence 3 at positions 1030..1035
+    // (three partitions). No context is a multiple of 16 but by chance.
+    let seq_lens = vec![521, 19, 45, 1035];
+    let chunks = [(0, 500, 21), (1, 0, 19), (2, 44, 1), (3, 1030, 5)];
+    for (head_dim, group, n_kv_heads) in [
+        (32, 1, 2),
+        (32, 8, 1),
+        (64, 3, 2),
+        (64, 4, 1),
+        (128, 1, 1),
+        (128, 8, 1),
+    ] {
+        let case = AttentionCase::of_chunks(n_kv_heads, group, head_dim, seq_lens.clone(), &chunks);
+        run_attention_case(&case, 100 + (head_dim * 10 + group) as u64);
+    }
 }
 
 /// `out = x · Wᵀ` for `m` activation rows on the emulated device, as the CUDA backend runs a

@@ -2,11 +2,12 @@
 //! [`DeviceOps`], so the same code drives a GPU and, in CI, the CUDA emulator.
 //!
 //! Per step: one copy of the integer inputs in, then per layer RMSNorm → Q/K/V matvecs →
-//! RoPE → K/V written through the slot mapping → paged attention (+ the reduce pass for rows
-//! longer than one partition) → output projection + residual → RMSNorm → gate/up → SwiGLU →
-//! down + residual; then the rows that need logits are gathered, normalised and multiplied by
-//! the output head, and one copy brings the logits back. Numerics follow the CPU backend
-//! (activations quantized to Q8_1 per matmul, f16 K/V, f32 softmax), see DESIGN.md.
+//! RoPE → K/V written through the slot mapping → paged attention (row or tiled kernel, see
+//! [`attention_kernel`]; + the reduce pass for rows longer than one partition) → output
+//! projection + residual → RMSNorm → gate/up → SwiGLU → down + residual; then the rows that
+//! need logits are gathered, normalised and multiplied by the output head, and one copy brings
+//! the logits back. Numerics follow the CPU backend (activations quantized to Q8_1 per matmul,
+//! f16 K/V, f32 softmax), see DESIGN.md.
 //!
 //! Unlike the CPU path, the last layer runs for every row, not only the logit rows: each row's
 //! result is the same either way, and one code path is simpler to check.
@@ -14,8 +15,8 @@
 use kvgate_kernels::cuda::device::{DevBuf, DeviceOps, KernelArg, LaunchDims};
 use kvgate_kernels::cuda::{
     ATTN_THREADS, MMQ_COLS, MMQ_ROWS, MMQ_SMEM_BYTES, MMQ_THREADS, MV_MAX_BATCH, MV_ROWS_PER_BLOCK,
-    MV_THREADS, NORM_THREADS, attention_partitions, attention_smem_bytes, ggml_type_id,
-    matvec_kernel, mmq_kernel,
+    MV_THREADS, NORM_THREADS, attention_partitions, attention_smem_bytes, attention_tile_rows,
+    attention_tiled_smem_bytes, ggml_type_id, matvec_kernel, mmq_kernel,
 };
 
 use super::weights::{DeviceMat, DeviceModel};
@@ -43,13 +44,16 @@ pub const MMQ_MIN_EXCLUSIVE_BATCH: usize = 16;
 
 use KernelArg::{F32 as Float, I32 as Int, I64 as Long};
 
-/// Where each section of the step inputs sits in `ws.inputs` (i32 offsets).
+/// Where each section of the step inputs sits in `ws.inputs` (i32 offsets), sized as in
+/// [`super::workspace::WorkspaceShape::input_words`].
 struct InputLayout {
     ids: usize,
     positions: usize,
     slots: usize,
     row_seq: usize,
     row_ctx: usize,
+    /// The tiled attention kernel's tiles: (first row, rows) pairs, at most one per row.
+    tiles: usize,
     logit_rows: usize,
     tables: usize,
 }
@@ -63,10 +67,51 @@ impl InputLayout {
             slots: 2 * t,
             row_seq: 3 * t,
             row_ctx: 4 * t,
-            logit_rows: 5 * t,
-            tables: 5 * t + max_seqs,
+            tiles: 5 * t,
+            logit_rows: 7 * t,
+            tables: 7 * t + max_seqs,
         }
     }
+}
+
+/// What [`upload_inputs`] derived from the step for the attention launches.
+struct AttentionGeometry {
+    /// Longest block table.
+    max_blocks: usize,
+    /// Longest row context.
+    max_ctx: usize,
+    /// Tiles in the uploaded tile table.
+    tiles: usize,
+    /// Whether some tile has more than one row (the step has a prefill chunk).
+    multi_row_tiles: bool,
+}
+
+/// The attention kernel of a step with heads of `head_dim`, `tiled` when the step has a
+/// prefill chunk.
+///
+/// Steps with a prefill chunk (a tile of more than one row) run `paged_attention_tiled_dD`
+/// over the step's tiles: each prefill chunk is cut into tiles of up to
+/// [`attention_tile_rows`] consecutive rows, each decode row is a tile of its own, so one
+/// launch covers every row and each K/V token row is read once per tile instead of once per
+/// row. Decode-only steps keep `paged_attention_dD` (one block per row; it needs less shared
+/// memory than a tiled block sized for a whole tile). The tiled kernel produces the row
+/// kernel's bits for every row (kernels/cuda/attention.cu; the emulator tests compare them),
+/// so which kernel a step gets, and how its rows are tiled, never changes a result: a
+/// sequence's logits do not depend on what else is in the step.
+fn attention_kernel(head_dim: usize, tiled: bool) -> Result<&'static str, BackendError> {
+    Ok(match (head_dim, tiled) {
+        (32, false) => "paged_attention_d32",
+        (64, false) => "paged_attention_d64",
+        (128, false) => "paged_attention_d128",
+        (32, true) => "paged_attention_tiled_d32",
+        (64, true) => "paged_attention_tiled_d64",
+        (128, true) => "paged_attention_tiled_d128",
+        (other, _) => {
+            return Err(BackendError::Other(format!(
+                "no attention kernel for head_dim {other}"
+            )));
+        }
+    })
 }
 
 /// The launches of one step over `dev`.
@@ -202,7 +247,8 @@ impl<D: DeviceOps> Launcher<'_, D> {
 }
 
 /// Packs the step's integer inputs into `ws.staging` at the [`InputLayout`] offsets and copies
-/// them to the device in one transfer. Returns (longest block table, longest row context).
+/// them to the device in one transfer. The tile table cuts each sequence's rows (consecutive
+/// positions, checked by the step plan) into tiles of at most `tile_rows` rows.
 fn upload_inputs<D: DeviceOps>(
     dev: &mut D,
     ws: &DeviceWorkspace,
@@ -210,7 +256,8 @@ fn upload_inputs<D: DeviceOps>(
     inputs: &BatchInputs,
     plan: &StepPlan,
     layout: &InputLayout,
-) -> Result<(usize, usize), BackendError> {
+    tile_rows: usize,
+) -> Result<AttentionGeometry, BackendError> {
     let n = inputs.token_ids.len();
     let shape = ws.shape;
     if inputs.seqs.len() > shape.max_seqs {
@@ -243,6 +290,18 @@ fn upload_inputs<D: DeviceOps>(
         put(layout.row_seq + t, plan.token_seq[t]);
         put(layout.row_ctx + t, inputs.positions[t] as usize + 1);
     }
+    let mut tiles = 0;
+    let mut multi_row_tiles = false;
+    for seq in &inputs.seqs {
+        let end = seq.token_start + seq.num_tokens;
+        for first in (seq.token_start..end).step_by(tile_rows) {
+            let rows = tile_rows.min(end - first);
+            put(layout.tiles + 2 * tiles, first);
+            put(layout.tiles + 2 * tiles + 1, rows);
+            tiles += 1;
+            multi_row_tiles |= rows > 1;
+        }
+    }
     for (j, &row) in plan.logit_rows.iter().enumerate() {
         put(layout.logit_rows + j, row);
     }
@@ -261,7 +320,12 @@ fn upload_inputs<D: DeviceOps>(
         .map(|&p| p as usize + 1)
         .max()
         .unwrap_or(1);
-    Ok((max_blocks, max_ctx))
+    Ok(AttentionGeometry {
+        max_blocks,
+        max_ctx,
+        tiles,
+        multi_row_tiles,
+    })
 }
 
 /// A step's inputs and what validating them derived.
@@ -287,19 +351,35 @@ pub fn run<D: DeviceOps>(
     let group = heads / kv_heads;
     let n = inputs.token_ids.len();
     let layout = InputLayout::new(ws.shape.max_tokens, ws.shape.max_seqs);
-    let (max_blocks, max_ctx) = upload_inputs(dev, ws, staging, inputs, plan, &layout)?;
-    let parts = attention_partitions(max_ctx);
+    let geometry = upload_inputs(
+        dev,
+        ws,
+        staging,
+        inputs,
+        plan,
+        &layout,
+        attention_tile_rows(group),
+    )?;
+    let parts = attention_partitions(geometry.max_ctx);
     let scale = 1.0f32 / (hd as f32).sqrt();
-    let attention = match hd {
-        32 => "paged_attention_d32",
-        64 => "paged_attention_d64",
-        128 => "paged_attention_d128",
-        other => {
-            return Err(BackendError::Other(format!(
-                "no attention kernel for head_dim {other}"
-            )));
-        }
+    let tiled = geometry.multi_row_tiles;
+    let attention = attention_kernel(hd, tiled)?;
+    // The row kernel's grid has a block per row, the tiled kernel's one per tile, which reads
+    // its rows from the tile table (an extra parameter after row_ctx).
+    let (attention_blocks, attention_smem) = if tiled {
+        (geometry.tiles, attention_tiled_smem_bytes(hd))
+    } else {
+        (n, attention_smem_bytes(group, hd))
     };
+    let attention_dims = LaunchDims::new(
+        [
+            kv_heads as u32,
+            u32::try_from(attention_blocks).unwrap_or(u32::MAX),
+            parts as u32,
+        ],
+        ATTN_THREADS,
+        attention_smem,
+    );
     let embd_ty = ggml_type_id(model.embd.ty).ok_or_else(|| {
         BackendError::Other(format!("no embedding kernel for {:?}", model.embd.ty))
     })?;
@@ -357,30 +437,28 @@ pub fn run<D: DeviceOps>(
                 int(hd),
             ],
         )?;
-        l.launch(
-            attention,
-            LaunchDims::new(
-                [kv_heads as u32, n as u32, parts as u32],
-                ATTN_THREADS,
-                attention_smem_bytes(group, hd),
-            ),
-            &[
-                ws.att.arg(),
-                ws.part_out.arg(),
-                ws.part_stats.arg(),
-                ws.q.arg(),
-                cache.k.arg(),
-                cache.v.arg(),
-                l.input(layout.tables),
-                l.input(layout.row_seq),
-                l.input(layout.row_ctx),
-                int(max_blocks),
-                int(kv_heads),
-                int(group),
-                int(parts),
-                Float(scale),
-            ],
-        )?;
+        let mut args = vec![
+            ws.att.arg(),
+            ws.part_out.arg(),
+            ws.part_stats.arg(),
+            ws.q.arg(),
+            cache.k.arg(),
+            cache.v.arg(),
+            l.input(layout.tables),
+            l.input(layout.row_seq),
+            l.input(layout.row_ctx),
+        ];
+        if tiled {
+            args.push(l.input(layout.tiles));
+        }
+        args.extend([
+            int(geometry.max_blocks),
+            int(kv_heads),
+            int(group),
+            int(parts),
+            Float(scale),
+        ]);
+        l.launch(attention, attention_dims, &args)?;
         if parts > 1 {
             l.launch(
                 "attention_reduce",

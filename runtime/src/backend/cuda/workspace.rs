@@ -34,9 +34,10 @@ impl WorkspaceShape {
     }
 
     /// i32 values of the step inputs: token ids, positions, slots, row → sequence, row →
-    /// context (a row per token), logit rows, then the block tables.
+    /// context (a row per token), the tiled attention kernel's tile table (a (first row, rows)
+    /// pair per tile, at most one tile per row), logit rows, then the block tables.
     pub fn input_words(&self) -> usize {
-        5 * self.max_tokens + self.max_seqs + self.max_seqs * self.max_blocks_per_seq
+        7 * self.max_tokens + self.max_seqs + self.max_seqs * self.max_blocks_per_seq
     }
 
     /// Bytes of each buffer, in [`DeviceWorkspace`] field order.
