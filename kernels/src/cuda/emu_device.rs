@@ -63,9 +63,12 @@ pub fn build_library() -> Result<PathBuf, String> {
     if lib.exists() {
         return Ok(lib);
     }
-    // Per-process partial file, renamed into place: concurrent test binaries never load a
-    // half-written library.
-    let partial = out_dir.join(format!("emu-{}.so.partial", std::process::id()));
+    // A partial file per process and call, renamed into place: concurrent test binaries never
+    // load a half-written library, and tests of one binary building it at the same time (the
+    // first run after a source change) never write or rename each other's file.
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let build = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let partial = out_dir.join(format!("emu-{}-{build}.so.partial", std::process::id()));
     let output = Command::new("g++")
         .args([
             "-std=c++20",
