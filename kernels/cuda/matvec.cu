@@ -88,7 +88,9 @@ MATVEC_Q(matvec_q5_k, GGML_Q5_K, Q5_K_BYTES, QK_K / 32)
 MATVEC_Q(matvec_q6_k, GGML_Q6_K, Q6_K_BYTES, QK_K / 32)
 
 // F16 weights: activations rounded to f16 first, as ggml's F16 vec_dot type; f32 products.
-// Same grid and block as the quantized kernels; x is [batch][cols] f32.
+// Same grid and block as the quantized kernels; x is [batch][cols] f32. Steps of more rows go
+// through the tiled mm_f16 (mmq.cu), which keeps exactly this per-lane fmaf order and
+// warp_sum tree for bit identity.
 KERNEL void __launch_bounds__(MV_THREADS)
     matvec_f16(float* __restrict__ out, const uint16_t* __restrict__ w,
                const float* __restrict__ x, int rows, int cols, int batch) {

@@ -1,10 +1,12 @@
-// Tiled quantized matrix-matrix products for large batches (prefill): one thread block
-// computes a tile of MMQ_ROWS weight rows x MMQ_COLS activation rows, so each weight block is
-// read from global memory once per MMQ_COLS activation rows instead of once per MV_MAX_BATCH
-// (the matvec kernels re-read every weight matrix batch / 8 times). The Q8_1 activation
-// blocks of the tile are staged in shared memory, MMQ_DEPTH blocks along K at a time, and read
-// there by every warp; products are the integer dp4a block products of qdot.cuh with f32
-// accumulation.
+// Tiled matrix-matrix products for large batches (prefill): one thread block computes a tile
+// of weight rows x activation rows, so each weight element is read from global memory once per
+// tile of activation rows instead of once per MV_MAX_BATCH (the matvec kernels re-read every
+// weight matrix batch / 8 times). Quantized weights (mmq_*): a tile is MMQ_ROWS weight rows x
+// MMQ_COLS activation rows; the Q8_1 activation blocks of the tile are staged in shared memory,
+// MMQ_DEPTH blocks along K at a time, and read there by every warp; products are the integer
+// dp4a block products of qdot.cuh with f32 accumulation. F16 weights (mm_f16, at the end of
+// this file): the same scheme over single columns instead of 32-element blocks, with f32
+// activations rounded to f16.
 //
 // Bit identity with matvec.cu (batch invariance: a row's result must not depend on which
 // kernel its step size selects). An output of the matvec kernel is the warp_sum, over lanes
@@ -131,3 +133,106 @@ MMQ_Q(mmq_q8_0, GGML_Q8_0, Q8_0_BYTES, 1)
 MMQ_Q(mmq_q4_k, GGML_Q4_K, Q4_K_BYTES, QK_K / 32)
 MMQ_Q(mmq_q5_k, GGML_Q5_K, Q5_K_BYTES, QK_K / 32)
 MMQ_Q(mmq_q6_k, GGML_Q6_K, Q6_K_BYTES, QK_K / 32)
+
+// F16 weights: matvec_f16's arithmetic, tiled. An output of matvec_f16 is the warp_sum of lane
+// l's partial `acc = fmaf(f16_to_f32(w[c]), round_f16(x[j][c]), acc)` from 0.0f over columns
+// c = l, l + 32, l + 64, ... in increasing order. Here each warp owns MMF_WARP_ROWS weight
+// rows of an MMF_ROWS x MMF_COLS tile; a stage covers MMF_DEPTH = MMF_STEPS * 32 columns from
+// c0 (a multiple of 32), and lane l takes its columns c0 + l + 32 s for s = 0 .. MMF_STEPS in
+// that order, so it runs exactly the matvec lane's fmaf chain for each of its MMF_WARP_ROWS x
+// MMF_COLS outputs (the same operands: the staged activations are round_f16(x), the very
+// floats matvec_f16 feeds fmaf), and warp_sum_scatter combines the 32 partials of an output
+// with warp_sum's tree. Columns past `cols` (any cols works; the loader only ever passes
+// multiples of 32) are skipped, so each partial is exactly matvec's fmaf chain with nothing
+// to argue about padding.
+//
+// Staging: the tile's activations of a stage, rounded to f16 and kept as f32, lane-major
+// ([activation row][lane][step]), so a lane's MMF_STEPS values of one activation row are one
+// 16-byte shared load (consecutive lanes, consecutive 16 bytes: no bank conflicts); the copy
+// in reads them from global memory in coalesced 128-byte rows. Weights are not staged: each
+// weight element is used by exactly one lane, which loads it (a warp reads 64 contiguous bytes
+// of a row per load) into registers for all MMF_COLS activation rows.
+
+#define MMF_WARPS 8
+#define MMF_THREADS (MMF_WARPS * WARP)
+// Weight rows per warp (register tile: MMF_WARP_ROWS x MMF_COLS partials a lane).
+#define MMF_WARP_ROWS 2
+#define MMF_ROWS (MMF_WARPS * MMF_WARP_ROWS)
+// Activation rows per block: one per lane after the reduce-scatter.
+#define MMF_COLS WARP
+// Columns per lane per stage (one 16-byte shared load of f32), and columns per stage.
+#define MMF_STEPS 4
+#define MMF_DEPTH (MMF_STEPS * WARP)
+#define MMF_SMEM_BYTES (MMF_COLS * MMF_DEPTH * 4)
+
+struct alignas(16) f32x4 {
+    float v[MMF_STEPS];
+};
+
+// out[j][r] = W[r] . x[j] for all r < rows, j < batch; W is [rows][cols] f16, x [batch][cols]
+// f32. Grid (ceil(rows / MMF_ROWS), ceil(batch / MMF_COLS)), block MMF_THREADS,
+// MMF_SMEM_BYTES of dynamic shared memory (16-byte aligned).
+KERNEL void __launch_bounds__(MMF_THREADS)
+    mm_f16(float* __restrict__ out, const uint16_t* __restrict__ w,
+           const float* __restrict__ x, int rows, int cols, int batch) {
+    DYN_SMEM(f32x4, mmf_x);  // [MMF_COLS][WARP]: round_f16(x[j][c0 + l + 32 s]) at [j][l].v[s]
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int row0 = blockIdx.x * MMF_ROWS + warp * MMF_WARP_ROWS;
+    const int j0 = blockIdx.y * MMF_COLS;
+    const int jn = min(MMF_COLS, batch - j0);
+    const float* xt = x + (long long)j0 * cols;
+    float acc[MMF_WARP_ROWS][MMF_COLS];
+#pragma unroll
+    for (int r = 0; r < MMF_WARP_ROWS; ++r) {
+#pragma unroll
+        for (int j = 0; j < MMF_COLS; ++j) acc[r][j] = 0.0f;
+    }
+    for (int c0 = 0; c0 < cols; c0 += MMF_DEPTH) {
+        // This lane's columns of the stage, c0 + lane + 32 s for s < sn.
+        const int sn = min(MMF_STEPS, max(0, (cols - c0 - lane + WARP - 1) / WARP));
+        // Its weights, loaded before the barriers so the loads overlap the staging.
+        float wv[MMF_WARP_ROWS][MMF_STEPS];
+#pragma unroll
+        for (int r = 0; r < MMF_WARP_ROWS; ++r) {
+            const uint16_t* wr = w + (long long)(row0 + r) * cols + c0 + lane;
+#pragma unroll
+            for (int s = 0; s < MMF_STEPS; ++s) {
+                wv[r][s] = row0 + r < rows && s < sn ? f16_to_f32(wr[s * WARP]) : 0.0f;
+            }
+        }
+        __syncthreads();  // every warp is done with the previous stage
+        for (int i = threadIdx.x; i < jn * WARP; i += MMF_THREADS) {
+            const int j = i / WARP, l = i % WARP;
+            const float* xj = xt + (long long)j * cols + c0 + l;
+            f32x4 v;
+#pragma unroll
+            for (int s = 0; s < MMF_STEPS; ++s) {
+                v.v[s] = c0 + l + s * WARP < cols ? round_f16(xj[s * WARP]) : 0.0f;
+            }
+            mmf_x[i] = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < MMF_COLS; ++j) {
+            if (j < jn) {
+                const f32x4 xv = mmf_x[j * WARP + lane];
+#pragma unroll
+                for (int s = 0; s < MMF_STEPS; ++s) {
+                    if (s < sn) {
+#pragma unroll
+                        for (int r = 0; r < MMF_WARP_ROWS; ++r) {
+                            acc[r][j] = fmaf(wv[r][s], xv.v[s], acc[r][j]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MMF_WARP_ROWS; ++r) {
+        if (row0 + r < rows) {  // uniform over the warp: every lane reaches the shuffles
+            const float s = warp_sum_scatter(acc[r]);
+            if (lane < jn) out[(long long)(j0 + lane) * rows + row0 + r] = s;
+        }
+    }
+}

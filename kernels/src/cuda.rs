@@ -86,7 +86,7 @@ pub const PROGRAMS: &[Program] = &[
         includes: &[QDOT],
         kernels: &[
             "mmq_q4_0", "mmq_q4_1", "mmq_q5_0", "mmq_q5_1", "mmq_q8_0", "mmq_q4_k", "mmq_q5_k",
-            "mmq_q6_k",
+            "mmq_q6_k", "mm_f16",
         ],
     },
 ];
@@ -144,6 +144,17 @@ pub const MMQ_COLS: usize = 32;
 /// Dynamic shared memory of a tiled block: one stage of MMQ_COLS x 32 Q8_1 blocks
 /// (`MMQ_SMEM_BYTES`).
 pub const MMQ_SMEM_BYTES: usize = MMQ_COLS * 32 * 36;
+/// Threads of a tiled F16 (`mm_f16`) block (`MMF_THREADS`).
+pub const MMF_THREADS: u32 = 256;
+/// Weight rows per `mm_f16` block: the grid's x extent is `rows.div_ceil(MMF_ROWS)`
+/// (`MMF_ROWS`).
+pub const MMF_ROWS: usize = 16;
+/// Activation rows per `mm_f16` block: the grid's y extent is `batch.div_ceil(MMF_COLS)`
+/// (`MMF_COLS`).
+pub const MMF_COLS: usize = 32;
+/// Dynamic shared memory of an `mm_f16` block: one stage of MMF_COLS activation rows × 128
+/// columns as f32 (`MMF_SMEM_BYTES`).
+pub const MMF_SMEM_BYTES: usize = MMF_COLS * 128 * 4;
 /// Threads of an rms_norm block (`NORM_THREADS`).
 pub const NORM_THREADS: u32 = 256;
 /// Threads of an argmax block (`ARGMAX_THREADS`).
@@ -189,10 +200,10 @@ pub fn matvec_kernel(ty: crate::quant::WeightType) -> Option<&'static str> {
     })
 }
 
-/// The tiled matrix-matrix kernel for weights of `ty` (in `mmq.cu`), `None` for the float
-/// types, which have only their matvec. Same parameters as the matvec kernels, with any batch;
-/// every output is bit-identical to the matvec kernel's for the same weight and activation
-/// rows (see mmq.cu).
+/// The tiled quantized matrix-matrix kernel for weights of `ty` (in `mmq.cu`), `None` for the
+/// float types (F16 has its own tiled kernel, `mm_f16`, see [`tiled_matmul`]). Same
+/// parameters as the matvec kernels, with any batch; every output is bit-identical to the
+/// matvec kernel's for the same weight and activation rows (see mmq.cu).
 #[allow(unreachable_patterns)] // new CPU-only weight types must not break this build
 pub fn mmq_kernel(ty: crate::quant::WeightType) -> Option<&'static str> {
     use crate::quant::WeightType;
@@ -207,6 +218,32 @@ pub fn mmq_kernel(ty: crate::quant::WeightType) -> Option<&'static str> {
         WeightType::Q6_K => "mmq_q6_k",
         _ => return None,
     })
+}
+
+/// The tiled matrix-matrix kernel for weights of `ty` and its launch over `rows` weight rows
+/// and `batch` activation rows: `mmq_*` for the quantized types (x as Q8_1 blocks, like their
+/// matvec), `mm_f16` for F16 (x as f32 rows, like `matvec_f16`); `None` for types with no tiled
+/// kernel. Parameters are the matvec kernels' (`out`, `w`, `x`, rows, cols, batch) with any
+/// batch, and every output is bit-identical to the matvec kernel's (see mmq.cu).
+#[allow(unreachable_patterns)] // new CPU-only weight types must not break this build
+pub fn tiled_matmul(
+    ty: crate::quant::WeightType,
+    rows: usize,
+    batch: usize,
+) -> Option<(&'static str, device::LaunchDims)> {
+    let grid = |rows_per_block: usize, cols_per_block: usize| {
+        [
+            u32::try_from(rows.div_ceil(rows_per_block)).unwrap_or(u32::MAX),
+            u32::try_from(batch.div_ceil(cols_per_block)).unwrap_or(u32::MAX),
+            1,
+        ]
+    };
+    if ty == crate::quant::WeightType::F16 {
+        let dims = device::LaunchDims::new(grid(MMF_ROWS, MMF_COLS), MMF_THREADS, MMF_SMEM_BYTES);
+        return Some(("mm_f16", dims));
+    }
+    let dims = device::LaunchDims::new(grid(MMQ_ROWS, MMQ_COLS), MMQ_THREADS, MMQ_SMEM_BYTES);
+    mmq_kernel(ty).map(|name| (name, dims))
 }
 
 /// Dynamic shared memory of one paged-attention block for a query group of `group` heads of

@@ -83,6 +83,9 @@ EMU_MATVEC(mmq_q6_k, uint8_t)
 EMU_LAUNCHER(matvec_f16,
              (float* out, const uint16_t* w, const float* x, int rows, int cols, int batch),
              (out, w, x, rows, cols, batch))
+EMU_LAUNCHER(mm_f16,
+             (float* out, const uint16_t* w, const float* x, int rows, int cols, int batch),
+             (out, w, x, rows, cols, batch))
 
 // Launch by kernel name with a cuLaunchKernel-style parameter array (params[i] points at the
 // i-th argument's value), so one piece of Rust launch code drives both a real device and this
@@ -123,7 +126,7 @@ inline const Entry ENTRIES[] = {
     EMU_ENTRY(matvec_f16),
     EMU_ENTRY(mmq_q4_0),       EMU_ENTRY(mmq_q4_1),            EMU_ENTRY(mmq_q5_0),
     EMU_ENTRY(mmq_q5_1),       EMU_ENTRY(mmq_q8_0),            EMU_ENTRY(mmq_q4_k),
-    EMU_ENTRY(mmq_q5_k),       EMU_ENTRY(mmq_q6_k),
+    EMU_ENTRY(mmq_q5_k),       EMU_ENTRY(mmq_q6_k),            EMU_ENTRY(mm_f16),
 };
 
 }  // namespace emu

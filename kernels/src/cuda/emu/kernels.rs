@@ -76,4 +76,5 @@ emu_kernels! {
     mmq_q5_k(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
     mmq_q6_k(out: *mut f32, w: *const u8, x: *const u8, rows: i32, cols: i32, batch: i32);
     matvec_f16(out: *mut f32, w: *const u16, x: *const f32, rows: i32, cols: i32, batch: i32);
+    mm_f16(out: *mut f32, w: *const u16, x: *const f32, rows: i32, cols: i32, batch: i32);
 }
