@@ -8,11 +8,14 @@
 #                                         # carried: synthetic models, the #[ignore] GPU tests
 #                                         # under KVGATE_REQUIRE_GPU=1, benchmarks, a summary
 #
-# The GPU tests include the tiled quantized matmul (kernels/cuda/mmq.cu): bit-identical to the
-# matvec kernels on the device (tiled_matmul_is_bit_identical_to_matvec_on_the_device), and
-# timed against the chunked matvec at batch 8, 16, 32, 64, 128 and 512 on Llama-2-13B's Q4_0
-# 5120x5120 and 13824x5120 matrices (bench_tiled_vs_chunked_matvec_llama2_13b_q4_0, lines
-# `GPU-CHECK mmq_<rows>x<cols>_q4_0_batch<N> tiled_us= matvec_us= tiled_speedup=`). The
+# The GPU tests include the tiled matmuls (kernels/cuda/mmq.cu: mmq_* for quantized weights,
+# mm_f16 for F16): bit-identical to the matvec kernels on the device
+# (tiled_matmul_is_bit_identical_to_matvec_on_the_device, lines
+# `GPU-CHECK mmq_bit_identical_<type>_<cols>=passed`), and timed against the chunked matvec at
+# batch 8, 16, 32, 64, 128 and 512 on Llama-2-13B's Q4_0 5120x5120 and 13824x5120 matrices and
+# its 5120x5120 in F16 (bench_tiled_vs_chunked_matvec_llama2_13b_q4_0, lines
+# `GPU-CHECK mmq_<rows>x<cols>_q4_0_batch<N> tiled_us= matvec_us= tiled_speedup=` and
+# `GPU-CHECK mm_f16_5120x5120_batch<N> ...`). The
 # runtime's switch-over, MMQ_MIN_EXCLUSIVE_BATCH in runtime/src/backend/cuda/step.rs, is an
 # unmeasured guess until that output is read: set it to the largest batch whose
 # tiled_speedup is below 1 (results are the same bits either way; only speed changes).
@@ -126,7 +129,7 @@ run() {
     grep '^test ' "$log" || true
     grep '^GPU-CHECK ' "$log" | sed 's/^GPU-CHECK //' || true
     echo "targets: attention >= 0.70 of copy bandwidth; single-stream decode >= 0.50 of the weight bound; decode_64 >= 10x single"
-    echo "tiled matmul: set MMQ_MIN_EXCLUSIVE_BATCH (runtime/src/backend/cuda/step.rs) to the largest batch whose mmq_* tiled_speedup < 1"
+    echo "tiled matmul: set MMQ_MIN_EXCLUSIVE_BATCH (runtime/src/backend/cuda/step.rs) to the largest batch whose mmq_*/mm_f16_* tiled_speedup < 1"
     return "$status"
 }
 

@@ -62,6 +62,27 @@ fn emulated(gguf: &Arc<GgufFile>, config: &ModelConfig) -> CudaBackend<EmuDevice
     CudaBackend::new(dev, Arc::clone(gguf), config.clone(), options()).expect("backend starts")
 }
 
+/// A backend on the emulated device that records the name of every kernel launched, and the
+/// record (cleared by the caller before a step).
+fn recorded(
+    gguf: &Arc<GgufFile>,
+    config: &ModelConfig,
+) -> (CudaBackend<Recording>, Arc<Mutex<Vec<String>>>) {
+    let launched = Arc::new(Mutex::new(Vec::new()));
+    let dev = Recording {
+        dev: EmuDevice::new().expect("the CUDA emulator builds (needs g++)"),
+        launched: Arc::clone(&launched),
+    };
+    let backend =
+        CudaBackend::new(dev, Arc::clone(gguf), config.clone(), options()).expect("starts");
+    (backend, launched)
+}
+
+/// Takes the names of the kernels launched since the last call.
+fn take(launched: &Mutex<Vec<String>>) -> Vec<String> {
+    std::mem::take(&mut *launched.lock().expect("not poisoned"))
+}
+
 /// One sequence's share of a step: `tokens` at positions `start..`, stored via `blocks`.
 struct Part<'a> {
     tokens: &'a [u32],
@@ -117,11 +138,13 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
 /// block and reads the first from the cache) beside B's 9-token prefill and decode.
 const TOLERANCE: f32 = 2e-2;
 
-fn whole_steps_match_the_cpu_backend(shape: SynthShape, dtype: SynthDtype) {
-    whole_steps_match(shape, dtype, TOLERANCE);
+fn whole_steps_match_the_cpu_backend(shape: SynthShape, dtype: SynthDtype) -> Vec<Vec<String>> {
+    whole_steps_match(shape, dtype, TOLERANCE)
 }
 
-fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, tol: f32) {
+/// Runs the schedule on both backends, comparing every logit; returns the kernels each step
+/// launched on the emulated device (28 rows, 14 rows, 1 row).
+fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, tol: f32) -> Vec<Vec<String>> {
     let (gguf, config) = synth_model(shape, dtype);
     let mut cpu = CpuBackend::new(
         Arc::clone(&gguf),
@@ -134,7 +157,7 @@ fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, tol: f32) {
         },
     )
     .expect("cpu backend");
-    let mut gpu = emulated(&gguf, &config);
+    let (mut gpu, launched) = recorded(&gguf, &config);
     let (a, b) = (tokens(34, 1), tokens(9, 2));
     // Scattered, out-of-order block ids; A's prompt is chunked at 20 (mid-block).
     let (blocks_a, blocks_b): (&[u32], &[u32]) = (&[9, 2, 6], &[4]);
@@ -176,6 +199,7 @@ fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, tol: f32) {
     ];
     let steps = full;
     let (mut want, mut got) = (Vec::new(), Vec::new());
+    let mut kernels = Vec::new();
     for (i, parts) in steps.iter().enumerate() {
         let inputs = batch(parts);
         for v in [&mut want, &mut got] {
@@ -184,7 +208,9 @@ fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, tol: f32) {
             v.resize(3 * config.vocab_size, f32::NAN);
         }
         cpu.forward(&inputs, &mut want).expect("cpu step");
+        take(&launched);
         gpu.forward(&inputs, &mut got).expect("emulated step");
+        kernels.push(take(&launched));
         assert_eq!(
             got.len(),
             inputs.num_logits_rows() * config.vocab_size,
@@ -195,13 +221,13 @@ fn whole_steps_match(shape: SynthShape, dtype: SynthDtype, tol: f32) {
         // step of the largest logit.
         assert_close(&format!("{shape} {dtype} step {i}"), &got, &want, tol);
     }
+    kernels
 }
 
-#[test]
-fn a_sequence_gets_the_same_logit_bits_alone_and_in_a_step_large_enough_for_the_tiled_kernels() {
-    // B alone: 9 rows then 1 (the matvec kernels); beside A's 20- and 16-token chunks: 29
-    // rows then 17 (the tiled kernels). Batch invariance needs every one of B's logits to be
-    // the same float either way.
+/// B alone: 9 rows then 1 (the matvec kernels); beside A's 20- and 16-token chunks: 29 rows
+/// then 17 (the tiled kernels, `tiled`: `mmq_*` or `mm_f16`). Batch invariance needs every one
+/// of B's logits to be the same float either way.
+fn same_logit_bits_alone_and_beside_a_prefill(dtype: SynthDtype, tiled: &str) {
     // Checked at compile time: if the threshold moves, pick step sizes on both sides of it.
     const {
         assert!(
@@ -209,7 +235,7 @@ fn a_sequence_gets_the_same_logit_bits_alone_and_in_a_step_large_enough_for_the_
             "the steps alone must use the matvec kernels, the shared ones the tiled kernels"
         )
     };
-    let (gguf, config) = tiny_model(SynthDtype::Q4_0);
+    let (gguf, config) = tiny_model(dtype);
     let (a, b) = (tokens(36, 1), tokens(10, 2));
     let (blocks_a, blocks_b): (&[u32], &[u32]) = (&[9, 2, 6], &[4]);
     let b_part = |range: std::ops::Range<usize>| Part {
@@ -224,8 +250,8 @@ fn a_sequence_gets_the_same_logit_bits_alone_and_in_a_step_large_enough_for_the_
         blocks: blocks_a,
         needs_logits: false,
     };
-    let mut alone = emulated(&gguf, &config);
-    let mut beside = emulated(&gguf, &config);
+    let (mut alone, alone_launched) = recorded(&gguf, &config);
+    let (mut beside, beside_launched) = recorded(&gguf, &config);
     let steps = [
         (vec![b_part(0..9)], vec![a_part(0..20), b_part(0..9)]),
         (vec![b_part(9..10)], vec![b_part(9..10), a_part(20..36)]),
@@ -238,6 +264,19 @@ fn a_sequence_gets_the_same_logit_bits_alone_and_in_a_step_large_enough_for_the_
         beside
             .forward(&batch(shared), &mut got_beside)
             .expect("step beside A");
+        // Every layer's seven projections (Q, K, V, output, gate, up, down) go through the
+        // tiled kernel beside A, none alone.
+        let tiled_launches = |names: Vec<String>| names.iter().filter(|n| *n == tiled).count();
+        assert_eq!(
+            tiled_launches(take(&alone_launched)),
+            0,
+            "step {i}: {tiled} alone"
+        );
+        assert_eq!(
+            tiled_launches(take(&beside_launched)),
+            7 * config.num_layers,
+            "step {i}: {tiled} launches beside A"
+        );
         assert_eq!(got_alone.len(), config.vocab_size, "step {i}");
         let differ = got_alone
             .iter()
@@ -249,6 +288,16 @@ fn a_sequence_gets_the_same_logit_bits_alone_and_in_a_step_large_enough_for_the_
             "step {i}: {differ} of B's logits differ alone vs beside A"
         );
     }
+}
+
+#[test]
+fn a_sequence_gets_the_same_logit_bits_alone_and_in_a_step_large_enough_for_the_tiled_kernels() {
+    same_logit_bits_alone_and_beside_a_prefill(SynthDtype::Q4_0, "mmq_q4_0");
+}
+
+#[test]
+fn f16_weights_give_the_same_logit_bits_alone_and_in_a_step_large_enough_for_mm_f16() {
+    same_logit_bits_alone_and_beside_a_prefill(SynthDtype::F16, "mm_f16");
 }
 
 /// The emulated device, also recording the name of every kernel launched on it.
@@ -306,13 +355,7 @@ fn chunked_prefill_beside_decodes_goes_through_the_tiled_attention_kernel_and_ma
         },
     )
     .expect("cpu backend");
-    let launched = Arc::new(Mutex::new(Vec::new()));
-    let dev = Recording {
-        dev: EmuDevice::new().expect("the CUDA emulator builds (needs g++)"),
-        launched: Arc::clone(&launched),
-    };
-    let mut gpu =
-        CudaBackend::new(dev, Arc::clone(&gguf), config.clone(), options()).expect("starts");
+    let (mut gpu, launched) = recorded(&gguf, &config);
     let (a, b, c) = (tokens(46, 5), tokens(6, 6), tokens(1, 7));
     let (blocks_a, blocks_b, blocks_c): (&[u32], &[u32], &[u32]) = (&[7, 0, 10], &[3], &[5]);
     fn part<'a>(tokens: &'a [u32], range: std::ops::Range<usize>, blocks: &'a [u32]) -> Part<'a> {
@@ -374,9 +417,25 @@ fn emulated_steps_match_the_cpu_backend_q4_0() {
     whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::Q4_0);
 }
 
+/// F16 weights: the first step (28 rows, over `MMQ_MIN_EXCLUSIVE_BATCH`) multiplies every
+/// layer's seven matrices with the tiled `mm_f16`, the output head (one logits row) and the
+/// smaller steps with `matvec_f16`.
 #[test]
 fn emulated_steps_match_the_cpu_backend_f16() {
-    whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::F16);
+    const { assert!(14 <= MMQ_MIN_EXCLUSIVE_BATCH && 28 > MMQ_MIN_EXCLUSIVE_BATCH) };
+    let (_, config) = tiny_model(SynthDtype::F16);
+    let steps = whole_steps_match_the_cpu_backend(SynthShape::Tiny, SynthDtype::F16);
+    let count = |names: &[String], kernel: &str| names.iter().filter(|n| *n == kernel).count();
+    assert_eq!(
+        count(&steps[0], "mm_f16"),
+        7 * config.num_layers,
+        "{:?}",
+        steps[0]
+    );
+    assert_eq!(count(&steps[0], "matvec_f16"), 1, "step 0: the output head");
+    for (i, names) in steps.iter().enumerate().skip(1) {
+        assert_eq!(count(names, "mm_f16"), 0, "step {i}: {names:?}");
+    }
 }
 
 /// llama.cpp's Q4_K_M mix on the 256-wide tiny shape: Q4_K matrices (and embedding), Q6_K for

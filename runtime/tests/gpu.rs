@@ -24,9 +24,9 @@ use kvgate_kernels::cuda::device::{DeviceOps, KernelArg, LaunchDims};
 use kvgate_kernels::cuda::emu_device::EmuDevice;
 use kvgate_kernels::cuda::probe::DeviceProbe;
 use kvgate_kernels::cuda::{
-    ATTN_THREADS, KV_BLOCK, MMQ_COLS, MMQ_ROWS, MMQ_SMEM_BYTES, MMQ_THREADS, MV_MAX_BATCH,
-    MV_ROWS_PER_BLOCK, MV_THREADS, attention_partitions, attention_smem_bytes, attention_tile_rows,
-    attention_tiled_smem_bytes, matvec_kernel, mmq_kernel,
+    ATTN_THREADS, KV_BLOCK, MV_MAX_BATCH, MV_ROWS_PER_BLOCK, MV_THREADS, attention_partitions,
+    attention_smem_bytes, attention_tile_rows, attention_tiled_smem_bytes, matvec_kernel,
+    tiled_matmul,
 };
 use kvgate_kernels::quant::WeightType;
 use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
@@ -623,7 +623,8 @@ fn bench_paged_attention_bandwidth() {
 }
 
 /// Random weight blocks of `ty` for `rows` × `cols`: random quants, and every f16 scale or
-/// minimum a finite value in ±[2⁻⁸, 2⁻⁴) (random bits there could be NaN or infinite).
+/// minimum a finite value in ±[2⁻⁸, 2⁻⁴) (random bits there could be NaN or infinite). F16:
+/// every value finite, in ±[2⁻⁸, 2) (exponents 7..15), zeros of both signs mixed in.
 fn random_weights(ty: WeightType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
@@ -632,6 +633,19 @@ fn random_weights(ty: WeightType, rows: usize, cols: usize, seed: u64) -> Vec<u8
         state ^= state << 17;
         state
     };
+    if ty == WeightType::F16 {
+        return (0..rows * cols)
+            .flat_map(|_| {
+                let r = next();
+                let bits = if r % 64 == 0 {
+                    ((r >> 6) & 1) << 15 // ±0
+                } else {
+                    ((r >> 6) & 1) << 15 | (7 + (r >> 7) % 9) << 10 | (r >> 16) & 0x3FF
+                };
+                (bits as u16).to_le_bytes()
+            })
+            .collect();
+    }
     let mut bytes: Vec<u8> = (0..ty.row_bytes(cols) * rows)
         .map(|_| next() as u8)
         .collect();
@@ -654,12 +668,14 @@ fn random_weights(ty: WeightType, rows: usize, cols: usize, seed: u64) -> Vec<u8
     bytes
 }
 
-/// A weight matrix and `max_batch` activation rows on the device, quantized to Q8_1 there.
+/// A weight matrix and `max_batch` activation rows on the device: f32 (what F16 weights take)
+/// and quantized to Q8_1 there (what quantized weights take).
 struct MatmulCase {
     ty: WeightType,
     rows: usize,
     cols: usize,
     w: DevBuf,
+    xf: DevBuf,
     xq: DevBuf,
 }
 
@@ -693,7 +709,17 @@ impl MatmulCase {
             rows,
             cols,
             w,
+            xf,
             xq,
+        }
+    }
+
+    /// The activations from row `start` on, in the form the weight type's kernels take.
+    fn x_at(&self, start: usize) -> KernelArg {
+        if self.ty == WeightType::F16 {
+            self.xf.at(start * self.cols * 4)
+        } else {
+            self.xq.at(start * self.cols / 32 * 36)
         }
     }
 
@@ -708,19 +734,11 @@ impl MatmulCase {
         ]
     }
 
-    /// The tiled kernel over `batch` rows, one launch, into `out`.
+    /// The tiled kernel (`mmq_*`, or `mm_f16` for F16) over `batch` rows, one launch, into
+    /// `out`.
     fn tiled<D: DeviceOps + ?Sized>(&self, dev: &mut D, out: DevBuf, batch: usize) {
-        let name = mmq_kernel(self.ty).expect("a tiled kernel");
-        let dims = LaunchDims::new(
-            [
-                self.rows.div_ceil(MMQ_ROWS) as u32,
-                batch.div_ceil(MMQ_COLS) as u32,
-                1,
-            ],
-            MMQ_THREADS,
-            MMQ_SMEM_BYTES,
-        );
-        dev.launch(name, dims, &self.args(out.arg(), self.xq.arg(), batch))
+        let (name, dims) = tiled_matmul(self.ty, self.rows, batch).expect("a tiled kernel");
+        dev.launch(name, dims, &self.args(out.arg(), self.x_at(0), batch))
             .expect("tiled launch");
     }
 
@@ -730,11 +748,7 @@ impl MatmulCase {
         let dims = LaunchDims::linear(self.rows.div_ceil(MV_ROWS_PER_BLOCK), MV_THREADS);
         for start in (0..batch).step_by(MV_MAX_BATCH) {
             let n = MV_MAX_BATCH.min(batch - start);
-            let args = self.args(
-                out.at(start * self.rows * 4),
-                self.xq.at(start * self.cols / 32 * 36),
-                n,
-            );
+            let args = self.args(out.at(start * self.rows * 4), self.x_at(start), n);
             dev.launch(name, dims, &args).expect("matvec launch");
         }
     }
@@ -752,7 +766,8 @@ fn download_f32<D: DeviceOps + ?Sized>(dev: &mut D, buf: DevBuf, n: usize) -> Ve
 /// The tiled kernels against the matvec kernels on the device, bit for bit: the CUDA step
 /// picks one or the other by step size (`MMQ_MIN_EXCLUSIVE_BATCH`), so batch invariance needs
 /// the same float from both (the emulator checks the same on the CPU, where the compiler is
-/// g++; this checks NVRTC's code).
+/// g++; this checks NVRTC's code). Every quantized type's `mmq_*` at 2304 columns, and F16's
+/// `mm_f16` at 2304 (eighteen full 128-column stages) and 5120 (a 64-column last stage).
 #[test]
 #[ignore = "requires a CUDA device"]
 fn tiled_matmul_is_bit_identical_to_matvec_on_the_device() {
@@ -760,23 +775,25 @@ fn tiled_matmul_is_bit_identical_to_matvec_on_the_device() {
         return;
     };
     // 2304 columns: 72 blocks (two full 32-block stages and an 8-block one), 9 super-blocks.
-    let (rows, cols, max_batch) = (301usize, 2304usize, 512usize);
-    let types = [
-        WeightType::Q4_0,
-        WeightType::Q4_1,
-        WeightType::Q5_0,
-        WeightType::Q5_1,
-        WeightType::Q8_0,
-        WeightType::Q4_K,
-        WeightType::Q5_K,
-        WeightType::Q6_K,
+    let (rows, max_batch) = (301usize, 512usize);
+    let cases = [
+        (WeightType::Q4_0, 2304usize),
+        (WeightType::Q4_1, 2304),
+        (WeightType::Q5_0, 2304),
+        (WeightType::Q5_1, 2304),
+        (WeightType::Q8_0, 2304),
+        (WeightType::Q4_K, 2304),
+        (WeightType::Q5_K, 2304),
+        (WeightType::Q6_K, 2304),
+        (WeightType::F16, 2304),
+        (WeightType::F16, 5120),
     ];
     let poison: Vec<u8> = f32::NAN.to_le_bytes().repeat(max_batch * rows);
     let (a, b) = (
         dev.alloc(poison.len()).expect("out"),
         dev.alloc(poison.len()).expect("out"),
     );
-    for (seed, ty) in types.into_iter().enumerate() {
+    for (seed, (ty, cols)) in cases.into_iter().enumerate() {
         let case = MatmulCase::new(&mut dev, ty, rows, cols, max_batch, seed as u64 + 1);
         for batch in [9usize, 17, 33, 100, 512] {
             dev.upload(a, 0, &poison).expect("poison");
@@ -797,7 +814,7 @@ fn tiled_matmul_is_bit_identical_to_matvec_on_the_device() {
                 "{ty:?} {rows}x{cols} batch {batch}: {differ} outputs differ"
             );
         }
-        println!("GPU-CHECK mmq_bit_identical_{ty:?}=passed");
+        println!("GPU-CHECK mmq_bit_identical_{ty:?}_{cols}=passed");
     }
 }
 
@@ -984,9 +1001,10 @@ fn tiled_attention_is_bit_identical_to_the_row_kernel_on_the_device() {
 }
 
 /// Time of the tiled kernel (one launch) against the chunked matvec (batch / 8 launches) on
-/// Llama-2-13B's Q4_0 matrices (attention 5120 × 5120, feed-forward up 13824 × 5120), at the
-/// batch sizes around any plausible crossover: what `MMQ_MIN_EXCLUSIVE_BATCH` (a guess until
-/// this runs) should be set from.
+/// Llama-2-13B's Q4_0 matrices (attention 5120 × 5120, feed-forward up 13824 × 5120) and its
+/// 5120 × 5120 attention matrix in F16 (`mm_f16` against `matvec_f16`, lines
+/// `GPU-CHECK mm_f16_…`), at the batch sizes around any plausible crossover: what
+/// `MMQ_MIN_EXCLUSIVE_BATCH` (a guess until this runs) should be set from.
 #[test]
 #[ignore = "requires a CUDA device"]
 fn bench_tiled_vs_chunked_matvec_llama2_13b_q4_0() {
@@ -996,8 +1014,17 @@ fn bench_tiled_vs_chunked_matvec_llama2_13b_q4_0() {
     let batches = [8usize, 16, 32, 64, 128, 512];
     let max_batch = 512;
     println!("GPU-CHECK mmq_threshold_now=batch>{MMQ_MIN_EXCLUSIVE_BATCH}");
-    for (rows, cols) in [(5120usize, 5120usize), (13824, 5120)] {
-        let case = MatmulCase::new(&mut dev, WeightType::Q4_0, rows, cols, max_batch, 99);
+    let cases = [
+        (WeightType::Q4_0, 5120usize, 5120usize),
+        (WeightType::Q4_0, 13824, 5120),
+        (WeightType::F16, 5120, 5120),
+    ];
+    for (ty, rows, cols) in cases {
+        let case = MatmulCase::new(&mut dev, ty, rows, cols, max_batch, 99);
+        let label = match ty {
+            WeightType::F16 => format!("mm_f16_{rows}x{cols}"),
+            _ => format!("mmq_{rows}x{cols}_{}", format!("{ty:?}").to_lowercase()),
+        };
         let out = dev.alloc(max_batch * rows * 4).expect("out");
         let iterations = 20;
         for batch in batches {
@@ -1020,7 +1047,7 @@ fn bench_tiled_vs_chunked_matvec_llama2_13b_q4_0() {
             };
             let (tiled_us, matvec_us) = (time(&mut dev, true), time(&mut dev, false));
             println!(
-                "GPU-CHECK mmq_{rows}x{cols}_q4_0_batch{batch} tiled_us={tiled_us:.1} \
+                "GPU-CHECK {label}_batch{batch} tiled_us={tiled_us:.1} \
                  matvec_us={matvec_us:.1} tiled_speedup={:.2}",
                 matvec_us / tiled_us
             );

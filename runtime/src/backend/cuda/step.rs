@@ -14,9 +14,9 @@
 
 use kvgate_kernels::cuda::device::{DevBuf, DeviceOps, KernelArg, LaunchDims};
 use kvgate_kernels::cuda::{
-    ATTN_THREADS, MMQ_COLS, MMQ_ROWS, MMQ_SMEM_BYTES, MMQ_THREADS, MV_MAX_BATCH, MV_ROWS_PER_BLOCK,
-    MV_THREADS, NORM_THREADS, attention_partitions, attention_smem_bytes, attention_tile_rows,
-    attention_tiled_smem_bytes, ggml_type_id, matvec_kernel, mmq_kernel,
+    ATTN_THREADS, MV_MAX_BATCH, MV_ROWS_PER_BLOCK, MV_THREADS, NORM_THREADS, attention_partitions,
+    attention_smem_bytes, attention_tile_rows, attention_tiled_smem_bytes, ggml_type_id,
+    matvec_kernel, tiled_matmul,
 };
 
 use super::weights::{DeviceMat, DeviceModel};
@@ -32,14 +32,14 @@ const ELEMENTWISE_THREADS: u32 = 256;
 const ELEMENTWISE_MAX_BLOCKS: usize = 4096;
 const F32: usize = 4;
 
-/// Steps of more rows than this multiply quantized weights with the tiled kernels (`mmq_*`,
-/// one launch, each weight block read once per 32 rows) instead of the matvec kernels in
-/// chunks of `MV_MAX_BATCH` rows (every weight matrix read once per 8 rows). Both give the same
-/// bits for every output (kernels/cuda/mmq.cu), so this choice never changes results, only
-/// speed. NOT MEASURED on a device yet: 16 is a guess (a tiled launch at 9..16 rows leaves
-/// half of its 32-row activation tile idle); `scripts/gpu-check.sh` prints tiled vs chunked
-/// matvec times at 8..512 rows on a Llama-2-13B-shaped matrix (`GPU-CHECK mmq_…`), from which
-/// the next GPU session should set the crossover.
+/// Steps of more rows than this multiply weights with the tiled kernels (`mmq_*` for quantized
+/// weights, `mm_f16` for F16; one launch, each weight element read once per 32 rows) instead
+/// of the matvec kernels in chunks of `MV_MAX_BATCH` rows (every weight matrix read once per 8
+/// rows). Both give the same bits for every output (kernels/cuda/mmq.cu), so this choice never
+/// changes results, only speed. NOT MEASURED on a device yet: 16 is a guess (a tiled launch
+/// at 9..16 rows leaves half of its 32-row activation tile idle); `scripts/gpu-check.sh`
+/// prints tiled vs chunked matvec times at 8..512 rows on Llama-2-13B-shaped matrices
+/// (`GPU-CHECK mmq_…`), from which the next GPU session should set the crossover.
 pub const MMQ_MIN_EXCLUSIVE_BATCH: usize = 16;
 
 use KernelArg::{F32 as Float, I32 as Int, I64 as Long};
@@ -172,12 +172,12 @@ impl<D: DeviceOps> Launcher<'_, D> {
 
     /// `out[m][w.rows] = x[m][w.cols] · wᵀ` for each `(w, out)`, reading `x` once: quantized
     /// weights (32-element blocks and K-quants alike) take `x` as Q8_1 blocks (quantized here
-    /// once for all of them), F16 weights the f32 rows. Quantized weights in steps of more
-    /// than [`MMQ_MIN_EXCLUSIVE_BATCH`] rows go through one tiled launch; otherwise (and for
-    /// F16 at any size) the matvec kernels take at most `MV_MAX_BATCH` rows, so larger steps
-    /// run in chunks of that many rows. A row's result never depends on which rows share its
-    /// step: each output is computed alone in both kernels, and the tiled kernel's bits are
-    /// the matvec kernel's.
+    /// once for all of them), F16 weights the f32 rows. In steps of more than
+    /// [`MMQ_MIN_EXCLUSIVE_BATCH`] rows every weight matrix goes through one tiled launch
+    /// (`mmq_*` for quantized weights, `mm_f16` for F16: [`tiled_matmul`]); otherwise the
+    /// matvec kernels take at most `MV_MAX_BATCH` rows, so larger steps run in chunks of that
+    /// many rows. A row's result never depends on which rows share its step: each output is
+    /// computed alone in both kernels, and the tiled kernels' bits are the matvec kernels'.
     /// Each output is a buffer and the byte offset its rows start at.
     fn project(
         &mut self,
@@ -195,20 +195,17 @@ impl<D: DeviceOps> Launcher<'_, D> {
             )?;
         }
         for &(w, (out, out_offset)) in outputs {
-            if let Some(name) = mmq_kernel(w.ty).filter(|_| m > MMQ_MIN_EXCLUSIVE_BATCH) {
-                let dims = LaunchDims::new(
-                    [
-                        u32::try_from(w.rows.div_ceil(MMQ_ROWS)).unwrap_or(u32::MAX),
-                        u32::try_from(m.div_ceil(MMQ_COLS)).unwrap_or(u32::MAX),
-                        1,
-                    ],
-                    MMQ_THREADS,
-                    MMQ_SMEM_BYTES,
-                );
+            let tiled = tiled_matmul(w.ty, w.rows, m).filter(|_| m > MMQ_MIN_EXCLUSIVE_BATCH);
+            if let Some((name, dims)) = tiled {
+                let x_arg = if w.is_quantized() {
+                    self.ws.xq.arg()
+                } else {
+                    x.arg()
+                };
                 let args = [
                     out.at(out_offset),
                     w.buf.arg(),
-                    self.ws.xq.arg(),
+                    x_arg,
                     int(w.rows),
                     int(cols),
                     int(m),
