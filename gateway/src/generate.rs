@@ -277,7 +277,8 @@ async fn proxy(
                 server_error = Some((answer, lease));
             }
             Ok(answer) => {
-                replica.succeeded();
+                // The replica's breaker hears of this answer when its body ends (a stream
+                // that breaks is a failure although its headers came): see `upstream::relay`.
                 let telemetry = if answer.status().is_success() {
                     admitted.mark_started();
                     let prompt = valid.prompt_ids.len();

@@ -124,6 +124,13 @@ impl Breaker {
         readmitted
     }
 
+    /// A health probe was answered: readmits an ejected replica (as [`Breaker::success`]), but
+    /// leaves a closed breaker's count of failed requests alone: a server that answers its
+    /// probes while its streams keep breaking is still ejected by the third break in a row.
+    pub fn probe_success(&mut self) -> bool {
+        self.state != State::Closed && self.success()
+    }
+
     /// A request or probe failed at `now`. True when this ejected the replica.
     pub fn failure(&mut self, now: Instant) -> bool {
         self.failures = self.failures.saturating_add(1);
@@ -150,6 +157,22 @@ impl Breaker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_probe_readmits_but_does_not_forgive_failed_requests() {
+        let now = Instant::now();
+        let mut breaker = Breaker::default();
+        for _ in 1..FAILURE_THRESHOLD {
+            breaker.failure(now);
+        }
+        assert!(!breaker.probe_success(), "closed: nothing to readmit");
+        assert!(
+            breaker.failure(now),
+            "the probe did not reset the count: ejected"
+        );
+        assert!(breaker.probe_success(), "an answered probe readmits it");
+        assert_eq!(breaker.state(), BreakerState::Healthy);
+    }
 
     #[test]
     fn consecutive_failures_eject_and_a_success_in_between_resets_the_count() {

@@ -72,7 +72,7 @@ pub(crate) fn spawn_upkeep(upstream: &Arc<Upstream>) {
 async fn probe_once(upstream: &Upstream, replica: &Arc<Replica>) {
     let url = format!("{}/health", replica.base_url());
     match get(replica, &url).await {
-        Ok((status, _)) if !status.is_server_error() => replica.succeeded(),
+        Ok((status, _)) if !status.is_server_error() => replica.probe_succeeded(),
         Ok((status, _)) => {
             if replica.failed(&format!("probe answered {status}")) {
                 upstream.replicas().forget(replica.id());

@@ -129,11 +129,20 @@ impl Replica {
         });
     }
 
-    /// Records a successful request or probe (may readmit an ejected replica, giving its
-    /// capacity back to admission).
+    /// Records a request that ended well (may readmit an ejected replica, giving its capacity
+    /// back to admission).
     pub(crate) fn succeeded(&self) {
+        self.record_success(Breaker::success);
+    }
+
+    /// Records an answered health probe (see [`Breaker::probe_success`]).
+    pub(crate) fn probe_succeeded(&self) {
+        self.record_success(Breaker::probe_success);
+    }
+
+    fn record_success(&self, success: fn(&mut Breaker) -> bool) {
         let mut breaker = self.breaker.lock();
-        if breaker.success() {
+        if success(&mut breaker) {
             // Under the breaker's lock: a concurrent ejection reaches the capacity after this.
             self.capacity.readmitted(self.id);
             drop(breaker);
@@ -356,29 +365,34 @@ impl ReplicaPool {
     }
 }
 
+/// A pool of replicas `m=http://127.0.0.1:9000+i` with the given capacities (tokens), for
+/// tests here and in the relay's.
+#[cfg(test)]
+pub(crate) fn test_pool(capacities: &[usize]) -> ReplicaPool {
+    let specs: Vec<UpstreamSpec> = capacities
+        .iter()
+        .enumerate()
+        .map(|(i, capacity)| {
+            let spec = format!("m=http://127.0.0.1:{},capacity={capacity}", 9000 + i);
+            spec.parse().expect("a valid spec")
+        })
+        .collect();
+    let blocks = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
+    let limit = crate::admission::PoolLimit::new(kvgate_runtime::block_pool::BlockPool::new(
+        blocks,
+        crate::upstream::UPSTREAM_BLOCK_SIZE,
+        0,
+    ));
+    ReplicaPool::new(specs, HealthyCapacity::new(limit))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::PoolLimit;
     use crate::upstream::prefix::block_hashes;
-    use kvgate_runtime::block_pool::BlockPool;
 
     fn pool(capacities: &[usize]) -> ReplicaPool {
-        let specs: Vec<UpstreamSpec> = capacities
-            .iter()
-            .enumerate()
-            .map(|(i, capacity)| {
-                let spec = format!("m=http://127.0.0.1:{},capacity={capacity}", 9000 + i);
-                spec.parse().unwrap()
-            })
-            .collect();
-        let blocks = specs.iter().map(UpstreamSpec::capacity_blocks).sum();
-        let limit = PoolLimit::new(BlockPool::new(
-            blocks,
-            crate::upstream::UPSTREAM_BLOCK_SIZE,
-            0,
-        ));
-        ReplicaPool::new(specs, HealthyCapacity::new(limit))
+        test_pool(capacities)
     }
 
     fn port(lease: &ReplicaLease) -> &str {

@@ -38,6 +38,7 @@ use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, Full, Limited};
 use serde_json::Value;
 use serde_json::value::RawValue;
+use tower::BoxError;
 
 use super::Replica;
 use super::conn::UpstreamBody;
@@ -210,7 +211,8 @@ fn describe(error: &(dyn std::error::Error + 'static)) -> String {
 /// The upstream's answer as kvgate's: status, headers and body as received, except hop-by-hop
 /// headers and the ones kvgate writes itself (`x-request-id`, `x-ratelimit-*`: the client's
 /// limits are this gateway's). `Retry-After` and the rest pass through. `guard` (the
-/// admission guard) lives until the body ends or is dropped. An SSE body is watched: see
+/// admission guard) lives until the body ends or is dropped. The body is watched for breaks
+/// and stalls, and its end tells `from`'s breaker that the request succeeded: see
 /// [`GuardedBody::watching`]. A server error (5xx) is not relayed as written: see
 /// [`server_error`]. `telemetry`, for a request the upstream runs, times the answer and counts
 /// its tokens under the tenant (see `rename.rs`).
@@ -250,14 +252,11 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
     if let Some(telemetry) = telemetry {
         body = body.recording(telemetry);
     }
-    let body = GuardedBody::new(body, guard);
-    let body = if sse {
-        body.watching(from.spec().name.clone(), from.spec().timeout)
-            .blaming(Arc::clone(from))
-    } else {
-        // A JSON body that fails midway aborts the client connection: its status is sent.
-        body
-    };
+    // Every relayed body is watched (see `GuardedBody::watching`): its end, break or stall
+    // is what the replica's breaker hears about, not its headers.
+    let body = GuardedBody::new(body, guard)
+        .watching(from.spec().name.clone(), from.spec().timeout, sse)
+        .blaming(Arc::clone(from));
     Response::from_parts(parts, Body::new(body))
 }
 
@@ -309,10 +308,11 @@ fn strip_own_headers(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
+    // `server` names the engine and its version (what nginx hides by default too).
     for name in HOP_BY_HOP
         .iter()
         .chain(RATE_LIMIT_HEADERS.iter())
-        .chain(std::iter::once(&REQUEST_ID_HEADER))
+        .chain([&REQUEST_ID_HEADER, &"server"])
     {
         headers.remove(*name);
     }
@@ -323,15 +323,18 @@ pub(crate) struct GuardedBody<B, G> {
     /// `None` once the body has ended (dropping it closes the upstream connection).
     inner: Option<B>,
     guard: Option<G>,
-    /// Set for a relayed SSE stream: failures become an error event.
+    /// Set for a relayed body: failures and stalls end it (see [`GuardedBody::watching`]).
     watch: Option<Watch>,
 }
 
-/// How a relayed SSE stream is watched: the upstream's name, and the longest wait for a frame.
+/// How a relayed body is watched: the upstream's name, and the longest wait for a frame.
 struct Watch {
     upstream: String,
     timeout: Duration,
-    /// The replica whose breaker hears about a stream that broke or stalled.
+    /// An SSE stream: a failure is sent as an error event. Any other body has sent its
+    /// status already and can only be cut short.
+    sse: bool,
+    /// The replica whose breaker hears how the body ended.
     blame: Option<Arc<Replica>>,
     /// Armed on the first poll (a timer needs the runtime), re-armed after each frame.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -346,24 +349,44 @@ impl<B, G> GuardedBody<B, G> {
         }
     }
 
-    /// Makes this an SSE relay from `upstream`: a body error, or no frame for `timeout`, is
-    /// sent as one OpenAI `upstream_unavailable` error event, then the body ends cleanly.
-    pub(crate) fn watching(mut self, upstream: String, timeout: Duration) -> GuardedBody<B, G> {
+    /// Makes this a relay from `upstream` that never waits more than `timeout` for a frame.
+    /// For an SSE stream (`sse`), a body error or a stall is sent as one OpenAI
+    /// `upstream_unavailable` error event, then the stream ends cleanly. Any other body (a
+    /// JSON answer, whose 200 is already sent) ends with an error instead, so the client's
+    /// connection is cut rather than left waiting or handed a short body as if complete.
+    /// Both are logged.
+    pub(crate) fn watching(
+        mut self,
+        upstream: String,
+        timeout: Duration,
+        sse: bool,
+    ) -> GuardedBody<B, G> {
         self.watch = Some(Watch {
             upstream,
             timeout,
+            sse,
             blame: None,
             stall: None,
         });
         self
     }
 
-    /// A broken or stalled stream also counts as a failure of `replica` (its breaker).
+    /// The body's end counts as a success of `replica` (its breaker), a break or stall as a
+    /// failure: a replica whose streams always break is ejected like one that refuses
+    /// connections, although its headers arrive.
     pub(crate) fn blaming(mut self, replica: Arc<Replica>) -> GuardedBody<B, G> {
         if let Some(watch) = self.watch.as_mut() {
             watch.blame = Some(replica);
         }
         self
+    }
+
+    /// The body ended as it should: the replica's breaker hears of a success.
+    fn succeed(&mut self) {
+        if let Some(replica) = self.watch.as_ref().and_then(|watch| watch.blame.as_ref()) {
+            replica.succeeded();
+        }
+        self.finish();
     }
 
     /// Ends the body: drops the upstream body (closing its connection) and the guard.
@@ -373,30 +396,42 @@ impl<B, G> GuardedBody<B, G> {
     }
 }
 
-/// The SSE error event for an upstream that failed after its stream started.
-fn failed_event(upstream: &str, reason: &str, detail: String) -> Frame<Bytes> {
-    tracing::warn!(upstream, detail = %detail, "upstream stream failed after it started");
+/// How a watched body that broke or stalled ends: for an SSE stream the error event, for any
+/// other body an error (the client's connection is cut). Logged either way.
+fn failed_frame(watch: &Watch, reason: &str, detail: String) -> Result<Frame<Bytes>, BoxError> {
+    let upstream = watch.upstream.as_str();
+    if let Some(replica) = &watch.blame {
+        replica.failed(reason);
+    }
+    tracing::warn!(upstream, detail = %detail, sse = watch.sse,
+                   "upstream answer failed after it started");
+    if !watch.sse {
+        return Err(format!("upstream {upstream}: {reason}: {detail}").into());
+    }
     let error = GatewayError::UpstreamUnavailable {
         upstream: upstream.to_owned(),
         reason: reason.to_owned(),
         detail,
     };
-    Frame::data(Bytes::from(format!("data: {}\n\n", error.sse_data())))
+    Ok(Frame::data(Bytes::from(format!(
+        "data: {}\n\n",
+        error.sse_data()
+    ))))
 }
 
 impl<B, G> http_body::Body for GuardedBody<B, G>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: std::error::Error + 'static,
+    B::Error: Into<BoxError> + std::error::Error + 'static,
     G: Unpin,
 {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
@@ -406,28 +441,32 @@ where
             if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
                 this.finish();
             }
-            return polled;
+            return polled.map(|frame| frame.map(|frame| frame.map_err(Into::into)));
         };
         match polled {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(stall) = watch.stall.as_mut() {
-                    stall
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + watch.timeout);
+                // (Past the clock's range the timer stays where `sleep` put it: far away.)
+                if let (Some(stall), Some(at)) = (
+                    watch.stall.as_mut(),
+                    tokio::time::Instant::now().checked_add(watch.timeout),
+                ) {
+                    stall.as_mut().reset(at);
+                }
+                // A body that knows it has ended (a length, or the last chunk) is not polled
+                // again by hyper: its end is seen here.
+                if this.inner.as_ref().is_some_and(B::is_end_stream) {
+                    this.succeed();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(None) => {
-                this.finish();
+                this.succeed();
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(error))) => {
-                if let Some(replica) = &watch.blame {
-                    replica.failed("its stream broke");
-                }
-                let event = failed_event(&watch.upstream, "its stream broke", describe(&error));
+                let failed = failed_frame(watch, "its stream broke", describe(&error));
                 this.finish();
-                Poll::Ready(Some(Ok(event)))
+                Poll::Ready(Some(failed))
             }
             Poll::Pending => {
                 let timeout = watch.timeout;
@@ -438,12 +477,9 @@ where
                     return Poll::Pending;
                 }
                 let stalled = format!("no data within {}s", timeout.as_secs_f64());
-                if let Some(replica) = &watch.blame {
-                    replica.failed(&stalled);
-                }
-                let event = failed_event(&watch.upstream, &stalled, stalled.clone());
+                let failed = failed_frame(watch, &stalled, stalled.clone());
                 this.finish();
-                Poll::Ready(Some(Ok(event)))
+                Poll::Ready(Some(failed))
             }
         }
     }
@@ -606,6 +642,7 @@ mod tests {
             ("transfer-encoding", "chunked"),
             ("x-request-id", "upstream-id"),
             ("x-ratelimit-remaining-tokens", "5"),
+            ("server", "BaseHTTP/0.6 Python/3.11.7"),
             ("retry-after", "7"),
             ("content-type", "text/event-stream"),
         ] {
@@ -647,5 +684,107 @@ mod tests {
         let body = GuardedBody::new(Full::new(Bytes::from("{}")), Flag(Arc::clone(&released)));
         drop(body);
         assert!(released.load(Ordering::SeqCst));
+    }
+
+    /// An upstream body: `frames`, then `end` — `Ok(())` ends it, `Err(())` breaks it (a
+    /// transport error), and `None` stalls it forever.
+    fn upstream_body(
+        frames: &[&'static str],
+        end: Option<Result<(), ()>>,
+    ) -> impl http_body::Body<Data = Bytes, Error = std::io::Error> + Unpin {
+        let head = frames
+            .iter()
+            .map(|text| Ok(Frame::data(Bytes::from_static(text.as_bytes()))));
+        let tail = match end {
+            Some(Err(())) => vec![Err(std::io::Error::other("connection reset"))],
+            _ => Vec::new(),
+        };
+        type Item = Result<Frame<Bytes>, std::io::Error>;
+        let rest: Pin<Box<dyn futures::Stream<Item = Item> + Send>> = match end {
+            None => Box::pin(futures::stream::pending()),
+            Some(_) => Box::pin(futures::stream::empty()),
+        };
+        let stream = futures::StreamExt::chain(
+            futures::stream::iter(head.chain(tail).collect::<Vec<_>>()),
+            rest,
+        );
+        StreamBody::new(Box::pin(stream))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_json_answer_that_stalls_or_breaks_is_cut_within_the_timeout_and_blamed() {
+        let pool = crate::upstream::pool::test_pool(&[1000]);
+        let replica = Arc::clone(&pool.replicas()[0]);
+        let timeout = Duration::from_secs(3);
+        for end in [None, Some(Err(()))] {
+            let released = Arc::new(AtomicBool::new(false));
+            let mut body = GuardedBody::new(
+                upstream_body(&["{\"id\":"], end),
+                Flag(Arc::clone(&released)),
+            )
+            .watching("m".to_owned(), timeout, false)
+            .blaming(Arc::clone(&replica));
+            let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+            assert_eq!(first, "{\"id\":");
+            let started = tokio::time::Instant::now();
+            let error = body.frame().await.expect("a frame").expect_err("cut short");
+            let text = error.to_string();
+            match end {
+                None => {
+                    assert_eq!(started.elapsed(), timeout, "cut at the timeout, not later");
+                    assert!(text.contains("no data within 3s"), "{text}");
+                }
+                _ => assert!(text.contains("its stream broke"), "{text}"),
+            }
+            assert!(
+                released.load(Ordering::SeqCst),
+                "its admission guard is released"
+            );
+            assert!(body.frame().await.is_none(), "nothing after the error");
+        }
+        assert!(!replica.is_ejected(), "two failures: not yet");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn streams_that_break_after_their_headers_eject_the_replica_and_clean_ends_reset_it() {
+        let pool = crate::upstream::pool::test_pool(&[1000]);
+        let replica = Arc::clone(&pool.replicas()[0]);
+        let relay = |end: Option<Result<(), ()>>, sse: bool| {
+            GuardedBody::new(upstream_body(&["data: a\n\n"], end), ())
+                .watching("m".to_owned(), Duration::from_secs(3), sse)
+                .blaming(Arc::clone(&replica))
+        };
+        // What the client got: the frames, or the error that cut the body.
+        let run = |end, sse| {
+            let body = relay(end, sse);
+            async move { body.collect().await.map(|all| all.to_bytes()) }
+        };
+        // Breaks one short of the threshold, then a stream that ends cleanly: reset.
+        let threshold = super::super::breaker::FAILURE_THRESHOLD;
+        for _ in 1..threshold {
+            let sent = run(Some(Err(())), true)
+                .await
+                .expect("an SSE break ends cleanly");
+            let text = String::from_utf8_lossy(&sent).into_owned();
+            assert!(
+                text.contains("upstream_unavailable"),
+                "an error event: {text}"
+            );
+        }
+        run(Some(Ok(())), true).await.expect("a clean stream");
+        for _ in 1..threshold {
+            run(Some(Err(())), true)
+                .await
+                .expect("an SSE break ends cleanly");
+        }
+        assert!(
+            !replica.is_ejected(),
+            "a clean end in between resets the count"
+        );
+        // The threshold-th break in a row ejects it, although every answer's headers came.
+        run(None, false)
+            .await
+            .expect_err("a JSON answer that stalls is cut");
+        assert!(replica.is_ejected(), "{:?}", replica.breaker_state());
     }
 }

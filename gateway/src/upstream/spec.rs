@@ -240,6 +240,20 @@ pub(crate) fn parse_base_url(url: &str) -> Result<String, String> {
     let Some(authority) = uri.authority() else {
         return Err(format!("the URL `{url}` has no host"));
     };
+    // `Uri` takes any digits as a port, and reports one past u16 as none: it would be
+    // dialled as 80. (The text after the last `:`, unless that colon is inside `[IPv6]`.)
+    let port = authority
+        .as_str()
+        .rsplit_once(':')
+        .map(|(_, port)| port)
+        .filter(|port| !port.contains(']'));
+    if let Some(port) = port
+        && !port.parse::<u16>().is_ok_and(|port| port != 0)
+    {
+        return Err(format!(
+            "the URL `{url}` has port {port}, not one of 1..65535"
+        ));
+    }
     if authority.as_str().contains('@') {
         return Err("credentials in the URL are not supported".to_owned());
     }
@@ -301,8 +315,16 @@ pub(crate) fn parse_capacity(text: &str) -> Result<usize, String> {
     }
 }
 
+/// Longest `timeout=` accepted: a day is far beyond any answer's wait for its first byte,
+/// and keeps every deadline computed from it within the clock's range.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
 pub(crate) fn parse_timeout(text: &str) -> Result<Duration, String> {
     match parse_duration(text) {
+        Ok(timeout) if timeout > MAX_TIMEOUT => Err(format!(
+            "timeout: `{text}` is longer than the most allowed, {}h",
+            MAX_TIMEOUT.as_secs() / 3600
+        )),
         Ok(timeout) if !timeout.is_zero() => Ok(timeout),
         Ok(_) => Err("timeout: must be longer than 0".to_owned()),
         Err(problem) => Err(format!("timeout: {problem}")),
@@ -364,6 +386,9 @@ mod tests {
         // Display writes a value that parses back to the same spec.
         assert_eq!(parse(&spec.to_string()), spec);
         assert_eq!(parse("a=http://h:1/,timeout=500ms").base_url, "http://h:1");
+        assert_eq!(parse("a=http://[::1]:8080").base_url, "http://[::1]:8080");
+        assert_eq!(parse("a=http://[::1]").base_url, "http://[::1]");
+        assert_eq!(parse("a=http://h:65535").base_url, "http://h:65535");
     }
 
     #[test]
@@ -403,6 +428,17 @@ mod tests {
             ("a=http://h:1,capacity=-5", "capacity"),
             ("a=http://h:1,timeout=30", "timeout: `30` is not a duration"),
             ("a=http://h:1,timeout=0s", "longer than 0"),
+            (
+                "a=http://h:1,timeout=6000000000000000h",
+                "longer than the most allowed, 24h",
+            ),
+            ("a=http://h:1,timeout=25h", "longer than the most allowed"),
+            (
+                "a=http://127.0.0.1:99999",
+                "port 99999, not one of 1..65535",
+            ),
+            ("a=http://127.0.0.1:0", "port 0, not one of 1..65535"),
+            ("a=http://h:", "port , not one of"),
             ("a=http://h:1,model=", "model: the model name is empty"),
             (
                 "a=http://h:1,capacity=64,capacity=32",
