@@ -12,6 +12,12 @@
 # them, so requests/s also depends on how the scheduler shares the cores out.
 #
 #   scripts/bench-proxy-cpu.sh NEW_KVGATE OLD_KVGATE      # ROUNDS=4 by default
+#   FLOOR=1 scripts/bench-proxy-cpu.sh NEW_KVGATE OLD_KVGATE
+#
+# FLOOR=1 measures three more targets in the same rounds, the floor under a gateway's cost:
+#   nginx  Debian's nginx with one worker process as a plain keep-alive reverse proxy
+#   hyp1   examples/bare_proxy.rs (tokio + hyper, forwarding only) on one worker thread
+#   hyp2   the same on the runtime's default worker threads (one per core, as kvgate)
 #
 # Needs wrk (apt-get install wrk), curl, the stub (cargo build --example stub_upstream; STUB=
 # to use another build) and the default model (`kvgate fetch-model`).
@@ -21,6 +27,8 @@ cd "$(dirname "$0")/.."
 NEW="$1" OLD="$2"
 ROUNDS="${ROUNDS:-4}"
 STUB="${STUB:-./target/debug/examples/stub_upstream}"
+BARE="${BARE:-$(dirname "$STUB")/bare_proxy}"
+FLOOR="${FLOOR:-0}"
 for tool in wrk curl "$NEW" "$OLD" "$STUB"; do
   command -v "$tool" >/dev/null || { echo "bench-proxy-cpu: $tool is missing" >&2; exit 1; }
 done
@@ -41,7 +49,43 @@ start() { # NAME BINARY PORT
 }
 start new "$NEW" 19102
 start old "$OLD" 19103
-for url in http://127.0.0.1:19100/health http://127.0.0.1:19102/healthz http://127.0.0.1:19103/healthz; do
+NAMES="new old"
+URLS="http://127.0.0.1:19100/health http://127.0.0.1:19102/healthz http://127.0.0.1:19103/healthz"
+if [ "$FLOOR" = 1 ]; then
+  for tool in nginx "$BARE"; do
+    command -v "$tool" >/dev/null || { echo "bench-proxy-cpu: $tool is missing (FLOOR=1)" >&2; exit 1; }
+  done
+  chmod 755 "$WORK" # nginx's worker runs as an unprivileged user
+  mkdir -p "$WORK/nginx"
+  cat >"$WORK/nginx/nginx.conf" <<EOF_NGINX
+worker_processes 1;
+daemon off;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx/body;
+  proxy_temp_path $WORK/nginx/proxy;
+  fastcgi_temp_path $WORK/nginx/fastcgi;
+  uwsgi_temp_path $WORK/nginx/uwsgi;
+  scgi_temp_path $WORK/nginx/scgi;
+  upstream stub { server 127.0.0.1:19100; keepalive 128; }
+  server {
+    listen 127.0.0.1:19104;
+    location / { proxy_pass http://stub; proxy_http_version 1.1; proxy_set_header Connection ""; }
+  }
+}
+EOF_NGINX
+  nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" >"$WORK/nginx.log" 2>&1 &
+  "$BARE" 127.0.0.1:19105 127.0.0.1:19100 1 >"$WORK/hyp1.log" 2>&1 &
+  echo $! >"$WORK/hyp1.pid"
+  "$BARE" 127.0.0.1:19106 127.0.0.1:19100 >"$WORK/hyp2.log" 2>&1 &
+  echo $! >"$WORK/hyp2.pid"
+  NAMES="$NAMES nginx hyp1 hyp2"
+  URLS="$URLS http://127.0.0.1:19104/health http://127.0.0.1:19105/health http://127.0.0.1:19106/health"
+fi
+for url in $URLS; do
   for _ in $(seq 600); do curl -sf -o /dev/null "$url" && break; sleep 0.1; done
   curl -sf -o /dev/null "$url" || { echo "bench-proxy-cpu: $url never answered" >&2; exit 1; }
 done
@@ -52,13 +96,19 @@ wrk.method = "POST"
 wrk.headers["content-type"] = "application/json"
 wrk.body = '$BODY'
 EOF_LUA
-port() { [ "$1" = new ] && echo 19102 || echo 19103; }
+port() {
+  case "$1" in new) echo 19102 ;; old) echo 19103 ;; nginx) echo 19104 ;; hyp1) echo 19105 ;; hyp2) echo 19106 ;; esac
+}
 cpu() { awk '{u += $14; s += $15} END {print u, s}' "/proc/$1/stat"; }
 switches() { cat /proc/"$1"/task/*/status | awk '/^voluntary_ctxt/ {v += $2} /^nonvoluntary_ctxt/ {n += $2} END {print v, n}'; }
 TICK_US=$((1000000 / $(getconf CLK_TCK)))
 measure() { # NAME CONNS THREADS SECONDS
   local name=$1 pid
-  pid="$(cat "$WORK/$name.pid")"
+  if [ "$name" = nginx ]; then # the worker process, not the master
+    pid="$(pgrep -P "$(cat "$WORK/nginx/nginx.pid")" | head -1)"
+  else
+    pid="$(cat "$WORK/$name.pid")"
+  fi
   read -r u0 s0 < <(cpu "$pid")
   read -r v0 n0 < <(switches "$pid")
   wrk -t"$3" -c"$2" -d"$4"s -s "$WORK/post.lua" --latency \
@@ -77,10 +127,10 @@ measure() { # NAME CONNS THREADS SECONDS
 }
 
 echo "== $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, new=$NEW old=$OLD, load $(cut -d' ' -f1-3 /proc/loadavg)"
-for name in new old; do measure "$name" 1 1 2 >/dev/null; done # warm-up
+for name in $NAMES; do measure "$name" 1 1 2 >/dev/null; done # warm-up
 for round in $(seq "$ROUNDS"); do
-  order="new old"
-  [ $((round % 2)) = 0 ] && order="old new"
+  order="$NAMES"
+  [ $((round % 2)) = 0 ] && order="$(echo "$NAMES" | tr ' ' '\n' | tac | tr '\n' ' ')"
   for name in $order; do measure "$name" 1 1 4; done
   for name in $order; do measure "$name" 64 2 10; done
 done
