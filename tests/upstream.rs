@@ -323,6 +323,21 @@ async fn an_upstream_server_error_keeps_its_status_and_retry_but_not_its_body() 
 /// (holds the connection open, sending nothing) or, if `close`, drops the connection midway
 /// through the chunked body.
 async fn half_stream(close: bool) -> SocketAddr {
+    let event = format!("data: {FIRST_CHUNK}\n\n");
+    half_answer(
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+             transfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+            event.len()
+        ),
+        close,
+    )
+    .await
+}
+
+/// An upstream that reads each request and writes `head` (headers and the start of a body),
+/// then stalls with the connection open or, if `close`, drops it before the body's end.
+async fn half_answer(head: String, close: bool) -> SocketAddr {
     use tokio::io::AsyncWriteExt;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -330,22 +345,59 @@ async fn half_stream(close: bool) -> SocketAddr {
         let mut open = Vec::new();
         while let Ok((mut stream, _)) = listener.accept().await {
             read_request(&mut stream).await;
-            let event = format!("data: {FIRST_CHUNK}\n\n");
-            let head = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
-                 transfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
-                event.len()
-            );
             stream.write_all(head.as_bytes()).await.unwrap();
             stream.flush().await.unwrap();
             if close {
-                drop(stream); // no terminating chunk: the body is cut short
+                drop(stream); // the body is cut short
             } else {
                 open.push(stream); // held open, nothing more sent
             }
         }
     });
     addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_answer_that_stalls_or_breaks_midway_is_cut_not_left_waiting() {
+    use tokio::io::AsyncReadExt;
+    for close in [false, true] {
+        let addr = half_answer(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+             content-length: 1000\r\n\r\n{\"id\":\"chatcmpl-up\","
+                .to_owned(),
+            close,
+        )
+        .await;
+        let gateway = gateway(&[remote_at(addr, ",timeout=500ms")], "").await;
+        let body = for_model(chat("Hi.", 4), REMOTE).to_string();
+        let started = std::time::Instant::now();
+        let mut stream = common::client::raw_connect(
+            gateway.addr,
+            &common::client::raw_post("/v1/chat/completions", KEY, &body),
+        )
+        .await;
+        let mut answer = Vec::new();
+        // Before the fix the connection stayed open (200, no body) until the client gave up.
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+            .await
+            .unwrap_or_else(|_| panic!("the answer is cut within the timeout (close={close})"))
+            .ok();
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(
+            !answer.ends_with("0\r\n\r\n"),
+            "the body must not end as if complete (close={close}): {answer}"
+        );
+        if !close {
+            assert!(
+                started.elapsed() >= Duration::from_millis(500),
+                "not before the timeout"
+            );
+        }
+        // The request's admission slot and upstream capacity come back.
+        capacity_returned(&gateway).await;
+        await_metric(&gateway, "kvgate_requests_in_flight", "alpha", 0.0).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
