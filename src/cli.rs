@@ -65,13 +65,13 @@ pub struct ModelArgs {
     #[arg(long, value_name = "F", default_value_t = 0.90, value_parser = parse_utilization)]
     pub gpu_memory_utilization: f64,
     /// Compute threads (default: all cores).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
     pub threads: Option<usize>,
     /// Memory budget of the paged KV cache, e.g. 256MiB or 2GiB.
     #[arg(long, value_name = "SIZE", default_value = "256MiB")]
     pub kv_memory: String,
     /// Tokens per KV block.
-    #[arg(long, value_name = "N", default_value_t = 16)]
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = at_least_one)]
     pub block_size: usize,
     /// Most sequences in one running batch.
     #[arg(long, value_name = "N", default_value_t = 64)]
@@ -115,6 +115,18 @@ pub enum BenchWorkload {
     SharedPrompt,
     /// Chats resending the whole conversation each turn, prefix cache off then on.
     MultiTurn,
+}
+
+/// A count that must be at least 1: 0 is refused when parsing rather than clamped later
+/// (`--block-size 0` once ran with blocks of 1 token, `--threads 0` with one thread).
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!(
+            "expected a whole number of at least 1, got `{text}`"
+        )),
+    }
 }
 
 fn parse_utilization(text: &str) -> Result<f64, String> {
@@ -361,11 +373,12 @@ pub struct PlanCliArgs {
     /// Memory for the KV cache, e.g. 40GiB.
     #[arg(long, value_name = "SIZE")]
     pub memory: String,
-    /// Context length of one full request in tokens.
-    #[arg(long, value_name = "N")]
-    pub max_context: usize,
+    /// Context length of one full request in tokens (default with --model: the model's trained
+    /// context; required with an explicit shape).
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    pub max_context: Option<usize>,
     /// Tokens per block.
-    #[arg(long, value_name = "N", default_value_t = 16)]
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = at_least_one)]
     pub block_size: usize,
     /// Safety margin kept free (fraction of the memory).
     #[arg(long, value_name = "F", default_value_t = 0.15)]
@@ -481,6 +494,20 @@ mod tests {
             let error = parse_streams(bad).expect_err(bad);
             assert!(
                 error.starts_with("expected stream counts"),
+                "{bad}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn counts_are_at_least_one() {
+        assert_eq!(at_least_one("1"), Ok(1));
+        assert_eq!(at_least_one(" 16 "), Ok(16));
+        assert_eq!(at_least_one("0"), Err("must be at least 1".to_owned()));
+        for bad in ["", "-1", "1.5", "sixteen", "99999999999999999999999"] {
+            let error = at_least_one(bad).expect_err(bad);
+            assert!(
+                error.starts_with("expected a whole number"),
                 "{bad}: {error}"
             );
         }

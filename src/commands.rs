@@ -130,16 +130,20 @@ pub fn tokenize(args: TokenizeArgs) -> Result<()> {
     } else {
         tokenizer.encode(&args.text, !args.no_special)
     };
-    println!("{}", serde_json::to_string(&ids)?);
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", serde_json::to_string(&ids)?)?;
+    out.flush()?;
     Ok(())
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
     crate::logging::init(LogFormat::Plain, "warn");
     let runtime = start_runtime(&args.model)?;
+    let mut out = std::io::stdout().lock();
     if args.kv_waste {
         let report = measure_kv_waste(&runtime, &KvWasteOptions::default())?;
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+        out.flush()?;
         return Ok(());
     }
     let workload = match args.workload {
@@ -150,7 +154,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if let Some(workload) = workload {
         let options = PrefixBenchOptions::for_workload(workload);
         let report = run_prefix_bench(&runtime, &options)?;
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+        out.flush()?;
         return Ok(());
     }
     let options = BenchOptions {
@@ -160,21 +165,24 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     };
     let report = kvgate_runtime::bench::run_bench(&runtime, &options)?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        writeln!(out, "{}", serde_json::to_string(&report)?)?;
     } else {
-        println!("threads                     {}", report.threads);
-        println!(
+        writeln!(out, "threads                     {}", report.threads)?;
+        writeln!(
+            out,
             "prefill                     {:8.1} tok/s",
             report.prefill_tok_s
-        );
-        println!(
+        )?;
+        writeln!(
+            out,
             "decode (single stream)      {:8.1} tok/s",
             report.decode_tok_s
-        );
+        )?;
         for (seqs, rate) in &report.aggregate_decode_tok_s {
-            println!("aggregate decode, {seqs:>2} seqs   {rate:8.1} tok/s");
+            writeln!(out, "aggregate decode, {seqs:>2} seqs   {rate:8.1} tok/s")?;
         }
     }
+    out.flush()?;
     Ok(())
 }
 
@@ -190,39 +198,43 @@ pub fn plan(args: PlanCliArgs) -> Result<()> {
         hidden: args.hidden,
         dtype: Some(args.dtype),
         memory: args.memory,
-        max_context: Some(args.max_context),
+        max_context: args.max_context,
         block_size: args.block_size,
         margin: args.margin,
     })?;
+    let mut out = std::io::stdout().lock();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        print!("{report}");
+        write!(out, "{report}")?;
     }
+    out.flush()?;
     Ok(())
 }
 
 pub fn policy(cmd: PolicyCommand) -> Result<()> {
+    let mut out = std::io::stdout().lock();
     match cmd {
         PolicyCommand::Check { file } => {
             let summary = policy::check_policy_file(&file)?;
-            println!("{}: OK", file.display());
-            println!("{summary}");
+            writeln!(out, "{}: OK", file.display())?;
+            writeln!(out, "{summary}")?;
         }
         PolicyCommand::CheckUpstreams { file } => {
             let specs = kvgate_gateway::upstream::file::load_upstreams_file(&file)?;
             // Grouping finds what the file alone cannot (a replica URL twice for one model).
             let upstreams = kvgate_gateway::upstream::Upstreams::new(specs.clone())?;
-            println!("{}: OK", file.display());
+            writeln!(out, "{}: OK", file.display())?;
             for upstream in upstreams.list().iter() {
-                println!(
+                writeln!(
+                    out,
                     "{}: {} replica(s)",
                     upstream.name(),
                     upstream.replicas().replicas().len()
-                );
+                )?;
             }
             for spec in specs {
-                println!("  {spec}");
+                writeln!(out, "  {spec}")?;
             }
         }
         PolicyCommand::HashKey { key } => {
@@ -237,18 +249,21 @@ pub fn policy(cmd: PolicyCommand) -> Result<()> {
             if key.is_empty() {
                 bail!("the key is empty");
             }
-            println!("{}", auth::hash_key(&key));
+            writeln!(out, "{}", auth::hash_key(&key))?;
         }
         PolicyCommand::NewKey => {
             let key = auth::new_key().context("reading the operating system's random source")?;
-            println!("key     {key}");
-            println!("sha256  {}", auth::hash_key(&key));
+            writeln!(out, "key     {key}")?;
+            writeln!(out, "sha256  {}", auth::hash_key(&key))?;
+            // The key must reach stdout before the advice says it was given.
+            out.flush()?;
             eprintln!(
                 "Give the key to its user; store only the sha256 in the policy (key_sha256). \
                  The key cannot be shown again."
             );
         }
     }
+    out.flush()?;
     Ok(())
 }
 
@@ -268,7 +283,9 @@ pub fn top(args: TopArgs) -> Result<()> {
 
 pub fn fetch_model() -> Result<()> {
     let path = provision::default_model_path()?;
-    println!("{}", path.display());
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", path.display())?;
+    out.flush()?;
     Ok(())
 }
 
@@ -276,12 +293,15 @@ pub fn quantize(args: QuantizeArgs) -> Result<()> {
     let report = kvgate_runtime::requant::quantize_file(&args.input, &args.out, args.mix)
         .map_err(|e| anyhow::anyhow!(e))?;
     let requantized = report.tensors.iter().filter(|t| t.from != t.to).count();
-    println!(
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
         "{}: {} tensors ({requantized} requantized), {}",
         args.out.display(),
         report.tensors.len(),
         HumanSize(report.bytes as usize)
-    );
+    )?;
+    out.flush()?;
     Ok(())
 }
 
@@ -300,7 +320,9 @@ pub fn synth_model(args: SynthModelArgs) -> Result<()> {
     let header = model.header_len();
     model.write_to(&args.out, &mut |written| bar.set_position(header + written))?;
     bar.finish_and_clear();
-    println!(
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
         "{}: synthetic {} {} seed {} ({} tensors, {})",
         args.out.display(),
         args.shape,
@@ -308,6 +330,7 @@ pub fn synth_model(args: SynthModelArgs) -> Result<()> {
         args.seed,
         model.num_tensors(),
         HumanSize(model.file_len() as usize)
-    );
+    )?;
+    out.flush()?;
     Ok(())
 }

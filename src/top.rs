@@ -7,6 +7,7 @@
 
 mod view;
 
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -46,7 +47,13 @@ pub async fn run(url: String, interval: Duration, once: bool) -> anyhow::Result<
             scrape,
             at: Instant::now(),
         };
-        print!("{}", TopView::build(&frame, None).render(base, interval));
+        let mut out = std::io::stdout().lock();
+        write!(
+            out,
+            "{}",
+            TopView::build(&frame, None).render(base, interval)
+        )?;
+        out.flush()?;
         return Ok(());
     }
 
@@ -72,7 +79,10 @@ pub async fn run(url: String, interval: Duration, once: bool) -> anyhow::Result<
                 "kvgate top — {base}\n\nscrape failed: {error:#}\nretrying every {interval:?}…\n"
             ),
         };
-        print!("{CLEAR}{screen}");
+        // A closed terminal or pipe ends `top` with an error instead of a panic.
+        let mut out = std::io::stdout().lock();
+        write!(out, "{CLEAR}{screen}")?;
+        out.flush()?;
     }
 }
 

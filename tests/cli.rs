@@ -299,3 +299,237 @@ fn logs_are_coloured_on_a_terminal_unless_no_color_is_set() {
     );
     assert!(!on_terminal(Some("1")).contains("\u{1b}["), "NO_COLOR=1");
 }
+
+/// Runs `kvgate ARGS` with `stdout` as its standard output; returns its exit code and stderr.
+fn run_with_stdout(args: &[&str], stdout: std::process::Stdio) -> (Option<i32>, String) {
+    let home = scratch_dir("stdout");
+    let output = common::process::kvgate()
+        .args(args)
+        .current_dir(&home)
+        .stdout(stdout)
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&home).ok();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).to_string(),
+    )
+}
+
+const PLAN_13B: [&str; 10] = [
+    "plan",
+    "--layers",
+    "40",
+    "--hidden",
+    "5120",
+    "--max-context",
+    "4096",
+    "--memory",
+    "40GiB",
+    "--json",
+];
+
+#[test]
+fn a_stdout_that_cannot_be_written_is_one_error_line_not_a_panic() {
+    // /dev/full: every write fails with ENOSPC, as on a full disk.
+    let full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full opens")
+            .into()
+    };
+    for args in [
+        &["tokenize", "hello"][..],
+        &PLAN_13B[..],
+        &["policy", "hash-key", "some-key"],
+        &["policy", "new-key"],
+    ] {
+        let (code, stderr) = run_with_stdout(args, full());
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        assert_eq!(
+            stderr, "kvgate: error: No space left on device (os error 28)\n",
+            "{args:?}"
+        );
+    }
+}
+
+#[test]
+fn a_closed_pipe_on_stdout_is_the_error_generate_gives_not_a_panic() {
+    // `kvgate plan ... | head -0`: the reader is gone before the first write.
+    for args in [&PLAN_13B[..], &["tokenize", "hello"]] {
+        let (reader, writer) = std::io::pipe().expect("a pipe");
+        drop(reader);
+        let (code, stderr) = run_with_stdout(args, writer.into());
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        assert_eq!(
+            stderr, "kvgate: error: Broken pipe (os error 32)\n",
+            "{args:?}"
+        );
+    }
+}
+
+#[test]
+fn a_kv_budget_over_the_hosts_memory_is_refused_before_it_is_allocated() {
+    let home = scratch_dir("kv-too-big");
+    // Far above the memory of any machine these tests run on; allocating it would take the
+    // host down (or abort), never end in one error line within seconds.
+    let started = std::time::Instant::now();
+    for command in ["serve", "generate"] {
+        let mut args = vec![command, "--kv-memory", "64TiB"];
+        match command {
+            "serve" => args.extend(["--listen", "127.0.0.1:0"]),
+            _ => args.push("hi"),
+        }
+        let output = run(&args, &home);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        // serve logs its startup (policy, device) before the error; the error is one line.
+        let errors = stderr
+            .lines()
+            .filter(|line| line.contains("error"))
+            .collect::<Vec<_>>();
+        assert_eq!(errors.len(), 1, "{stderr}");
+        let line = errors[0];
+        assert!(line.starts_with("kvgate: error: loading "), "{line}");
+        assert!(
+            line.contains("KV memory budget 64TiB plus the model's weights ")
+                && line.contains("MemAvailable in /proc/meminfo); lower --kv-memory"),
+            "{line}"
+        );
+    }
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(120),
+        "refused at startup: {:?}",
+        started.elapsed()
+    );
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn plan_with_a_model_and_no_max_context_uses_the_models_trained_context() {
+    let home = scratch_dir("plan-model-context");
+    let model = run(&["fetch-model"], &home);
+    assert!(model.status.success(), "{model:?}");
+    let model = String::from_utf8(model.stdout).unwrap();
+    let model = model.trim_end();
+    let output = run(
+        &["plan", "--model", model, "--memory", "256MiB", "--json"],
+        &home,
+    );
+    assert!(output.status.success(), "{output:?}");
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    // SmolLM2-135M's trained context (GGUF llama.context_length).
+    assert_eq!(report["max_context"], 8192, "{report}");
+    assert_eq!(report["blocks_per_request"], 8192 / 16, "{report}");
+
+    // An explicit shape has no trained context to fall back on.
+    let line = one_error_line(&run(
+        &[
+            "plan", "--layers", "2", "--hidden", "64", "--memory", "1MiB",
+        ],
+        &home,
+    ));
+    assert!(line.contains("--max-context is required"), "{line}");
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn zero_counts_are_refused_naming_the_flag_never_clamped() {
+    let home = scratch_dir("zero-counts");
+    for args in [
+        &["serve", "--block-size", "0"][..],
+        &["generate", "--block-size", "0", "hi"],
+        &["bench", "--threads", "0"],
+        &["serve", "--threads", "0"],
+        &[
+            "plan",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--memory",
+            "1MiB",
+            "--max-context",
+            "64",
+            "--block-size",
+            "0",
+        ],
+        &[
+            "plan",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--memory",
+            "1MiB",
+            "--max-context",
+            "0",
+        ],
+    ] {
+        let output = run(args, &home);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(!output.status.success(), "{args:?}");
+        let flag = args[args.iter().position(|a| *a == "0").unwrap() - 1];
+        let first = stderr.lines().next().unwrap_or_default();
+        assert!(
+            first.starts_with("error: invalid value '0' for '")
+                && first.contains(flag)
+                && first.ends_with("': must be at least 1"),
+            "{args:?}: {stderr}"
+        );
+    }
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn plan_sizes_that_overflow_are_one_line_naming_the_value() {
+    let home = scratch_dir("plan-overflow");
+    let max = "4294967295";
+    let line = one_error_line(&run(
+        &[
+            "plan",
+            "--layers",
+            max,
+            "--hidden",
+            max,
+            "--memory",
+            "1GiB",
+            "--max-context",
+            max,
+            "--json",
+        ],
+        &home,
+    ));
+    assert!(
+        line.starts_with("kvgate: error: KV bytes per token overflows: "),
+        "{line}"
+    );
+    let line = one_error_line(&run(
+        &[
+            "plan",
+            "--layers",
+            "30",
+            "--kv-heads",
+            "3",
+            "--head-dim",
+            "64",
+            "--memory",
+            "1GiB",
+            "--max-context",
+            "4096",
+            "--block-size",
+            max,
+        ],
+        &home,
+    ));
+    assert!(
+        line.starts_with("kvgate: error: --memory 1GiB is smaller than one KV block"),
+        "{line}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}

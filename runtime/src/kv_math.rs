@@ -33,6 +33,15 @@ impl KvDtype {
         }
     }
 
+    /// As [`KvDtype::row_bytes`], `None` where the byte count does not fit in a `usize`.
+    pub fn checked_row_bytes(self, values: usize) -> Option<usize> {
+        match self {
+            KvDtype::F16 | KvDtype::BF16 => values.checked_mul(2),
+            KvDtype::F32 => values.checked_mul(4),
+            KvDtype::Q8 => values.div_ceil(Q8_BLOCK_VALUES).checked_mul(Q8_BLOCK_BYTES),
+        }
+    }
+
     /// Parses "f16", "bf16", "f32", "q8" (also "q8_0"), case-insensitively.
     pub fn parse(text: &str) -> Result<KvDtype, SizeParseError> {
         match text.trim().to_ascii_lowercase().as_str() {
@@ -75,10 +84,25 @@ impl KvShape {
         self.bytes_per_token() * block_size
     }
 
-    /// Whole blocks that fit in `budget_bytes` (rounded down; 0 for a degenerate shape).
+    /// As [`KvShape::bytes_per_token`], `None` where the product does not fit in a `usize`
+    /// (shapes typed on a command line or read from a file can be anything).
+    pub fn checked_bytes_per_token(&self) -> Option<usize> {
+        2usize
+            .checked_mul(self.layers)?
+            .checked_mul(self.kv_heads)?
+            .checked_mul(self.dtype.checked_row_bytes(self.head_dim)?)
+    }
+
+    /// As [`KvShape::bytes_per_block`], `None` where the product does not fit in a `usize`.
+    pub fn checked_bytes_per_block(&self, block_size: usize) -> Option<usize> {
+        self.checked_bytes_per_token()?.checked_mul(block_size)
+    }
+
+    /// Whole blocks that fit in `budget_bytes` (rounded down; 0 for a degenerate shape, and 0
+    /// where one block's bytes overflow a `usize`: such a block is larger than any budget).
     pub fn blocks_for_budget(&self, budget_bytes: usize, block_size: usize) -> usize {
-        budget_bytes
-            .checked_div(self.bytes_per_block(block_size))
+        self.checked_bytes_per_block(block_size)
+            .and_then(|per_block| budget_bytes.checked_div(per_block))
             .unwrap_or(0)
     }
 }
@@ -216,6 +240,42 @@ mod tests {
             dtype: KvDtype::F16,
         };
         assert_eq!(llama.bytes_per_token(), 128 * 1024);
+    }
+
+    #[test]
+    fn checked_sizes_agree_with_the_formula_and_see_overflow() {
+        assert_eq!(
+            smollm2().checked_bytes_per_token(),
+            Some(smollm2().bytes_per_token())
+        );
+        assert_eq!(
+            smollm2().checked_bytes_per_block(16),
+            Some(smollm2().bytes_per_block(16))
+        );
+        // `kvgate plan --layers 4294967295 --hidden 4294967295`: 2·(2^32-1)·(2^32-1)·2 > 2^64.
+        let huge = KvShape {
+            layers: u32::MAX as usize,
+            kv_heads: 1,
+            head_dim: u32::MAX as usize,
+            dtype: KvDtype::F16,
+        };
+        assert_eq!(huge.checked_bytes_per_token(), None);
+        assert_eq!(huge.blocks_for_budget(1 << 30, 16), 0);
+        assert_eq!(
+            KvShape {
+                head_dim: usize::MAX,
+                ..smollm2()
+            }
+            .checked_bytes_per_token(),
+            None,
+            "the row itself overflows"
+        );
+        // Fits per token, overflows per block.
+        assert_eq!(smollm2().checked_bytes_per_block(usize::MAX / 2), None);
+        assert_eq!(smollm2().blocks_for_budget(usize::MAX, usize::MAX / 2), 0);
+        assert_eq!(KvDtype::F32.checked_row_bytes(usize::MAX / 2), None);
+        assert_eq!(KvDtype::Q8.checked_row_bytes(usize::MAX), None);
+        assert_eq!(KvDtype::Q8.checked_row_bytes(64), Some(68));
     }
 
     #[test]

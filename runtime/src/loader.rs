@@ -85,6 +85,61 @@ pub enum LoadError {
         block_bytes: usize,
         block_size: usize,
     },
+    #[error(
+        "KV memory budget {budget} plus the model's weights {weights} is more than the memory \
+         this host has available ({available}, MemAvailable in /proc/meminfo); lower --kv-memory"
+    )]
+    HostMemory {
+        budget: HumanSize,
+        weights: HumanSize,
+        available: HumanSize,
+    },
+    /// A count given as 0, e.g. the block size or the thread count (`--{0}`).
+    #[error("--{0} must be at least 1")]
+    Zero(&'static str),
+}
+
+/// `/proc/meminfo`, or `None` where it cannot be read (not Linux, a sandbox without /proc).
+fn read_mem_available() -> Option<String> {
+    std::fs::read_to_string("/proc/meminfo").ok()
+}
+
+/// Bytes of `MemAvailable` in a `/proc/meminfo` text (its values are in KiB, written `kB`).
+fn mem_available_bytes(meminfo: &str) -> Option<u64> {
+    meminfo.lines().find_map(|line| {
+        let value = line.strip_prefix("MemAvailable:")?.trim();
+        let kib: u64 = value.strip_suffix("kB")?.trim().parse().ok()?;
+        kib.checked_mul(1024)
+    })
+}
+
+/// Refuses a KV pool that, with the weights, is more than the host can give this process.
+///
+/// The measure is `MemAvailable`, not `MemTotal`: it is the kernel's own estimate of what can
+/// still be allocated without swapping (free memory plus the page cache and slabs it can
+/// reclaim), so memory other processes already hold counts against the budget, as it does when
+/// the pool's pages are touched; a budget under `MemTotal` but over `MemAvailable` would still
+/// end in swapping or the OOM killer. The weights are mapped from the model file; counting
+/// them is slightly conservative where their pages are already cached (and so also counted as
+/// available), which errs on the side of a clear refusal at startup. Where `meminfo` is `None`
+/// or has no `MemAvailable` line (kernels before 3.14), nothing is refused.
+fn check_host_memory(
+    kv_budget: usize,
+    weights: u64,
+    meminfo: Option<&str>,
+) -> Result<(), LoadError> {
+    let Some(available) = meminfo.and_then(mem_available_bytes) else {
+        return Ok(());
+    };
+    let needed = (kv_budget as u64).saturating_add(weights);
+    if needed > available {
+        return Err(LoadError::HostMemory {
+            budget: HumanSize(kv_budget),
+            weights: HumanSize(usize::try_from(weights).unwrap_or(usize::MAX)),
+            available: HumanSize(usize::try_from(available).unwrap_or(usize::MAX)),
+        });
+    }
+    Ok(())
 }
 
 /// A loaded model serving through an engine.
@@ -115,13 +170,22 @@ impl Runtime {
         opts: RuntimeOptions,
         backend: BackendChoice,
     ) -> Result<Runtime, LoadError> {
+        // Zero is refused, not clamped (a user who typed 0 did not mean 1), and before the
+        // model is read: a flag mistake is reported in milliseconds.
+        let block_size = match opts.block_size {
+            0 => return Err(LoadError::Zero("block-size")),
+            n => n,
+        };
+        let threads = match opts.threads {
+            Some(0) => return Err(LoadError::Zero("threads")),
+            Some(n) => n,
+            None => default_threads().max(1),
+        };
         let gguf = Arc::new(GgufFile::open(model_path)?);
         let config = ModelConfig::from_gguf(&gguf)?;
         let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf)?);
 
         let kv_shape = config.kv_shape();
-        let block_size = opts.block_size.max(1);
-        let threads = opts.threads.unwrap_or_else(default_threads).max(1);
         let (backend, num_blocks): (Box<dyn Backend>, usize) = match backend {
             BackendChoice::Cpu => {
                 let budget = usize::try_from(opts.kv_memory_bytes).unwrap_or(usize::MAX);
@@ -129,10 +193,15 @@ impl Runtime {
                 if num_blocks == 0 {
                     return Err(LoadError::KvBudgetTooSmall {
                         budget: HumanSize(budget),
-                        block_bytes: kv_shape.bytes_per_block(block_size),
+                        block_bytes: kv_shape
+                            .checked_bytes_per_block(block_size)
+                            .unwrap_or(usize::MAX),
                         block_size,
                     });
                 }
+                // Before anything is allocated: a pool the host cannot hold would be allocated
+                // until the kernel's OOM killer ends this process (or another one).
+                check_host_memory(budget, gguf.tensor_bytes(), read_mem_available().as_deref())?;
                 let backend = CpuBackend::new(
                     Arc::clone(&gguf),
                     config.clone(),
@@ -296,6 +365,66 @@ mod tests {
             "SmolLM2-135M-Instruct.Q4_1"
         );
         assert_eq!(model_name(Path::new("model.bin")), "model.bin");
+    }
+
+    const MEMINFO: &str = "MemTotal:       24683584 kB\nMemFree:         1000000 kB\n\
+                           MemAvailable:    2097152 kB\nBuffers:          123456 kB\n";
+
+    #[test]
+    fn mem_available_is_read_in_bytes() {
+        assert_eq!(mem_available_bytes(MEMINFO), Some(2 << 30));
+        assert_eq!(
+            mem_available_bytes("MemTotal: 1024 kB\n"),
+            None,
+            "old kernels"
+        );
+        assert_eq!(mem_available_bytes("MemAvailable: lots kB\n"), None);
+        assert_eq!(mem_available_bytes(""), None);
+    }
+
+    #[test]
+    fn a_pool_and_weights_over_mem_available_are_refused_and_unknown_memory_is_not() {
+        // 2 GiB available: 1.5 GiB of KV and 256 MiB of weights fit, 1 TiB does not.
+        assert!(check_host_memory(3 << 29, 256 << 20, Some(MEMINFO)).is_ok());
+        let err = check_host_memory(1 << 40, 256 << 20, Some(MEMINFO)).expect_err("1TiB");
+        assert_eq!(
+            err.to_string(),
+            "KV memory budget 1TiB plus the model's weights 256MiB is more than the memory this \
+             host has available (2GiB, MemAvailable in /proc/meminfo); lower --kv-memory"
+        );
+        // The weights count: 2 GiB of KV alone fits exactly, with weights it does not.
+        assert!(check_host_memory(2 << 30, 0, Some(MEMINFO)).is_ok());
+        assert!(check_host_memory(2 << 30, 1, Some(MEMINFO)).is_err());
+        assert!(check_host_memory(usize::MAX, u64::MAX, Some(MEMINFO)).is_err());
+        // No /proc/meminfo, or no MemAvailable in it: nothing to compare with, nothing refused.
+        assert!(check_host_memory(1 << 40, 0, None).is_ok());
+        assert!(check_host_memory(1 << 40, 0, Some("MemTotal: 1 kB\n")).is_ok());
+    }
+
+    #[test]
+    fn zero_block_size_and_threads_are_refused_not_clamped() {
+        // Checked before the model file is opened: the missing file is not the error.
+        for (options, flag) in [
+            (
+                RuntimeOptions {
+                    block_size: 0,
+                    ..RuntimeOptions::default()
+                },
+                "--block-size",
+            ),
+            (
+                RuntimeOptions {
+                    threads: Some(0),
+                    ..RuntimeOptions::default()
+                },
+                "--threads",
+            ),
+        ] {
+            let err = Runtime::start(Path::new("/nonexistent/x.gguf"), options)
+                .err()
+                .expect("zero is refused");
+            assert_eq!(err.to_string(), format!("{flag} must be at least 1"));
+        }
     }
 
     #[test]

@@ -92,6 +92,25 @@ pub enum PlanError {
     MissingMaxContext,
     #[error("--margin must be in [0, 1), got {0}")]
     Margin(f64),
+    /// A size the plan computes is more than a `usize` holds: `quantity` overflows as computed
+    /// from `detail`; `lower` names the flags to change.
+    #[error("{quantity} overflows: {detail} is more than 2^64 bytes; lower {lower}")]
+    Overflow {
+        quantity: &'static str,
+        detail: String,
+        lower: &'static str,
+    },
+    /// Not one block fits: the server refuses to start with this budget (its
+    /// `KvBudgetTooSmall`), so there is nothing to plan.
+    #[error(
+        "--memory {budget} is smaller than one KV block ({block} for {block_size} tokens): the \
+         server would refuse to start; raise --memory or lower --block-size"
+    )]
+    BudgetBelowOneBlock {
+        budget: HumanSize,
+        block: HumanSize,
+        block_size: usize,
+    },
 }
 
 /// The result of a plan; `Display` prints it for people (one line per fact, each ending in a
@@ -166,13 +185,7 @@ impl PlanReport {
                 flag: "memory",
                 source,
             })?;
-        Ok(Self::from_parts(
-            shape,
-            dtype,
-            max_context,
-            kv_budget_bytes,
-            args,
-        ))
+        Self::from_parts(shape, dtype, max_context, kv_budget_bytes, args)
     }
 
     fn from_parts(
@@ -181,11 +194,50 @@ impl PlanReport {
         max_context: usize,
         kv_budget_bytes: usize,
         args: &PlanArgs,
-    ) -> PlanReport {
+    ) -> Result<PlanReport, PlanError> {
         let kv = shape.kv;
         let block_size = args.block_size;
+        let kv_bytes_per_token =
+            kv.checked_bytes_per_token()
+                .ok_or_else(|| PlanError::Overflow {
+                    quantity: "KV bytes per token",
+                    detail: format!(
+                        "2 × {} layers × {} KV heads × {} values of {}",
+                        kv.layers,
+                        kv.kv_heads,
+                        kv.head_dim,
+                        dtype.name()
+                    ),
+                    lower: "--layers, --kv-heads, --head-dim or --hidden",
+                })?;
+        let kv_bytes_per_block =
+            kv.checked_bytes_per_block(block_size)
+                .ok_or_else(|| PlanError::Overflow {
+                    quantity: "KV bytes per block",
+                    detail: format!(
+                        "{kv_bytes_per_token} bytes per token × --block-size {block_size}"
+                    ),
+                    lower: "--block-size",
+                })?;
         let num_blocks = kv.blocks_for_budget(kv_budget_bytes, block_size);
+        if num_blocks == 0 {
+            return Err(PlanError::BudgetBelowOneBlock {
+                budget: HumanSize(kv_budget_bytes),
+                block: HumanSize(kv_bytes_per_block),
+                block_size,
+            });
+        }
         let blocks_per_request = kv_math::blocks_for_tokens(max_context, block_size);
+        let kv_bytes_per_request = blocks_per_request
+            .checked_mul(kv_bytes_per_block)
+            .ok_or_else(|| PlanError::Overflow {
+                quantity: "KV bytes per request",
+                detail: format!(
+                    "{blocks_per_request} blocks ({max_context} tokens) × {kv_bytes_per_block} \
+                     bytes per block"
+                ),
+                lower: "--max-context",
+            })?;
         // Blocks usable while keeping the margin free; floor so the margin is never eaten into.
         let usable_blocks = (num_blocks as f64 * (1.0 - args.margin)).floor() as usize;
         let per_request = blocks_per_request.max(1);
@@ -201,7 +253,7 @@ impl PlanReport {
                 args.margin * 100.0
             ));
         }
-        PlanReport {
+        Ok(PlanReport {
             layers: kv.layers,
             kv_heads: kv.kv_heads,
             head_dim: kv.head_dim,
@@ -212,18 +264,20 @@ impl PlanReport {
                 .weights_bytes
                 .map(|w| w.saturating_add(kv_budget_bytes as u64)),
             block_size,
-            kv_bytes_per_token: kv.bytes_per_token(),
-            kv_bytes_per_block: kv.bytes_per_block(block_size),
+            kv_bytes_per_token,
+            kv_bytes_per_block,
             max_context,
             blocks_per_request,
-            kv_bytes_per_request: blocks_per_request * kv.bytes_per_block(block_size),
+            kv_bytes_per_request,
             num_blocks,
-            pool_tokens: num_blocks * block_size,
+            // num_blocks × block_size × kv_bytes_per_token ≤ the budget, so this cannot
+            // overflow; saturating all the same rather than trusting that in release builds.
+            pool_tokens: num_blocks.saturating_mul(block_size),
             max_concurrency: num_blocks / per_request,
             margin: args.margin,
             max_concurrency_with_margin: usable_blocks / per_request,
             warnings,
-        }
+        })
     }
 }
 

@@ -358,3 +358,71 @@ fn bad_inputs_give_clear_errors() {
         );
     }
 }
+
+#[test]
+fn sizes_that_overflow_are_errors_naming_the_value_and_the_flags() {
+    // `--layers 4294967295 --hidden 4294967295 --memory 1GiB --max-context 4294967295`
+    let per_token = error(PlanArgs {
+        layers: Some(u32::MAX as usize),
+        hidden: Some(u32::MAX as usize),
+        max_context: Some(u32::MAX as usize),
+        memory: "1GiB".into(),
+        ..PlanArgs::default()
+    });
+    assert_eq!(
+        per_token,
+        "KV bytes per token overflows: 2 × 4294967295 layers × 1 KV heads × 4294967295 values \
+         of f16 is more than 2^64 bytes; lower --layers, --kv-heads, --head-dim or --hidden"
+    );
+    let per_block = error(PlanArgs {
+        block_size: usize::MAX,
+        ..thirteen_b_example()
+    });
+    assert!(
+        per_block
+            .starts_with("KV bytes per block overflows: 819200 bytes per token × --block-size"),
+        "{per_block}"
+    );
+    assert!(per_block.ends_with("lower --block-size"), "{per_block}");
+    // Fits per block and in the pool; only the full-length request overflows.
+    let per_request = error(PlanArgs {
+        layers: Some(1),
+        hidden: Some(1),
+        block_size: 1,
+        memory: "1KiB".into(),
+        max_context: Some(usize::MAX / 2),
+        ..PlanArgs::default()
+    });
+    assert!(
+        per_request.starts_with("KV bytes per request overflows: "),
+        "{per_request}"
+    );
+    assert!(
+        per_request.ends_with("lower --max-context"),
+        "{per_request}"
+    );
+}
+
+#[test]
+fn a_block_larger_than_the_budget_is_refused_as_the_server_refuses_it() {
+    // `--block-size 4294967295`: one block is 3.1 PiB against a 40 GiB budget.
+    let message = error(PlanArgs {
+        block_size: u32::MAX as usize,
+        ..thirteen_b_example()
+    });
+    assert!(
+        message.starts_with("--memory 40GiB is smaller than one KV block ("),
+        "{message}"
+    );
+    assert!(message.contains("for 4294967295 tokens"), "{message}");
+    assert!(
+        message.ends_with("raise --memory or lower --block-size"),
+        "{message}"
+    );
+    // The largest block size that still leaves one block is planned as usual.
+    let fits = compute(&PlanArgs {
+        block_size: (40 << 30) / (800 * 1024),
+        ..thirteen_b_example()
+    });
+    assert_eq!(fits.num_blocks, 1);
+}
