@@ -119,6 +119,20 @@ pub enum BenchWorkload {
 
 /// A count that must be at least 1: 0 is refused when parsing rather than clamped later
 /// (`--block-size 0` once ran with blocks of 1 token, `--threads 0` with one thread).
+/// Longest `--pre-drain`: load balancers notice a failing probe within seconds to a minute; a
+/// typo such as `5000h` would leave a stopping server serving for months.
+const MAX_PRE_DRAIN: Duration = Duration::from_secs(3600);
+
+fn parse_pre_drain(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        long if long > MAX_PRE_DRAIN => Err(format!(
+            "at most {}m (load balancers stop routing within their probe period)",
+            MAX_PRE_DRAIN.as_secs() / 60
+        )),
+        pre_drain => Ok(pre_drain),
+    }
+}
+
 fn at_least_one(text: &str) -> Result<usize, String> {
     match text.trim().parse::<usize>() {
         Ok(0) => Err("must be at least 1".to_owned()),
@@ -195,7 +209,7 @@ pub struct ServeArgs {
     /// After SIGTERM/SIGINT, fail /readyz but keep accepting and serving for this long (load
     /// balancers need a probe period to stop routing here), then close the listener and drain.
     /// A second SIGTERM/SIGINT ends the pre-drain at once.
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_pre_drain)]
     pub pre_drain: Duration,
     /// Also export vLLM-compatible metric names (for existing dashboards and KV-aware routers).
     #[arg(long, value_enum)]
@@ -456,6 +470,15 @@ pub struct TopArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pre_drain_is_at_most_an_hour() {
+        assert_eq!(parse_pre_drain("0s"), Ok(Duration::ZERO));
+        assert_eq!(parse_pre_drain("1h"), Ok(MAX_PRE_DRAIN));
+        let refused = parse_pre_drain("999999999999h").expect_err("too long");
+        assert!(refused.contains("at most 60m"), "{refused}");
+        assert!(parse_pre_drain("soon").is_err());
+    }
 
     #[test]
     fn listen_takes_ip_port_and_resolves_host_port() {

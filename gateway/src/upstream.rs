@@ -79,6 +79,7 @@ pub const MAX_ATTEMPTS: usize = 3;
 pub enum UpstreamError {
     #[error("--upstream {0} is given twice for the same replica URL")]
     Duplicate(String),
+    /// (From an upstreams file, the reload names its line and column instead.)
     #[error(
         "--upstream {0} has the embedded model's name; give the upstream another NAME (and \
          model={0} if the upstream serves it under that id)"

@@ -74,11 +74,51 @@ struct RawReplica {
 
 /// Reads and validates an upstreams file.
 pub fn load_upstreams_file(path: &Path) -> Result<Vec<UpstreamSpec>, UpstreamsFileError> {
-    let text = std::fs::read_to_string(path).map_err(|source| UpstreamsFileError::Read {
+    let text = read(path)?;
+    Ok(parse_upstreams_file(path, &text)?)
+}
+
+fn read(path: &Path) -> Result<String, UpstreamsFileError> {
+    std::fs::read_to_string(path).map_err(|source| UpstreamsFileError::Read {
         path: path.to_path_buf(),
         source,
-    })?;
-    Ok(parse_upstreams_file(path, &text)?)
+    })
+}
+
+/// `error` (from applying the file's specs) located in the file where it names one model:
+/// `file:line:column: replica.name: ...` at the first replica of that name, as every other
+/// error about the file. Errors about the `--upstream` values, or a model the file does not
+/// name, keep their own text.
+fn locate(path: &Path, text: &str, error: UpstreamError) -> UpstreamsFileError {
+    let name = match &error {
+        UpstreamError::ShadowsLocalModel(name) => name,
+        _ => {
+            return UpstreamsFileError::Upstreams {
+                path: path.to_path_buf(),
+                source: error,
+            };
+        }
+    };
+    let named = toml::from_str::<RawFile>(text).ok().and_then(|raw| {
+        raw.replica
+            .into_iter()
+            .map(|entry| entry.into_inner().name)
+            .find(|raw_name| raw_name.get_ref() == name)
+    });
+    match named {
+        Some(raw_name) => UpstreamsFileError::Invalid(Source { path, text }.error(
+            raw_name.span(),
+            "replica.name",
+            format!(
+                "`{name}` is the embedded model's name; give the upstream another name (and \
+                 model = \"{name}\" if the upstream serves it under that id)"
+            ),
+        )),
+        None => UpstreamsFileError::Upstreams {
+            path: path.to_path_buf(),
+            source: error,
+        },
+    }
 }
 
 /// Validates upstreams-file text; `path` only names the file in errors.
@@ -203,16 +243,14 @@ pub fn reload(
     path: &Path,
     fixed: &[UpstreamSpec],
 ) -> Result<(), UpstreamsFileError> {
-    let applied = load_upstreams_file(path).and_then(|specs| {
+    let applied = read(path).and_then(|text| {
+        let specs = parse_upstreams_file(path, &text)?;
         let all = fixed.iter().cloned().chain(specs).collect::<Vec<_>>();
         let replicas = all.len();
         upstreams
             .reload(all)
             .map(|()| replicas)
-            .map_err(|source| UpstreamsFileError::Upstreams {
-                path: path.to_path_buf(),
-                source,
-            })
+            .map_err(|error| locate(path, &text, error))
     });
     match applied {
         Ok(replicas) => {
@@ -331,6 +369,39 @@ mod tests {
         assert!(error.contains("+other"), "{error}");
         assert_eq!(count(), 2);
         watcher.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_reload_that_names_the_embedded_model_points_at_the_line() {
+        let dir = std::env::temp_dir().join(format!("kvgate-upfile-local-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("upstreams.toml");
+        let one = "[[replica]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n";
+        std::fs::write(&path, one).unwrap();
+        let upstreams = Upstreams::new(load_upstreams_file(&path).unwrap()).unwrap();
+        let store = crate::reload::PolicyStore::from_policy(
+            crate::policy::parse_policy("t.toml", "[tenants.t]\n").unwrap(),
+        );
+        let admission = crate::admission::Admission::with_pools(
+            store,
+            kvgate_runtime::block_pool::BlockPool::new(4, 16, 0),
+            upstreams.pools(),
+        );
+        upstreams.attach("embedded", &admission).unwrap();
+        let two = format!("{one}\n[[replica]]\nname = \"embedded\"\nurl = \"http://h:2\"\n");
+        std::fs::write(&path, two).unwrap();
+        let error = reload(&upstreams, &path, &[]).unwrap_err().to_string();
+        assert_eq!(
+            error,
+            format!(
+                "{}:6:8: `replica.name`: `embedded` is the embedded model's name; give the \
+                 upstream another name (and model = \"embedded\" if the upstream serves it \
+                 under that id)",
+                path.display()
+            )
+        );
+        assert!(upstreams.get("embedded").is_none(), "the running set stays");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
