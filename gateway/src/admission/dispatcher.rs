@@ -522,12 +522,7 @@ impl Dispatcher {
                 count_abandoned(&tenant.name);
                 continue;
             }
-            let backlog_tokens = (self.backlog[pool.0].blocks * self.block_size(pool)) as u64
-                + self.ledger.in_flight().reserved_tokens(pool);
-            let estimate = self
-                .ledger
-                .time_to_drain(pool, backlog_tokens)
-                .unwrap_or(MIN_CAPACITY_RETRY_AFTER);
+            let estimate = self.retry_after_timeout(&tenant, pool, payload.reserved_tokens);
             let rejection = Rejection::QueueTimeout {
                 tenant: tenant.name.clone(),
                 waited: now.saturating_duration_since(payload.enqueued_at),
@@ -536,6 +531,35 @@ impl Dispatcher {
             };
             self.reject(payload.reply, rejection, &tenant);
         }
+    }
+
+    /// Retry-After for a request of `tenant` that timed out in `pool`'s queue needing
+    /// `needed_tokens` of its capacity: a retry queues behind the tenant's entries still
+    /// waiting, so the time for that much capacity (theirs and its own) to come back at the
+    /// tenant's fair share of the measured drain rate. Not the whole pool's backlog and
+    /// reservations: those drain for every tenant at once, and waiting for all of them told
+    /// a client to come back ten times later than its turn (1 s before any drain is measured).
+    fn retry_after_timeout(
+        &self,
+        tenant: &TenantPolicy,
+        pool: PoolId,
+        needed_tokens: u64,
+    ) -> Duration {
+        let ahead = (self.backlog[pool.0].of(&tenant.name) * self.block_size(pool)) as u64;
+        let share = self.fair_share(tenant);
+        self.ledger
+            .time_to_drain(pool, ahead + needed_tokens)
+            .map(|at_full_rate| {
+                Duration::from_secs_f64((at_full_rate.as_secs_f64() / share).min(1e6))
+            })
+            .unwrap_or(MIN_CAPACITY_RETRY_AFTER)
+    }
+
+    /// `tenant`'s share of the engine among the tenants with queued requests (its weight over
+    /// theirs), in (0, 1].
+    fn fair_share(&self, tenant: &TenantPolicy) -> f64 {
+        let share = f64::from(tenant.weight.get()) / self.queue.backlogged_weight().max(1) as f64;
+        share.clamp(f64::MIN_POSITIVE, 1.0)
     }
 
     /// Refuses queued requests that the forecast says cannot start before their deadline:
@@ -832,8 +856,7 @@ impl Dispatcher {
         let queued_output = self.queued_output.get(&tenant.name).copied().unwrap_or(0);
         let average_entry = backlog.tokens / count;
         let average_output = queued_output / count;
-        let share = f64::from(tenant.weight.get()) / self.queue.backlogged_weight().max(1) as f64;
-        let share = share.clamp(f64::MIN_POSITIVE, 1.0);
+        let share = self.fair_share(tenant);
         let measured = self.ledger.time_to_drain(pool, average_entry);
         let prior = || {
             if pool != PoolId::LOCAL {

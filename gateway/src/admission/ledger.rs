@@ -115,6 +115,7 @@ impl InFlight {
     }
 
     /// KV capacity (in tokens) that running requests hold in `pool`.
+    #[cfg(test)]
     pub fn reserved_tokens(&self, pool: PoolId) -> u64 {
         self.per_pool.get(&pool).map_or(0, |p| p.reserved_tokens)
     }
@@ -125,14 +126,22 @@ impl Ledger {
         self.in_flight.lock()
     }
 
-    pub fn start(&self, tenant: &str, pool: PoolId, lane: Lane, footprint: Footprint) {
+    pub fn start(&self, tenant: &str, pool_id: PoolId, lane: Lane, footprint: Footprint) {
         let mut in_flight = self.in_flight.lock();
         *in_flight.per_tenant.entry(tenant.to_string()).or_default() += 1;
-        let pool = in_flight.per_pool.entry(pool).or_default();
+        let pool = in_flight.per_pool.entry(pool_id).or_default();
         if lane == Lane::Long {
             pool.long_lane += 1;
         }
         pool.requests += 1;
+        if pool.requests == 1 {
+            // Under the in-flight lock, so busy and idle reach the drain rate in order.
+            self.drain
+                .lock()
+                .entry(pool_id)
+                .or_default()
+                .busy(Instant::now());
+        }
         pool.reserved_tokens += footprint.reserved_tokens;
         pool.prompt_tokens += footprint.prompt_tokens;
         pool.unprefilled_prompt_tokens += footprint.prompt_tokens;
@@ -162,7 +171,7 @@ impl Ledger {
     pub fn finish(
         &self,
         tenant: &str,
-        pool: PoolId,
+        pool_id: PoolId,
         lane: Lane,
         footprint: Footprint,
         (unreported_output, unprefilled_prompt): (u64, u64),
@@ -175,11 +184,16 @@ impl Ledger {
                     in_flight.per_tenant.remove(tenant);
                 }
             }
-            if let Some(pool) = in_flight.per_pool.get_mut(&pool) {
+            if let Some(pool) = in_flight.per_pool.get_mut(&pool_id) {
                 if lane == Lane::Long {
                     pool.long_lane = pool.long_lane.saturating_sub(1);
                 }
                 pool.requests = pool.requests.saturating_sub(1);
+                if pool.requests == 0
+                    && let Some(drain) = self.drain.lock().get_mut(&pool_id)
+                {
+                    drain.idle(Instant::now());
+                }
                 pool.reserved_tokens = pool
                     .reserved_tokens
                     .saturating_sub(footprint.reserved_tokens);
@@ -345,41 +359,71 @@ impl Ledger {
 }
 
 /// Exponential moving average of how fast completed requests return KV capacity, in tokens
-/// per second. Samples are taken over windows of at least [`DrainRate::WINDOW`]; a gap longer
-/// than [`DrainRate::IDLE`] restarts the window, so idle time does not read as a slow server.
+/// per second of the pool's busy time. Samples are taken over windows of at least
+/// [`DrainRate::WINDOW`] of busy time; time with no request running does not count, so idle
+/// time does not read as a slow server, and a window left open longer than [`DrainRate::IDLE`]
+/// restarts.
 #[derive(Debug, Default)]
 pub(super) struct DrainRate {
-    window_start: Option<Instant>,
+    /// The pool's busy clock: time with at least one request running, summed. Windows are
+    /// measured on it, so the gaps between requests of a pool that is not saturated (a client
+    /// thinking between calls) do not pass for a slow engine.
+    busy_before: Duration,
+    /// Since when the pool has been busy (`None` while idle).
+    busy_since: Option<Instant>,
+    /// The busy clock when the current window opened.
+    window_start: Option<Duration>,
     window_tokens: u64,
     tokens_per_sec: Option<f64>,
 }
 
 impl DrainRate {
     const WINDOW: Duration = Duration::from_secs(1);
+    /// A window open this long on the busy clock is abandoned, not sampled.
     const IDLE: Duration = Duration::from_secs(30);
     /// Weight of the newest window: about the last five windows dominate.
     const ALPHA: f64 = 0.3;
 
+    /// The pool's first request started.
+    pub fn busy(&mut self, now: Instant) {
+        self.busy_since.get_or_insert(now);
+    }
+
+    /// The pool's last request ended.
+    pub fn idle(&mut self, now: Instant) {
+        if let Some(since) = self.busy_since.take() {
+            self.busy_before += now.saturating_duration_since(since);
+        }
+    }
+
+    fn busy_clock(&self, now: Instant) -> Duration {
+        self.busy_before
+            + self
+                .busy_since
+                .map_or(Duration::ZERO, |since| now.saturating_duration_since(since))
+    }
+
     pub fn record(&mut self, tokens: u64, now: Instant) {
+        let clock = self.busy_clock(now);
         let Some(start) = self
             .window_start
-            .filter(|start| now.duration_since(*start) <= Self::IDLE)
+            .filter(|start| clock.saturating_sub(*start) <= Self::IDLE)
         else {
-            // First completion (or first after idle) only opens a window: the time it took is
-            // unknown, so its tokens would overstate the rate.
-            self.window_start = Some(now);
+            // First completion (or first after a long window) only opens a window: the time
+            // it took is unknown, so its tokens would overstate the rate.
+            self.window_start = Some(clock);
             self.window_tokens = 0;
             return;
         };
         self.window_tokens += tokens;
-        let elapsed = now.duration_since(start);
+        let elapsed = clock.saturating_sub(start);
         if elapsed >= Self::WINDOW {
             let sample = self.window_tokens as f64 / elapsed.as_secs_f64();
             self.tokens_per_sec = Some(match self.tokens_per_sec {
                 Some(average) => average + Self::ALPHA * (sample - average),
                 None => sample,
             });
-            self.window_start = Some(now);
+            self.window_start = Some(clock);
             self.window_tokens = 0;
         }
     }
@@ -398,6 +442,7 @@ mod tests {
     fn drain_rate_averages_windows_and_ignores_idle_gaps() {
         let t0 = Instant::now();
         let mut rate = DrainRate::default();
+        rate.busy(t0);
         assert_eq!(rate.time_for(100), None);
         rate.record(500, t0);
         assert_eq!(
@@ -416,11 +461,48 @@ mod tests {
         // EMA: 200 + 0.3 * (400 - 200) = 260 tokens/s.
         let expected = Duration::from_secs_f64(520.0 / 260.0);
         assert_eq!(rate.time_for(520), Some(expected));
+
+        // The pool empties for 20 s (a client between calls), then one request runs for 1 s
+        // and returns 260 tokens: 260 tokens per busy second, not 260 over 21 s.
+        rate.idle(t0 + Duration::from_secs(2));
+        rate.busy(t0 + Duration::from_secs(22));
+        rate.record(260, t0 + Duration::from_secs(23));
+        assert_eq!(
+            rate.time_for(520),
+            Some(expected),
+            "idle time is not engine time"
+        );
+
+        // Busy but without completions for longer than IDLE: a new window, not a sample.
         rate.record(5, t0 + Duration::from_secs(100));
         assert_eq!(
             rate.time_for(520),
             Some(expected),
-            "an idle gap is not a sample"
+            "a long gap is not a sample"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_ledger_runs_the_busy_clock_while_a_pool_has_requests() {
+        let ledger = Ledger::default();
+        let pool = PoolId::LOCAL;
+        let footprint = Footprint {
+            reserved_tokens: 100,
+            prompt_tokens: 50,
+            output_tokens: 50,
+        };
+        // One request after another, each 1 s long with 10 s of idle between them.
+        for _ in 0..4 {
+            ledger.start("a", pool, Lane::Short, footprint);
+            tokio::time::advance(Duration::from_secs(1)).await;
+            ledger.record_drained(pool, 100, Instant::now());
+            ledger.finish("a", pool, Lane::Short, footprint, (0, 0));
+            tokio::time::advance(Duration::from_secs(10)).await;
+        }
+        // 100 tokens per busy second (a wall clock would read ~9 per second).
+        assert_eq!(
+            ledger.time_to_drain(pool, 200),
+            Some(Duration::from_secs(2))
         );
     }
 

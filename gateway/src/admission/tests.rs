@@ -286,6 +286,32 @@ async fn a_request_bigger_than_the_queue_token_bound_is_refused_as_final() {
     admission.admit(ticket(&store, "a", 50, 50)).await.unwrap();
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_queue_timeout_says_when_its_turn_would_come_not_when_the_pool_empties() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"3s\"\n";
+    // KV to spare: the tenant's concurrency is what holds the queue.
+    let (admission, _pool, store) = setup(400, policy);
+    teach_drain_rate(&admission, &store, "a").await; // 160 tokens per second
+    // A long request runs (its reservation counts for nothing below: it drains for everyone).
+    let _running = admission
+        .admit(ticket(&store, "a", 500, 500))
+        .await
+        .unwrap();
+    let first = spawn_admit(&admission, ticket(&store, "a", 20, 300)); // 20 blocks
+    until(|| queued(&admission) == 1).await;
+    let second = spawn_admit(&admission, ticket(&store, "a", 20, 300));
+    until(|| queued(&admission) == 2).await;
+    let retry = |outcome: Result<Result<Admitted, Rejection>, _>| {
+        let rejection = outcome.expect("joined").expect_err("timed out");
+        assert_eq!(rejection.code(), "queue_timeout");
+        rejection.retry_after()
+    };
+    // The first to time out queues again behind the second: 320 + 320 tokens at 160/s.
+    assert_eq!(retry(first.await), Some(Duration::from_secs(4)));
+    // The second has nothing of its tenant ahead any more: its own 320 tokens.
+    assert_eq!(retry(second.await), Some(Duration::from_secs(2)));
+}
+
 /// Fills tenant `a`'s one-entry queue behind one running request, and returns the rejection of
 /// the next request with the queued entry's guard-to-be.
 async fn queue_full_rejection(
@@ -370,9 +396,10 @@ async fn a_measured_drain_rate_wins_over_the_service_time_prior() {
     // Teach the drain rate: 160 tokens of capacity back per second.
     for _ in 0..2 {
         let mut done = admission.admit(ticket(&store, "a", 80, 80)).await.unwrap();
+        // Running for a second of the pool's busy time (idle time does not count).
+        tokio::time::advance(Duration::from_secs(1)).await;
         done.record_completion(80);
         drop(done);
-        tokio::time::advance(Duration::from_secs(1)).await;
     }
     // The queued entry holds 20 + 300 = 320 tokens: 2 s at 160 tokens/s (not 300 s).
     let (rejection, _running, _waiting) =
@@ -573,9 +600,10 @@ async fn a_backlog_that_cannot_drain_in_time_is_refused_at_once() {
     // Teach the drain-rate estimate: 10 blocks (160 tokens) returned per second.
     for _ in 0..2 {
         let mut done = admission.admit(ticket(&store, "a", 80, 80)).await.unwrap();
+        // Running for a second of the pool's busy time (idle time does not count).
+        tokio::time::advance(Duration::from_secs(1)).await;
         done.record_completion(80);
         drop(done);
-        tokio::time::advance(Duration::from_secs(1)).await;
     }
     let _full = pool.try_reserve(20).unwrap();
     // Needs 10 blocks = 160 tokens of capacity back: about 1 s, more than 500 ms.
@@ -871,9 +899,10 @@ async fn teach_drain_rate(admission: &Admission, store: &PolicyStore, tenant: &s
             .admit(ticket(store, tenant, 80, 80))
             .await
             .unwrap();
+        // Running for a second of the pool's busy time (idle time does not count).
+        tokio::time::advance(Duration::from_secs(1)).await;
         done.record_completion(80);
         drop(done);
-        tokio::time::advance(Duration::from_secs(1)).await;
     }
 }
 
@@ -1185,7 +1214,7 @@ async fn upstream_pools_learn_a_drain_rate_and_refuse_what_cannot_start_in_time(
     let policy =
         "[tenants.a]\n[tenants.quick]\nmax_queue_wait = \"500ms\"\n[kv]\nhigh_watermark = 1.0\n";
     let (admission, remote, id, store) = setup_with_upstream(10, 20, policy);
-    // Two forwarded requests, a second apart; their bodies are never metered (no completion
+    // Two forwarded requests of a second each; their bodies are never metered (no completion
     // count), yet each end returns 160 tokens of capacity: 160 tokens per second.
     for _ in 0..2 {
         let mut forwarded = admission
@@ -1193,8 +1222,8 @@ async fn upstream_pools_learn_a_drain_rate_and_refuse_what_cannot_start_in_time(
             .await
             .unwrap();
         forwarded.mark_started();
-        drop(forwarded);
         tokio::time::advance(Duration::from_secs(1)).await;
+        drop(forwarded);
     }
     let _full = remote.try_reserve(20).unwrap();
     let rejection = admission
