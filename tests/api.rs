@@ -245,6 +245,119 @@ async fn client_mistakes_are_json_4xx() {
     assert_eq!(server.kv().used_blocks + server.kv().reserved_blocks, 0);
 }
 
+/// A raw chat POST with `Content-Encoding: {encoding}` announcing `length` bytes of which only
+/// `body` is sent, answered before the rest arrives (or never: the test waits for the close).
+async fn encoded_post(
+    server: &TestServer,
+    encoding: &str,
+    length: usize,
+    body: &[u8],
+) -> (String, Value) {
+    let mut request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Encoding: {encoding}\r\n\
+         Connection: close\r\nContent-Length: {length}\r\n\r\n"
+    )
+    .into_bytes();
+    request.extend_from_slice(body);
+    let mut stream = raw_connect(server.addr, &request).await;
+    let answer = tokio::time::timeout(Duration::from_secs(30), read_to_close(&mut stream))
+        .await
+        .expect("answered without waiting for the rest of the body");
+    let json = answer
+        .split_once("\r\n\r\n")
+        .and_then(|(_, body)| serde_json::from_str(body).ok())
+        .unwrap_or(Value::Null);
+    (answer, json)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoded_request_bodies_are_refused_with_415_before_they_are_read() {
+    let server = TestServer::start(&one_tenant()).await;
+    // A gzip member header; the other 990 announced bytes are never sent.
+    let gzip = [0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03];
+    for encoding in ["gzip", "br", "GZIP", "identity, gzip", "deflate"] {
+        let (answer, json) = encoded_post(&server, encoding, 1000, &gzip).await;
+        assert!(answer.starts_with("HTTP/1.1 415"), "{encoding}: {answer}");
+        let error = &json["error"];
+        assert_eq!(error["code"], "unsupported_content_encoding", "{answer}");
+        assert_eq!(error["type"], "invalid_request_error", "{answer}");
+        assert_eq!(error["param"], "Content-Encoding", "{answer}");
+        let message = error["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(&format!("Content-Encoding `{encoding}` is not supported")),
+            "{message}"
+        );
+    }
+    // `identity` is no encoding: the body is read and parsed as usual.
+    let body = b"{not json";
+    let (answer, json) = encoded_post(&server, "identity", body.len(), body).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert_eq!(json["error"]["code"], "invalid_json", "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shape_errors_name_the_field_and_keep_the_message_short() {
+    let server = TestServer::start(&one_tenant()).await;
+    let client = server.client();
+    let chat_path = "/v1/chat/completions";
+    let error_of = |reply: &common::Reply| {
+        assert_openai_error(reply, 400, reply.error_code().as_str());
+        reply.json()["error"].clone()
+    };
+
+    // Valid JSON with a null (or absent, or numeric) role names the role, not a JSON syntax error.
+    for message in [
+        json!({"role": null, "content": "hi"}),
+        json!({"content": "hi"}),
+        json!({"role": 5, "content": "hi"}),
+    ] {
+        let body = json!({"model": MODEL, "messages": [message]});
+        let error = error_of(&client.post(chat_path, Some(KEY), &body).await);
+        assert_eq!(error["param"], "messages[0].role", "{body}: {error}");
+        let text = error["message"].as_str().unwrap_or_default();
+        assert!(
+            text.contains("`messages[0].role`") && !text.contains("could not parse"),
+            "{body}: {text}"
+        );
+    }
+    // A missing `model` is named in `param` too.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let error = error_of(&client.post(chat_path, Some(KEY), &body).await);
+    assert_eq!(error["param"], "model", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("Missing required parameter: `model`")),
+        "{error}"
+    );
+
+    // Huge numbers are not echoed digit by digit, whether validation or serde rejects them.
+    for (field, value) in [("temperature", "1e308"), ("max_tokens", "1e308")] {
+        let body = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"{field}":{value}}}"#
+        );
+        let error = error_of(&client.post_bytes(chat_path, Some(KEY), body).await);
+        assert_eq!(error["param"], field, "{error}");
+        let text = error["message"].as_str().unwrap_or_default();
+        assert!(
+            text.len() < 200 && text.contains("1e") && !text.contains("0000"),
+            "{field}: {text}"
+        );
+    }
+    // A long rejected string is cut, not echoed in full.
+    let body =
+        json!({"model": MODEL, "messages": [{"role": "x".repeat(100_000), "content": "hi"}]});
+    let error = error_of(&client.post(chat_path, Some(KEY), &body).await);
+    assert_eq!(error["param"], "messages[0].role", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.chars().count() <= 501),
+        "{error}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_clients_are_cut_off() {
     let mut options = Options::default();

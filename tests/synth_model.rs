@@ -96,3 +96,100 @@ fn bad_arguments_are_one_clear_error_line() {
         "{err}"
     );
 }
+
+/// Overwrites the `N` bytes that follow `marker` (plus `skip`) in `bytes`.
+fn patch<const N: usize>(bytes: &mut [u8], marker: &str, skip: usize, value: [u8; N]) {
+    let at = bytes
+        .windows(marker.len())
+        .position(|w| w == marker.as_bytes())
+        .unwrap_or_else(|| panic!("`{marker}` is in the header"))
+        + marker.len()
+        + skip;
+    bytes[at..at + N].copy_from_slice(&value);
+}
+
+/// `kvgate generate` on `bytes` (written to `name`): fails with one line containing `expected`.
+fn generate_refuses(name: &str, bytes: &[u8], expected: &str) {
+    let path = temp_dir().join(name);
+    std::fs::write(&path, bytes).expect("write patched model");
+    let path = path.to_str().expect("utf-8 temp path");
+    let out = kvgate(&[
+        "generate",
+        "--model",
+        path,
+        "--raw",
+        "--max-tokens",
+        "4",
+        "--threads",
+        "1",
+        "hello",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "{name}: exit 0, stdout {:?}",
+        out.stdout
+    );
+    assert!(out.stdout.is_empty(), "{name}: {:?}", out.stdout);
+    assert_eq!(err.trim_end().lines().count(), 1, "{name}: {err}");
+    assert!(err.contains(expected), "{name}: {err}");
+}
+
+#[test]
+fn malformed_model_files_are_refused_with_one_line_naming_the_cause() {
+    let dir = temp_dir();
+    let model = dir.join("tiny-malformed-base.gguf");
+    let out = synth_tiny_seed_1(model.to_str().expect("utf-8 temp path"));
+    assert!(out.status.success());
+    let good = std::fs::read(&model).expect("read model");
+    // The tiny shape's vocabulary size (`llama.vocab_size`), which the errors below name.
+    let vocab = 512u32;
+
+    // token_embd.weight is the first tensor (data offset 0): name, 2 dims (u32 + 2 u64), type
+    // (u32), then its offset (u64). Offset 3 is not a multiple of the default alignment 32.
+    let mut bytes = good.clone();
+    patch(
+        &mut bytes,
+        "token_embd.weight",
+        4 + 16 + 4,
+        3u64.to_le_bytes(),
+    );
+    generate_refuses(
+        "misaligned.gguf",
+        &bytes,
+        "tensor `token_embd.weight` starts at data offset 3, which is not a multiple of the alignment 32",
+    );
+
+    // add_bos_token (a bool: u32 type, one byte) switched on, BOS id (u32 type, u32) moved out.
+    for bos in [vocab, u32::MAX] {
+        let mut bytes = good.clone();
+        patch(&mut bytes, "tokenizer.ggml.add_bos_token", 4, [1u8]);
+        patch(
+            &mut bytes,
+            "tokenizer.ggml.bos_token_id",
+            4,
+            bos.to_le_bytes(),
+        );
+        generate_refuses(
+            &format!("bos-{bos}.gguf"),
+            &bytes,
+            &format!(
+                "tokenizer.ggml.bos_token_id is {bos}, outside the vocabulary of {vocab} tokens"
+            ),
+        );
+    }
+    let mut bytes = good.clone();
+    patch(
+        &mut bytes,
+        "tokenizer.ggml.eos_token_id",
+        4,
+        vocab.to_le_bytes(),
+    );
+    generate_refuses(
+        "eos.gguf",
+        &bytes,
+        &format!(
+            "tokenizer.ggml.eos_token_id is {vocab}, outside the vocabulary of {vocab} tokens"
+        ),
+    );
+}

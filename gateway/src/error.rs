@@ -42,6 +42,13 @@ pub enum GatewayError {
         message: String,
         param: Option<String>,
     },
+    /// The body is compressed or otherwise encoded (`Content-Encoding` other than `identity`):
+    /// kvgate does not decode request bodies, so it refuses them before reading a byte.
+    #[error(
+        "Content-Encoding `{encoding}` is not supported: kvgate reads request bodies only \
+         uncompressed (identity). Send the body without Content-Encoding."
+    )]
+    UnsupportedEncoding { encoding: String },
     #[error("The request body is larger than the {limit_bytes}-byte limit.")]
     PayloadTooLarge { limit_bytes: usize },
     #[error("The client sent no request body data for {}s.", .idle.as_secs_f64())]
@@ -110,6 +117,7 @@ impl GatewayError {
             Auth(error) => error.status(),
             Rejected(rejection) => rejection.status(),
             PayloadTooLarge { .. } => 413,
+            UnsupportedEncoding { .. } => 415,
             BodyTimeout { .. } => 408,
             NotFound { .. } => 404,
             MethodNotAllowed { .. } => 405,
@@ -130,9 +138,11 @@ impl GatewayError {
         match self {
             Auth(error) => error.error_type(),
             Rejected(rejection) => rejection.error_type(),
-            Invalid(_) | BadBody { .. } | PayloadTooLarge { .. } | BodyTimeout { .. } => {
-                "invalid_request_error"
-            }
+            Invalid(_)
+            | BadBody { .. }
+            | PayloadTooLarge { .. }
+            | BodyTimeout { .. }
+            | UnsupportedEncoding { .. } => "invalid_request_error",
             NotFound { .. } | MethodNotAllowed { .. } => "invalid_request_error",
             IntakeFull(_) => "requests",
             RequestTimeout { .. } | Overloaded | ShuttingDown | NotReady(_) => "server_error",
@@ -150,6 +160,7 @@ impl GatewayError {
             Rejected(rejection) => rejection.code(),
             BadBody { .. } => "invalid_json",
             PayloadTooLarge { .. } => "request_too_large",
+            UnsupportedEncoding { .. } => "unsupported_content_encoding",
             BodyTimeout { .. } => "request_timeout",
             NotFound { .. } => "unknown_url",
             MethodNotAllowed { .. } => "method_not_allowed",
@@ -171,6 +182,7 @@ impl GatewayError {
         match self {
             GatewayError::Invalid(error) => error.param(),
             GatewayError::BadBody { param, .. } => param.clone(),
+            GatewayError::UnsupportedEncoding { .. } => Some("Content-Encoding".to_owned()),
             GatewayError::Rejected(rejection) => rejection.param().map(str::to_owned),
             _ => None,
         }
@@ -193,7 +205,13 @@ impl GatewayError {
     pub fn body(&self) -> ErrorBody {
         ErrorBody {
             error: ErrorDetail {
-                message: self.to_string(),
+                // Messages that quote the client's values are kept short (see `concise`).
+                message: match self {
+                    GatewayError::Invalid(_) | GatewayError::UnsupportedEncoding { .. } => {
+                        crate::extract::concise(self.to_string())
+                    }
+                    _ => self.to_string(),
+                },
                 error_type: self.error_type().to_owned(),
                 param: self.param(),
                 code: self.code().map(str::to_owned),
@@ -414,5 +432,27 @@ mod tests {
         let sent: ErrorBody = serde_json::from_str(&error.sse_data()).unwrap();
         assert_eq!(sent, error.body());
         assert_eq!(sent.error.code.as_deref(), Some("generation_failed"));
+    }
+
+    #[test]
+    fn rejected_values_are_quoted_briefly() {
+        let body = GatewayError::Invalid(ValidationError::Temperature(1e308)).body();
+        assert_eq!(
+            body.error.message,
+            "`temperature` must be between 0 and 2 (got 1e308)"
+        );
+        let body = GatewayError::UnsupportedEncoding {
+            encoding: "gzip".into(),
+        }
+        .body();
+        assert_eq!(
+            body.error.code.as_deref(),
+            Some("unsupported_content_encoding")
+        );
+        assert!(
+            body.error
+                .message
+                .starts_with("Content-Encoding `gzip` is not supported")
+        );
     }
 }

@@ -78,6 +78,10 @@ async fn read_body(
     if announced.is_some_and(|n| n > max_bytes as u64) {
         return Err(too_large);
     }
+    // A compressed body would fail as "not JSON" after being read; refuse it up front instead.
+    if let Some(encoding) = unsupported_encoding(req.headers()) {
+        return Err(GatewayError::UnsupportedEncoding { encoding });
+    }
     let mut body = req.into_body();
     let mut buffer = BytesMut::new();
     loop {
@@ -100,6 +104,28 @@ async fn read_body(
             buffer.extend_from_slice(&data);
         }
     }
+}
+
+/// The request's `Content-Encoding`, unless it is absent or only `identity` (all the codings
+/// listed, comma-separated, over every such header; case-insensitive).
+fn unsupported_encoding(headers: &http::HeaderMap) -> Option<String> {
+    let mut values = headers.get_all(http::header::CONTENT_ENCODING).iter();
+    let is_identity = |value: &http::HeaderValue| {
+        value.to_str().is_ok_and(|v| {
+            v.split(',')
+                .map(str::trim)
+                .all(|coding| coding.is_empty() || coding.eq_ignore_ascii_case("identity"))
+        })
+    };
+    if values.all(is_identity) {
+        return None;
+    }
+    let named: Vec<String> = headers
+        .get_all(http::header::CONTENT_ENCODING)
+        .iter()
+        .map(|value| String::from_utf8_lossy(value.as_bytes()).trim().to_owned())
+        .collect();
+    Some(named.join(", "))
 }
 
 /// True if a body error was caused by a body-limit layer's cap.
@@ -127,27 +153,144 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, GatewayError> 
 /// [`parse_json`]'s error path: the same parse, tracking where it failed.
 fn parse_json_tracked<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, GatewayError> {
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
-        let path = error.path().to_string();
-        let inner = error.into_inner();
-        if inner.is_data() && path != "." {
-            GatewayError::BadBody {
-                message: format!("Invalid value for `{path}`: {inner}"),
-                param: Some(path),
-            }
-        } else {
-            GatewayError::BadBody {
-                message: format!("We could not parse the JSON body of your request: {inner}"),
-                param: None,
-            }
-        }
-    })?;
+    let value = serde_path_to_error::deserialize(&mut deserializer)
+        .map_err(|error| shape_error(bytes, error))?;
     // Trailing bytes after the JSON value are a malformed body too.
-    deserializer.end().map_err(|inner| GatewayError::BadBody {
-        message: format!("We could not parse the JSON body of your request: {inner}"),
-        param: None,
-    })?;
+    deserializer.end().map_err(|inner| syntax_error(&inner))?;
     Ok(value)
+}
+
+/// A body that is not JSON at all: no field to name.
+fn syntax_error(inner: &serde_json::Error) -> GatewayError {
+    GatewayError::BadBody {
+        message: concise(format!(
+            "We could not parse the JSON body of your request: {inner}"
+        )),
+        param: None,
+    }
+}
+
+/// Turns a failed tracked parse into a 400 naming the field at fault (`param`) whenever the
+/// body is valid JSON of the wrong shape; only a body that is not JSON gets the generic
+/// "could not parse" message.
+fn shape_error(bytes: &[u8], error: serde_path_to_error::Error<serde_json::Error>) -> GatewayError {
+    let path = error.path().clone();
+    let inner = error.into_inner();
+    let at = |field: Option<&str>| -> Option<String> {
+        let mut param = if path.iter().next().is_none() {
+            String::new()
+        } else {
+            path.to_string()
+        };
+        if let Some(field) = field {
+            if !param.is_empty() {
+                param.push('.');
+            }
+            param.push_str(field);
+        }
+        (!param.is_empty()).then_some(param)
+    };
+    if inner.is_data() {
+        // serde's wording for an absent field; the field belongs to the path's object.
+        let message = inner.to_string();
+        let missing = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(field, _)| field);
+        if let Some(param) = missing.and_then(|field| at(Some(field))) {
+            return GatewayError::BadBody {
+                message: concise(format!("Missing required parameter: `{param}`.")),
+                param: Some(param),
+            };
+        }
+        return match at(None) {
+            Some(param) => GatewayError::BadBody {
+                message: concise(format!("Invalid value for `{param}`: {inner}")),
+                param: Some(param),
+            },
+            None => syntax_error(&inner),
+        };
+    }
+    // serde_json reports some type mismatches (a `null` or a number where an enum's string
+    // belongs) as syntax errors. If the body is valid JSON, the fault is the value at the path.
+    let document: serde_json::Value = match serde_json::from_slice(bytes) {
+        Ok(document) => document,
+        Err(_) => return syntax_error(&inner),
+    };
+    let Some(param) = at(None) else {
+        return syntax_error(&inner);
+    };
+    let found = value_at(&document, &path).map(describe);
+    let message = match found {
+        Some("null") => format!("Missing or null value for `{param}`: a value is required."),
+        Some(kind) => format!("Invalid value for `{param}`: {kind} is not accepted here."),
+        None => format!("Invalid value for `{param}`."),
+    };
+    GatewayError::BadBody {
+        message: concise(message),
+        param: Some(param),
+    }
+}
+
+/// The value `path` leads to in `document`, if it is there.
+fn value_at<'a>(
+    document: &'a serde_json::Value,
+    path: &serde_path_to_error::Path,
+) -> Option<&'a serde_json::Value> {
+    use serde_path_to_error::Segment;
+    path.iter()
+        .try_fold(document, |value, segment| match segment {
+            Segment::Seq { index } => value.get(*index),
+            Segment::Map { key } => value.get(key.as_str()),
+            Segment::Enum { .. } | Segment::Unknown => Some(value),
+        })
+}
+
+/// What kind of JSON value `value` is, for an error message (never the value itself).
+fn describe(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// Longest error message kvgate builds from client input, in characters.
+const MAX_MESSAGE_CHARS: usize = 500;
+/// Longest run of digits echoed as written; longer numbers are printed as `1e308`.
+const MAX_NUMBER_CHARS: usize = 20;
+
+/// Keeps an error message built from client input short: numbers longer than
+/// [`MAX_NUMBER_CHARS`] (serde prints `1e308` with all 309 digits) in scientific notation, and
+/// the whole message cut at [`MAX_MESSAGE_CHARS`] (a rejected string is echoed in full).
+pub(crate) fn concise(message: String) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_MESSAGE_CHARS + 4));
+    let mut rest = message.as_str();
+    while let Some(start) = rest.find(|c: char| c.is_ascii_digit()) {
+        out.push_str(&rest[..start]);
+        let run = &rest[start..];
+        let len = run
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(run.len());
+        let number = &run[..len];
+        match number.parse::<f64>() {
+            Ok(value) if number.len() > MAX_NUMBER_CHARS => out.push_str(&format!("{value:e}")),
+            _ => out.push_str(number),
+        }
+        rest = &run[len..];
+    }
+    out.push_str(rest);
+    match out.char_indices().nth(MAX_MESSAGE_CHARS) {
+        Some((cut, _)) => {
+            out.truncate(cut);
+            out.push('…');
+            out
+        }
+        None => out,
+    }
 }
 
 /// The tenant the request's API key belongs to (401 otherwise). Runs before the body is read,
@@ -295,5 +438,83 @@ mod tests {
     fn a_missing_required_field_is_reported() {
         let (message, _) = bad_body(br#"{"messages":[]}"#);
         assert!(message.contains("model"), "{message}");
+    }
+
+    #[test]
+    fn valid_json_of_the_wrong_shape_names_the_field() {
+        // serde_json reports a null or a number where an enum's string belongs as a syntax
+        // error ("expected value"); the body is valid JSON, so the role is named.
+        for role in ["null", "5", "[]"] {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":{role},"content":"hi"}}]}}"#);
+            let (message, param) = bad_body(body.as_bytes());
+            assert_eq!(param.as_deref(), Some("messages[0].role"), "{role}");
+            assert!(
+                message.contains("`messages[0].role`") && !message.contains("could not parse"),
+                "{role}: {message}"
+            );
+        }
+        let (message, _) = bad_body(br#"{"model":"m","messages":[{"role":null}]}"#);
+        assert!(message.starts_with("Missing or null value"), "{message}");
+        // Missing fields are named with their path: at the top level and inside a message.
+        let (message, param) = bad_body(br#"{"messages":[]}"#);
+        assert_eq!(param.as_deref(), Some("model"));
+        assert_eq!(message, "Missing required parameter: `model`.");
+        let (_, param) = bad_body(br#"{"model":"m","messages":[{"content":"hi"}]}"#);
+        assert_eq!(param.as_deref(), Some("messages[0].role"));
+        // Not JSON at all: still the generic message, no param.
+        let (message, param) = bad_body(br#"{"model":"m","messages":[{"role":nul}]}"#);
+        assert!(message.starts_with("We could not parse"), "{message}");
+        assert_eq!(param, None);
+    }
+
+    #[test]
+    fn concise_shortens_long_numbers_and_long_messages() {
+        let digits = format!("got {}.0 here", "1".to_owned() + &"0".repeat(308));
+        assert_eq!(concise(digits), "got 1e308 here");
+        assert_eq!(
+            concise("between 0 and 2 (got 3.5)".into()),
+            "between 0 and 2 (got 3.5)"
+        );
+        let long = concise("x".repeat(10_000));
+        assert_eq!(long.chars().count(), MAX_MESSAGE_CHARS + 1);
+        assert!(long.ends_with('…'));
+        let (message, param) = bad_body(br#"{"model":"m","messages":[],"max_tokens":1e308}"#);
+        assert_eq!(param.as_deref(), Some("max_tokens"));
+        assert!(
+            message.contains("1e") && !message.contains("0000") && message.len() < 200,
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn only_identity_content_encoding_is_accepted() {
+        let headers = |values: &[&str]| {
+            let mut map = http::HeaderMap::new();
+            for v in values {
+                map.append(
+                    http::header::CONTENT_ENCODING,
+                    http::HeaderValue::from_str(v).expect("header value"),
+                );
+            }
+            map
+        };
+        for ok in [
+            &[][..],
+            &["identity"],
+            &["Identity"],
+            &["identity, identity"],
+        ] {
+            assert_eq!(unsupported_encoding(&headers(ok)), None, "{ok:?}");
+        }
+        for (values, named) in [
+            (&["gzip"][..], "gzip"),
+            (&["identity, br"], "identity, br"),
+            (&["identity", "deflate"], "identity, deflate"),
+        ] {
+            assert_eq!(
+                unsupported_encoding(&headers(values)).as_deref(),
+                Some(named)
+            );
+        }
     }
 }

@@ -509,9 +509,9 @@ fn respond(
         GatewayError::Rejected(_) => None,
         GatewayError::Invalid(invalid) if invalid.is_context_length() => Some(RejectReason::Length),
         GatewayError::Invalid(_) | GatewayError::BadBody { .. } => Some(RejectReason::BadRequest),
-        GatewayError::PayloadTooLarge { .. } | GatewayError::BodyTimeout { .. } => {
-            Some(RejectReason::BadRequest)
-        }
+        GatewayError::PayloadTooLarge { .. }
+        | GatewayError::BodyTimeout { .. }
+        | GatewayError::UnsupportedEncoding { .. } => Some(RejectReason::BadRequest),
         GatewayError::ShuttingDown
         | GatewayError::EngineUnavailable(_)
         | GatewayError::UpstreamUnavailable { .. } => Some(RejectReason::Unavailable),

@@ -47,6 +47,18 @@ pub enum GgufError {
         name: String,
         ty: String,
     },
+    #[error(
+        "{path}: tensor `{name}` starts at data offset {offset}, which is not a multiple of the \
+         alignment {alignment} (general.alignment)"
+    )]
+    MisalignedTensor {
+        path: PathBuf,
+        name: String,
+        offset: u64,
+        alignment: u64,
+    },
+    #[error("{path}: general.alignment is {value}; it must be a power of two")]
+    BadAlignment { path: PathBuf, value: String },
 }
 
 /// GGML tensor types. Only the ones kvgate can compute with have their own variant.
@@ -217,6 +229,8 @@ pub struct GgufFile {
     pub metadata: BTreeMap<String, MetaValue>,
     pub tensors: Vec<TensorInfo>,
     data_start: u64,
+    /// `general.alignment` (32 when absent): every tensor offset is a multiple of it.
+    alignment: u64,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -297,11 +311,20 @@ impl GgufFile {
             });
         }
 
-        let alignment = metadata
-            .get("general.alignment")
-            .and_then(MetaValue::as_u64)
-            .filter(|a| a.is_power_of_two())
-            .unwrap_or(DEFAULT_ALIGNMENT);
+        // llama.cpp refuses an alignment that is not a power of two rather than guessing.
+        let alignment = match metadata.get("general.alignment") {
+            None => DEFAULT_ALIGNMENT,
+            Some(value) => match value.as_u64().filter(|a| a.is_power_of_two()) {
+                Some(a) => a,
+                None => {
+                    let value = match value.as_i64() {
+                        Some(v) => v.to_string(),
+                        None => format!("{value:?}").chars().take(40).collect(),
+                    };
+                    return Err(GgufError::BadAlignment { path, value });
+                }
+            },
+        };
         let data_start = r.pos.div_ceil(alignment) * alignment;
         let gguf = Self {
             path,
@@ -309,16 +332,26 @@ impl GgufFile {
             metadata,
             tensors,
             data_start,
+            alignment,
             map,
         };
         gguf.check_tensor_extents()?;
         Ok(gguf)
     }
 
-    /// Every tensor must have a supported type and lie entirely inside the file.
+    /// Every tensor must have a supported type, start at a multiple of the alignment (as
+    /// llama.cpp requires) and lie entirely inside the file.
     fn check_tensor_extents(&self) -> Result<(), GgufError> {
         let file_len = self.map.len() as u64;
         for t in &self.tensors {
+            if t.offset % self.alignment != 0 {
+                return Err(GgufError::MisalignedTensor {
+                    path: self.path.clone(),
+                    name: t.name.clone(),
+                    offset: t.offset,
+                    alignment: self.alignment,
+                });
+            }
             let Some((block_elems, block_bytes)) = t.ty.block_layout() else {
                 return Err(GgufError::UnsupportedTensorType {
                     path: self.path.clone(),
@@ -529,6 +562,8 @@ pub(crate) mod testutil {
         kv: Vec<u8>,
         n_kv: u64,
         tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+        /// (tensor index, offset written in its directory entry instead of the real one).
+        offset_overrides: Vec<(usize, u64)>,
     }
 
     impl GgufBuilder {
@@ -537,7 +572,14 @@ pub(crate) mod testutil {
                 kv: Vec::new(),
                 n_kv: 0,
                 tensors: Vec::new(),
+                offset_overrides: Vec::new(),
             }
+        }
+
+        /// Writes `offset` as tensor `index`'s data offset (the data stays where it was).
+        pub fn offset_of(mut self, index: usize, offset: u64) -> Self {
+            self.offset_overrides.push((index, offset));
+            self
         }
 
         fn key(&mut self, key: &str, ty: u32) {
@@ -621,7 +663,7 @@ pub(crate) mod testutil {
             out.extend(self.n_kv.to_le_bytes());
             out.extend(&self.kv);
             let mut offset = 0u64;
-            for (name, dims, ty, data) in &self.tensors {
+            for (index, (name, dims, ty, data)) in self.tensors.iter().enumerate() {
                 out.extend((name.len() as u64).to_le_bytes());
                 out.extend(name.as_bytes());
                 out.extend((dims.len() as u32).to_le_bytes());
@@ -629,7 +671,12 @@ pub(crate) mod testutil {
                     out.extend(d.to_le_bytes());
                 }
                 out.extend(ty.to_le_bytes());
-                out.extend(offset.to_le_bytes());
+                let written = self
+                    .offset_overrides
+                    .iter()
+                    .rfind(|(i, _)| *i == index)
+                    .map_or(offset, |(_, o)| *o);
+                out.extend(written.to_le_bytes());
                 offset += (data.len() as u64).div_ceil(32) * 32;
             }
             while out.len() % 32 != 0 {
@@ -759,5 +806,40 @@ mod tests {
             GgufFile::open(&path),
             Err(GgufError::UnsupportedVersion { version: 9, .. })
         ));
+    }
+
+    #[test]
+    fn misaligned_tensor_offsets_are_refused_naming_tensor_offset_and_alignment() {
+        let f32s = |n: usize| vec![0u8; n * 4];
+        let two = |b: GgufBuilder| {
+            b.tensor("a", &[8], 0, f32s(8))
+                .tensor("token_embd.weight", &[8, 2], 0, f32s(16))
+        };
+        // Aligned (a at 0, token_embd.weight at 32) opens; at 3 or 16 it does not.
+        GgufFile::open(write_tmp("aligned.gguf", &two(GgufBuilder::new()).build()))
+            .expect("aligned offsets open");
+        for offset in [3u64, 16] {
+            let bytes = two(GgufBuilder::new()).offset_of(1, offset).build();
+            let path = write_tmp(&format!("misaligned{offset}.gguf"), &bytes);
+            let err = GgufFile::open(&path).expect_err("misaligned offset is refused");
+            let msg = err.to_string();
+            assert!(
+                matches!(err, GgufError::MisalignedTensor { alignment: 32, .. })
+                    && msg.contains("`token_embd.weight`")
+                    && msg.contains(&format!("data offset {offset},"))
+                    && msg.contains("alignment 32")
+                    && !msg.contains('\n'),
+                "{msg}"
+            );
+        }
+        // general.alignment = 16 makes 16 valid (tensor data still lies inside the file).
+        let bytes = two(GgufBuilder::new().u32("general.alignment", 16))
+            .offset_of(1, 16)
+            .build();
+        GgufFile::open(write_tmp("align16.gguf", &bytes)).expect("16 is a multiple of 16");
+        // An alignment that is not a power of two is refused, not replaced by 32.
+        let bytes = two(GgufBuilder::new().u32("general.alignment", 24)).build();
+        let err = GgufFile::open(write_tmp("align24.gguf", &bytes)).expect_err("24 refused");
+        assert!(err.to_string().contains("general.alignment is 24"), "{err}");
     }
 }

@@ -296,3 +296,89 @@ proptest! {
         prop_assert_eq!(t.decode_with_special(&t.encode(&text, true)), text);
     }
 }
+
+/// A five-token vocabulary file (`a b ab <s> </s>`) with the given extra metadata.
+fn special_id_vocab(
+    name: &str,
+    model: &str,
+    extra: impl FnOnce(crate::gguf::testutil::GgufBuilder) -> crate::gguf::testutil::GgufBuilder,
+) -> Result<Tokenizer, TokenizerError> {
+    use crate::gguf::testutil::GgufBuilder;
+    let dir = std::env::temp_dir().join(format!("kvgate-tok-ids-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let builder = GgufBuilder::new()
+        .str("tokenizer.ggml.model", model)
+        .str("tokenizer.ggml.pre", "gpt-2")
+        .str_array("tokenizer.ggml.tokens", &["a", "b", "ab", "<s>", "</s>"])
+        .str_array("tokenizer.ggml.merges", &["a b"]);
+    let path = dir.join(format!("{name}.gguf"));
+    std::fs::write(&path, extra(builder).build()).expect("write temp gguf");
+    let gguf = GgufFile::open(&path).expect("opens");
+    Tokenizer::from_gguf(&gguf)
+}
+
+#[test]
+fn special_token_ids_outside_the_vocabulary_are_refused_where_used() {
+    let refused = |name: &str, model: &str, key: &str, id: u32, add_bos: bool| {
+        let err = special_id_vocab(name, model, |b| {
+            b.bool("tokenizer.ggml.add_bos_token", add_bos).u32(key, id)
+        })
+        .err()
+        .unwrap_or_else(|| panic!("{name}: {key} = {id} must be refused"))
+        .to_string();
+        assert!(
+            err.contains(&format!(
+                "{key} is {id}, outside the vocabulary of 5 tokens"
+            )) && !err.contains('\n'),
+            "{name}: {err}"
+        );
+    };
+    refused("bos5", "gpt2", "tokenizer.ggml.bos_token_id", 5, true);
+    refused(
+        "bosmax",
+        "gpt2",
+        "tokenizer.ggml.bos_token_id",
+        u32::MAX,
+        true,
+    );
+    refused("eos", "gpt2", "tokenizer.ggml.eos_token_id", 5, false);
+    refused("eot", "gpt2", "tokenizer.ggml.eot_token_id", 99, false);
+    refused("eom", "gpt2", "tokenizer.ggml.eom_token_id", 5, false);
+    refused(
+        "fimpad",
+        "gpt2",
+        "tokenizer.ggml.fim_pad_token_id",
+        7,
+        false,
+    );
+    refused(
+        "unkspm",
+        "llama",
+        "tokenizer.ggml.unknown_token_id",
+        5,
+        false,
+    );
+
+    // Where the id is never used the file still loads: BOS without add_bos_token, UNK in a
+    // byte-level BPE vocabulary (it has no byte fallback), a padding id (kvgate never pads).
+    for (name, key) in [
+        ("bosunused", "tokenizer.ggml.bos_token_id"),
+        ("unkbpe", "tokenizer.ggml.unknown_token_id"),
+        ("pad", "tokenizer.ggml.padding_token_id"),
+    ] {
+        let t = special_id_vocab(name, "gpt2", |b| {
+            b.bool("tokenizer.ggml.add_bos_token", false).u32(key, 5)
+        });
+        assert!(t.is_ok(), "{name}: {:?}", t.err());
+    }
+
+    // In-range ids load and are used.
+    let t = special_id_vocab("valid", "gpt2", |b| {
+        b.bool("tokenizer.ggml.add_bos_token", true)
+            .u32("tokenizer.ggml.bos_token_id", 3)
+            .u32("tokenizer.ggml.eos_token_id", 4)
+    })
+    .expect("in-range ids load");
+    assert_eq!(t.encode_with_specials("ab", false), vec![3, 2]);
+    assert!(t.is_eog(4));
+}

@@ -169,20 +169,28 @@ impl Vocab {
             None => None,
         };
         let n_tokens = texts.len();
-        let token_id = |key: &str| -> Option<u32> {
-            gguf.get_u64(key)
-                .filter(|&id| (id as usize) < n_tokens)
-                .map(|id| id as u32)
+        // A special-token id the file names, if it is inside the vocabulary. `Err` names the
+        // key, the id and the vocabulary size; callers return it only where the id would be
+        // used (llama.cpp warns and falls back, which would silently change what is sent to
+        // the model or where generation stops).
+        let token_id = |key: &str| -> Result<Option<u32>, TokenizerError> {
+            let Some(value) = gguf.get(key) else {
+                return Ok(None);
+            };
+            let Some(id) = value.as_i64() else {
+                // Not an integer that fits an i64: a u64 above i64::MAX, a string, a float.
+                return match value.as_u64() {
+                    Some(id) => Err(out_of_vocab(key, &id.to_string(), n_tokens)),
+                    None => Ok(None),
+                };
+            };
+            match u32::try_from(id) {
+                Ok(id) if (id as usize) < n_tokens => Ok(Some(id)),
+                _ => Err(out_of_vocab(key, &id.to_string(), n_tokens)),
+            }
         };
         // llama.cpp's defaults for SentencePiece vocabularies whose file names no ids.
         let spm_default = |id: u32| (spm && (id as usize) < n_tokens).then_some(id);
-        let (bos, eos) = (
-            token_id("tokenizer.ggml.bos_token_id").or_else(|| spm_default(1)),
-            token_id("tokenizer.ggml.eos_token_id").or_else(|| spm_default(2)),
-        );
-        let explicit_eog = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
-            .into_iter()
-            .filter_map(token_id);
         let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
         // llama.cpp's defaults when the keys are absent: SentencePiece vocabularies start with
         // BOS and a space, byte-level BPE ones with neither, except the pre-tokenizers llama.cpp
@@ -194,6 +202,30 @@ impl Vocab {
         let add_eos = gguf
             .get_bool("tokenizer.ggml.add_eos_token")
             .unwrap_or(false);
+        // BOS is used only when prompts start with it; an unusable one is otherwise ignored.
+        let bos = match token_id("tokenizer.ggml.bos_token_id") {
+            Ok(id) => id,
+            Err(e) if add_bos => return Err(e),
+            Err(_) => None,
+        }
+        .or_else(|| spm_default(1));
+        // EOS, EOT and EOM always end generation; FIM pad/repo/separator ids do when named.
+        let eos = token_id("tokenizer.ggml.eos_token_id")?.or_else(|| spm_default(2));
+        let mut explicit_eog = Vec::new();
+        for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            explicit_eog.extend(token_id(key)?);
+        }
+        let fim_ids = FIM_EOG
+            .iter()
+            .map(|(key, _)| token_id(key))
+            .collect::<Result<Vec<_>, _>>()?;
+        // UNK stands in for bytes without a token, in SentencePiece vocabularies only.
+        let unk = match token_id("tokenizer.ggml.unknown_token_id") {
+            Ok(id) => id,
+            Err(e) if spm => return Err(e),
+            Err(_) => None,
+        }
+        .or_else(|| spm_default(0));
         if add_eos && eos.is_none() {
             // llama.cpp asserts here at the first tokenization; refuse the file up front.
             return Err(TokenizerError::Invalid(
@@ -207,7 +239,7 @@ impl Vocab {
             add_space_prefix: gguf
                 .get_bool("tokenizer.ggml.add_space_prefix")
                 .unwrap_or(spm),
-            unk: token_id("tokenizer.ggml.unknown_token_id").or_else(|| spm_default(0)),
+            unk,
             rstrip_specials: gguf.get_str("general.name").is_some_and(is_phi3_name),
             model,
             scores,
@@ -219,7 +251,6 @@ impl Vocab {
             bos,
             eos,
         };
-        let fim_ids: Vec<Option<u32>> = FIM_EOG.iter().map(|(key, _)| token_id(key)).collect();
         vocab.mark_end_of_generation(&fim_ids);
         Ok(vocab)
     }
@@ -259,6 +290,14 @@ impl Vocab {
             self.eog_ids.insert(id);
         }
     }
+}
+
+/// `key` names token `id`, which is not in a vocabulary of `n_tokens` tokens.
+fn out_of_vocab(key: &str, id: &str, n_tokens: usize) -> TokenizerError {
+    TokenizerError::Invalid(format!(
+        "{key} is {id}, outside the vocabulary of {n_tokens} tokens (ids 0 to {})",
+        n_tokens.saturating_sub(1)
+    ))
 }
 
 /// llama.cpp recognises Phi-3 by `general.name` (lower-cased, containing `phi-3` or `phi3`).
