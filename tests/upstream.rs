@@ -842,3 +842,52 @@ async fn relayed_answers_are_timed_and_counted_under_their_tenant() {
     assert_eq!(tenant_metric(&gateway, ttft, TENANT).await, 1.0);
     drop(node);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bogus_reported_usage_counts_no_more_than_the_budget() {
+    // A tenant no other test of this binary uses: the metrics recorder is process-wide.
+    const TENANT: &str = "bogus-usage";
+    const BOGUS_KEY: &str = "sk-upstream-bogus";
+    let answer = json!({
+        "id": "chatcmpl-up", "object": "chat.completion", "created": 1_700_000_000,
+        "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                     "logprobs": null, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 1_000_000_000_000_u64,
+                  "total_tokens": 1_000_000_000_007_u64},
+    });
+    let addr = answering(json_answer(&answer)).await;
+    let text = common::policy(
+        &[common::TenantSpec {
+            name: TENANT,
+            key: BOGUS_KEY,
+            extra: "",
+        }],
+        "",
+    );
+    let options = common::Options {
+        upstreams: vec![remote_at(addr, "").parse().unwrap()],
+        ..common::Options::default()
+    };
+    let gateway = TestServer::start_with(&text, options).await;
+    let reply = gateway
+        .client()
+        .post(
+            "/v1/chat/completions",
+            Some(BOGUS_KEY),
+            &for_model(chat("Hi.", 5), REMOTE),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    // Relayed as the upstream wrote it, but counted at most the 5 tokens it was allowed.
+    assert_eq!(
+        reply.json()["usage"]["completion_tokens"],
+        1_000_000_000_000_u64
+    );
+    await_metric(&gateway, "kvgate_generation_tokens_total", TENANT, 5.0).await;
+    assert_eq!(
+        tenant_metric(&gateway, "kvgate_prompt_tokens_total", TENANT).await,
+        7.0
+    );
+    capacity_returned(&gateway).await;
+}

@@ -296,12 +296,12 @@ async fn proxy(
                     let prompt = valid.prompt_ids.len();
                     // Labelled by the configured name the client asked for (the route's).
                     let model = upstream.name();
-                    Some(GenerationTelemetry::new(
-                        &tenant.name,
-                        model,
-                        arrived,
-                        prompt,
-                    ))
+                    // The upstream's reported usage counts at most the budget it was sent,
+                    // as the debit settled on it does.
+                    Some(
+                        GenerationTelemetry::new(&tenant.name, model, arrived, prompt)
+                            .capping_completion_at(valid.max_tokens as usize),
+                    )
                 } else {
                     admitted.mark_failed_before_start();
                     None
