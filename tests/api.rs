@@ -590,3 +590,87 @@ async fn legacy_completions_default_to_sixteen_tokens() {
     assert_eq!(answer["choices"][0]["finish_reason"], "length", "{answer}");
     server.wait_for_idle_kv(Duration::from_secs(30)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_the_embedded_engine_cannot_honour_are_refused_but_their_defaults_pass() {
+    let server = TestServer::start(&one_tenant()).await;
+    let client = server.client();
+    let refused = [
+        (
+            "/v1/chat/completions",
+            json!({"logprobs": true}),
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"top_logprobs": -1}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"presence_penalty": 1}),
+            "presence_penalty",
+        ),
+        ("/v1/completions", json!({"logprobs": 2}), "logprobs"),
+        ("/v1/completions", json!({"best_of": 3}), "best_of"),
+        ("/v1/completions", json!({"suffix": "!"}), "suffix"),
+    ];
+    for (path, patch, param) in refused {
+        let mut body = if path == "/v1/completions" {
+            json!({"model": MODEL, "prompt": "hi", "max_tokens": 4})
+        } else {
+            chat("hi", 4)
+        };
+        for (k, v) in patch.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let reply = client.post(path, Some(KEY), &body).await;
+        assert_openai_error(&reply, 400, "unsupported_value");
+        let error = &reply.json()["error"];
+        assert_eq!(error["param"], param, "{body}");
+        assert_eq!(error["type"], "invalid_request_error");
+        let message = error["message"].as_str().unwrap();
+        assert!(message.contains("embedded engine"), "{message}");
+    }
+    // Nothing refused reached the engine.
+    assert_eq!(server.kv().used_blocks + server.kv().reserved_blocks, 0);
+
+    // The OpenAI defaults clients send on every request change nothing and are answered.
+    let mut body = chat("Say hello.", 4);
+    for (k, v) in json!({
+        "logprobs": false, "top_logprobs": null, "frequency_penalty": 0, "presence_penalty": 0,
+        "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+        "logit_bias": {},
+    })
+    .as_object()
+    .unwrap()
+    {
+        body[k] = v.clone();
+    }
+    let reply = client.post("/v1/chat/completions", Some(KEY), &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["object"], "chat.completion");
+    let body = json!({
+        "model": MODEL, "prompt": "hi", "max_tokens": 4, "best_of": 1, "logprobs": null,
+        "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "echo": false,
+    });
+    let reply = client.post("/v1/completions", Some(KEY), &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["object"], "text_completion");
+    server.wait_for_idle_kv(Duration::from_secs(30)).await;
+}

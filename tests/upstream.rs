@@ -251,15 +251,16 @@ async fn the_stream_holds_upstream_capacity_and_a_client_that_leaves_cancels_it(
 /// The first SSE chunk a [`half_stream`] upstream sends.
 const FIRST_CHUNK: &str = r#"{"id":"chatcmpl-up","object":"chat.completion.chunk","choices":[]}"#;
 
-/// Reads one whole request (headers, then content-length bytes of body) from `stream`.
-async fn read_request(stream: &mut tokio::net::TcpStream) {
+/// Reads one whole request (headers, then content-length bytes of body) from `stream`, and
+/// returns its body (empty if the connection closed first).
+async fn read_request(stream: &mut tokio::net::TcpStream) -> Vec<u8> {
     use tokio::io::AsyncReadExt;
     let mut request = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
         let n = stream.read(&mut buf).await.unwrap_or(0);
         if n == 0 {
-            return;
+            return Vec::new();
         }
         request.extend_from_slice(&buf[..n]);
         let text = String::from_utf8_lossy(&request).to_lowercase();
@@ -270,7 +271,7 @@ async fn read_request(stream: &mut tokio::net::TcpStream) {
                 .and_then(|value| value.trim().parse::<usize>().ok())
                 .unwrap_or(0);
             if request.len() >= end + 4 + length {
-                return;
+                return request.split_off(end + 4);
             }
         }
     }
@@ -288,6 +289,80 @@ async fn answering(response: String) -> SocketAddr {
         }
     });
     addr
+}
+
+/// Like [`answering`], also keeping every request body it read, as JSON.
+async fn capturing(response: String) -> (SocketAddr, Arc<std::sync::Mutex<Vec<Value>>>) {
+    use tokio::io::AsyncWriteExt;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = Arc::clone(&bodies);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let body = read_request(&mut stream).await;
+            if let Ok(body) = serde_json::from_slice(&body) {
+                kept.lock().unwrap().push(body);
+            }
+            let _ = stream.write_all(response.as_bytes()).await;
+        }
+    });
+    (addr, bodies)
+}
+
+/// A whole HTTP/1.1 200 response carrying `body` as JSON.
+fn json_answer(body: &Value) -> String {
+    let body = body.to_string();
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_the_embedded_engine_refuses_are_forwarded_to_an_upstream() {
+    let answer = json!({
+        "id": "chatcmpl-up", "object": "chat.completion", "created": 1_700_000_000,
+        "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "{}"},
+                     "logprobs": {"content": []}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    });
+    let (addr, bodies) = capturing(json_answer(&answer)).await;
+    let gateway = gateway(&[remote_at(addr, "")], "").await;
+    let options = json!({
+        "logprobs": true, "top_logprobs": 2, "response_format": {"type": "json_object"},
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "tool_choice": "required", "frequency_penalty": 0.5, "presence_penalty": -0.5,
+        "logit_bias": {"50256": -100},
+    });
+    let mut body = for_model(chat("Answer in JSON.", 4), REMOTE);
+    for (k, v) in options.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let reply = gateway
+        .client()
+        .post("/v1/chat/completions", Some(KEY), &body)
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["model"], REMOTE);
+    let sent = bodies
+        .lock()
+        .unwrap()
+        .pop()
+        .expect("the upstream got the request");
+    for (k, v) in options.as_object().unwrap() {
+        assert_eq!(&sent[k], v, "`{k}` is forwarded as written: {sent}");
+    }
+    // The same request for the embedded model is refused, naming the first such option.
+    let refused = gateway
+        .client()
+        .post("/v1/chat/completions", Some(KEY), &for_model(body, MODEL))
+        .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    assert_eq!(refused.json()["error"]["param"], "logprobs");
+    capacity_returned(&gateway).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -766,4 +841,53 @@ async fn relayed_answers_are_timed_and_counted_under_their_tenant() {
     .await;
     assert_eq!(tenant_metric(&gateway, ttft, TENANT).await, 1.0);
     drop(node);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bogus_reported_usage_counts_no_more_than_the_budget() {
+    // A tenant no other test of this binary uses: the metrics recorder is process-wide.
+    const TENANT: &str = "bogus-usage";
+    const BOGUS_KEY: &str = "sk-upstream-bogus";
+    let answer = json!({
+        "id": "chatcmpl-up", "object": "chat.completion", "created": 1_700_000_000,
+        "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                     "logprobs": null, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 1_000_000_000_000_u64,
+                  "total_tokens": 1_000_000_000_007_u64},
+    });
+    let addr = answering(json_answer(&answer)).await;
+    let text = common::policy(
+        &[common::TenantSpec {
+            name: TENANT,
+            key: BOGUS_KEY,
+            extra: "",
+        }],
+        "",
+    );
+    let options = common::Options {
+        upstreams: vec![remote_at(addr, "").parse().unwrap()],
+        ..common::Options::default()
+    };
+    let gateway = TestServer::start_with(&text, options).await;
+    let reply = gateway
+        .client()
+        .post(
+            "/v1/chat/completions",
+            Some(BOGUS_KEY),
+            &for_model(chat("Hi.", 5), REMOTE),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    // Relayed as the upstream wrote it, but counted at most the 5 tokens it was allowed.
+    assert_eq!(
+        reply.json()["usage"]["completion_tokens"],
+        1_000_000_000_000_u64
+    );
+    await_metric(&gateway, "kvgate_generation_tokens_total", TENANT, 5.0).await;
+    assert_eq!(
+        tenant_metric(&gateway, "kvgate_prompt_tokens_total", TENANT).await,
+        7.0
+    );
+    capacity_returned(&gateway).await;
 }

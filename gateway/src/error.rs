@@ -261,17 +261,42 @@ impl GatewayError {
         }
     }
 
-    /// Logs the error with its detail (the request's span names its id).
+    /// How loudly [`Self::log`] reports this error, answered with `status`. Only a real
+    /// server fault (500: a bug, a failed generation) is an ERROR. The answers the gateway
+    /// gives on purpose when it or an engine is at its limit (load shedding, queue timeouts,
+    /// draining, an unavailable or failing upstream: 502/503/504) are a WARN, and the 429s of
+    /// an overloaded queue or intake an INFO; client mistakes and readiness probes are DEBUG.
+    pub fn log_level(&self, status: StatusCode) -> tracing::Level {
+        use tracing::Level;
+        match self {
+            // A failing readiness probe is the answer asked for (every probe period while the
+            // server drains), not a failure to report.
+            GatewayError::NotReady(_) => Level::DEBUG,
+            GatewayError::Internal(_) | GatewayError::Generation(_) => Level::ERROR,
+            _ if status == StatusCode::INTERNAL_SERVER_ERROR => Level::ERROR,
+            _ if status.is_server_error() => Level::WARN,
+            GatewayError::IntakeFull(_) => Level::INFO,
+            GatewayError::Rejected(Rejection::QueueFull { .. } | Rejection::KvSaturated { .. }) => {
+                Level::INFO
+            }
+            _ => Level::DEBUG,
+        }
+    }
+
+    /// Logs the error with its detail (the request's span names its id), once: the tracing
+    /// layer does not log failed responses again (`stack.rs`).
     pub fn log(&self, status: StatusCode) {
+        use tracing::Level;
         let detail = self.detail().unwrap_or("");
-        // A failing readiness probe is the answer asked for (every probe period while the
-        // server drains), not a failure to report.
-        if matches!(self, GatewayError::NotReady(_)) {
-            tracing::debug!(status = status.as_u16(), error = %self, "not ready");
-        } else if status.is_server_error() {
-            tracing::error!(status = status.as_u16(), error = %self, detail, "request failed");
-        } else {
-            tracing::debug!(status = status.as_u16(), error = %self, detail, "request refused");
+        let code = status.as_u16();
+        match self.log_level(status) {
+            Level::ERROR => tracing::error!(status = code, error = %self, detail, "request failed"),
+            Level::WARN => tracing::warn!(status = code, error = %self, detail, "request shed"),
+            Level::INFO => tracing::info!(status = code, error = %self, detail, "request shed"),
+            _ if matches!(self, GatewayError::NotReady(_)) => {
+                tracing::debug!(status = code, error = %self, "not ready")
+            }
+            _ => tracing::debug!(status = code, error = %self, detail, "request refused"),
         }
     }
 }
@@ -325,6 +350,79 @@ mod tests {
             for field in ["message", "type", "param", "code"] {
                 assert!(detail.contains_key(field), "{field} missing in {json}");
             }
+        }
+    }
+
+    #[test]
+    fn only_real_server_faults_are_errors_and_load_shedding_is_a_warning() {
+        use crate::ratelimit::RateLimitHeaders;
+        use tracing::Level;
+        let second = Duration::from_secs(1);
+        let cases = [
+            (GatewayError::Internal("bug".into()), Level::ERROR),
+            (GatewayError::Generation("engine".into()), Level::ERROR),
+            (GatewayError::Overloaded, Level::WARN),
+            (GatewayError::ShuttingDown, Level::WARN),
+            (
+                GatewayError::EngineUnavailable("queue full".into()),
+                Level::WARN,
+            ),
+            (GatewayError::RequestTimeout { after: second }, Level::WARN),
+            (
+                GatewayError::Rejected(Rejection::QueueTimeout {
+                    tenant: "a".into(),
+                    waited: second,
+                    retry_after: second,
+                    headers: RateLimitHeaders::default(),
+                }),
+                Level::WARN,
+            ),
+            (
+                GatewayError::Rejected(Rejection::StoreUnavailable { tenant: "a".into() }),
+                Level::WARN,
+            ),
+            (GatewayError::Rejected(Rejection::Unavailable), Level::WARN),
+            (
+                GatewayError::UpstreamUnavailable {
+                    upstream: "remote".into(),
+                    reason: "down".into(),
+                    detail: "refused".into(),
+                },
+                Level::WARN,
+            ),
+            (
+                GatewayError::UpstreamError {
+                    upstream: "remote".into(),
+                    status: StatusCode::SERVICE_UNAVAILABLE,
+                },
+                Level::WARN,
+            ),
+            (
+                GatewayError::Rejected(Rejection::KvSaturated {
+                    tenant: "a".into(),
+                    needed_blocks: 1,
+                    estimated_wait: second,
+                    retry_after: second,
+                    headers: RateLimitHeaders::default(),
+                }),
+                Level::INFO,
+            ),
+            (
+                GatewayError::IntakeFull(IntakeFull {
+                    tenant: "a".into(),
+                    limit: 4,
+                }),
+                Level::INFO,
+            ),
+            (GatewayError::NotReady("draining".into()), Level::DEBUG),
+            (
+                GatewayError::Invalid(ValidationError::EmptyMessages),
+                Level::DEBUG,
+            ),
+            (GatewayError::Auth(AuthError::InvalidKey), Level::DEBUG),
+        ];
+        for (error, level) in cases {
+            assert_eq!(error.log_level(error.status()), level, "{error:?}");
         }
     }
 

@@ -33,7 +33,7 @@ use crate::telemetry::GenerationTelemetry;
 use crate::upstream::prefix::block_hashes;
 use crate::upstream::{self, UpstreamRoute, UsageCell};
 use crate::validate::{
-    Limits, PromptCodec, ValidRequest, ValidationError, validate_chat, validate_completion,
+    Engine, Limits, PromptCodec, ValidRequest, ValidationError, validate_chat, validate_completion,
 };
 
 /// Header naming how many old messages `truncate_oldest` dropped (absent when none).
@@ -64,9 +64,10 @@ pub async fn chat_completions(
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
             let upstream = state.upstream(&request.model);
+            let engine = engine_for(upstream.as_ref());
             let validate = Validator {
                 run: Box::new(move |limits, codec, model| {
-                    validate_chat(&request, model, limits, codec)
+                    validate_chat(&request, model, limits, codec, engine)
                 }),
                 body_bytes: raw.len(),
             };
@@ -101,9 +102,10 @@ pub async fn completions(
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
             let upstream = state.upstream(&request.model);
+            let engine = engine_for(upstream.as_ref());
             let validate = Validator {
                 run: Box::new(move |limits, codec, model| {
-                    validate_completion(&request, model, limits, codec)
+                    validate_completion(&request, model, limits, codec, engine)
                 }),
                 body_bytes: raw.len(),
             };
@@ -121,6 +123,16 @@ pub async fn completions(
         Err(error) => Err(error),
     };
     respond(&tenant, "completions", outcome)
+}
+
+/// Who answers a request for a model with this route: options the embedded engine cannot
+/// honour are refused for it alone, and forwarded as written to an upstream engine.
+fn engine_for(upstream: Option<&UpstreamRoute>) -> Engine {
+    if upstream.is_some() {
+        Engine::Upstream
+    } else {
+        Engine::Embedded
+    }
 }
 
 /// Both endpoints after parsing: relayed to the model's upstream pool when it has one, else
@@ -284,12 +296,12 @@ async fn proxy(
                     let prompt = valid.prompt_ids.len();
                     // Labelled by the configured name the client asked for (the route's).
                     let model = upstream.name();
-                    Some(GenerationTelemetry::new(
-                        &tenant.name,
-                        model,
-                        arrived,
-                        prompt,
-                    ))
+                    // The upstream's reported usage counts at most the budget it was sent,
+                    // as the debit settled on it does.
+                    Some(
+                        GenerationTelemetry::new(&tenant.name, model, arrived, prompt)
+                            .capping_completion_at(valid.max_tokens as usize),
+                    )
                 } else {
                     admitted.mark_failed_before_start();
                     None

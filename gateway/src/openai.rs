@@ -3,9 +3,12 @@
 //! Only shapes live here, no rules: every bound and default is applied once in `validate.rs`.
 //! Request fields that carry numbers are deserialized wide (`i64`, `f64`) on purpose, so that a
 //! negative `max_tokens` reaches validation and gets a message naming the field instead of a
-//! generic type error. Unknown request fields are ignored, as clients routinely send options
-//! (penalties, `logit_bias`) that have no effect here. Response types mirror OpenAI's output
-//! field for field, including the `null`s clients expect to see (`logprobs`, `finish_reason`).
+//! generic type error. Unknown request fields are ignored. The options the embedded engine
+//! cannot honour (logprobs, penalties, tools, JSON mode, ...) are kept as raw JSON values,
+//! never typed, so a value of any shape still parses (and is forwarded as written to an
+//! upstream engine); `validate.rs` refuses the ones that would change an embedded answer.
+//! Response types mirror OpenAI's output field for field, including the `null`s clients expect
+//! to see (`logprobs`, `finish_reason`).
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -42,6 +45,25 @@ pub struct ChatCompletionRequest {
     /// Number of choices; only 1 is supported.
     #[serde(default)]
     pub n: Option<i64>,
+    /// Options only an upstream engine may honour are kept as the raw JSON the client wrote
+    /// (`null` reads as absent), so a value of any shape parses and is forwarded unchanged;
+    /// validation refuses, for the embedded engine, the values that would change its answer.
+    #[serde(default)]
+    pub logprobs: Option<serde_json::Value>,
+    #[serde(default)]
+    pub top_logprobs: Option<serde_json::Value>,
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tools: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    #[serde(default)]
+    pub frequency_penalty: Option<serde_json::Value>,
+    #[serde(default)]
+    pub presence_penalty: Option<serde_json::Value>,
+    #[serde(default)]
+    pub logit_bias: Option<serde_json::Value>,
 }
 
 /// Body of `POST /v1/completions` (the legacy text completion API).
@@ -70,6 +92,20 @@ pub struct CompletionRequest {
     /// Echoing the prompt back is not supported; `true` is rejected by validation.
     #[serde(default)]
     pub echo: Option<bool>,
+    /// As for chat: raw JSON, judged by validation for the embedded engine only.
+    /// `logprobs` here is the number of top logprobs per token.
+    #[serde(default)]
+    pub logprobs: Option<serde_json::Value>,
+    #[serde(default)]
+    pub best_of: Option<serde_json::Value>,
+    #[serde(default)]
+    pub suffix: Option<serde_json::Value>,
+    #[serde(default)]
+    pub frequency_penalty: Option<serde_json::Value>,
+    #[serde(default)]
+    pub presence_penalty: Option<serde_json::Value>,
+    #[serde(default)]
+    pub logit_bias: Option<serde_json::Value>,
 }
 
 /// `stream_options` of a streaming request.

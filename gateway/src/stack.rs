@@ -79,8 +79,14 @@ pub fn build(router: Router, config: StackConfig, admission: Admission) -> Gatew
         .layer(SetRequestIdLayer::new(request_id.clone(), RandomRequestId))
         // 3. Copy it onto the response, including responses made by the rescue and panic layers.
         .layer(PropagateRequestIdLayer::new(request_id))
-        // 4. Tracing: one span per request, inside the id so the span can name it.
-        .layer(TraceLayer::new_for_http().make_span_with(request_span))
+        // 4. Tracing: one span per request, inside the id so the span can name it. Failures
+        //    are not logged here: `GatewayError::log` logs each error response once, at the
+        //    level its kind deserves (load shedding is no ERROR).
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_failure(()),
+        )
         // 5. Rate-limit headers on every response, including those of the layers below (413,
         //    504, panics, load shedding) and of the router (401, 404, 405, probes).
         .layer(axum::middleware::from_fn_with_state(
@@ -149,8 +155,8 @@ fn panic_response(panic: Box<dyn Any + Send + 'static>) -> Response {
         .map(String::as_str)
         .or_else(|| panic.downcast_ref::<&str>().copied())
         .unwrap_or("unknown panic");
-    tracing::error!(panic = detail, "handler panicked");
-    GatewayError::Internal("the request handler panicked".to_owned()).into_response()
+    // Logged once, with the panic's message as the detail, by the error's own log line.
+    GatewayError::Internal(format!("the request handler panicked: {detail}")).into_response()
 }
 
 /// Adds the `x-ratelimit-*` headers to a response that does not carry them. Handlers that

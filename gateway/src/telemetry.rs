@@ -23,6 +23,9 @@ pub struct GenerationTelemetry {
     /// Prompt tokens the prefix cache served, once the engine has said (finished requests).
     cached_tokens: Option<usize>,
     last_token: Option<Instant>,
+    /// The most completion tokens the request may count: its budget. A relayed answer's
+    /// reported `usage` is the upstream's word and is clipped to it, as its debit is.
+    completion_cap: usize,
 }
 
 impl GenerationTelemetry {
@@ -43,7 +46,15 @@ impl GenerationTelemetry {
             generated: 0,
             cached_tokens: None,
             last_token: None,
+            completion_cap: usize::MAX,
         }
+    }
+
+    /// Counts at most `max_tokens` completion tokens for this request, whatever a relayed
+    /// answer reports (an upstream's `usage` is not trusted beyond the budget it was sent).
+    pub fn capping_completion_at(mut self, max_tokens: usize) -> GenerationTelemetry {
+        self.completion_cap = max_tokens;
+        self
     }
 
     /// One generated token left (or was collected by) the server.
@@ -71,7 +82,8 @@ impl GenerationTelemetry {
 
     /// A relayed answer ended: the counts the upstream reported (`usage`), when it did; the
     /// prompt count stays the gateway's own otherwise, and the completion count the number
-    /// of tokens seen. Nothing is counted as cached (the upstream's cache is not known here).
+    /// of tokens seen, either one at most the request's budget ([`Self::capping_completion_at`]).
+    /// Nothing is counted as cached (the upstream's cache is not known here).
     pub fn on_relayed_end(
         &mut self,
         prompt_tokens: Option<usize>,
@@ -81,7 +93,7 @@ impl GenerationTelemetry {
             self.prompt_tokens = prompt;
         }
         if let Some(completion) = completion_tokens {
-            self.generated = completion;
+            self.generated = completion.min(self.completion_cap);
         }
     }
 
@@ -100,5 +112,30 @@ impl Drop for GenerationTelemetry {
             self.generated,
             self.cached_tokens,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relayed_completion_count_is_capped_at_the_budget() {
+        let relayed = |reported: usize| {
+            let mut telemetry =
+                GenerationTelemetry::new("t", "m", Instant::now(), 3).capping_completion_at(5);
+            telemetry.on_relayed_end(Some(4), Some(reported));
+            let counted = (telemetry.prompt_tokens, telemetry.generated);
+            // Recording on drop is harmless here: no recorder is installed in unit tests.
+            drop(telemetry);
+            counted
+        };
+        assert_eq!(relayed(1_000_000_000_000), (4, 5));
+        assert_eq!(relayed(5), (4, 5));
+        assert_eq!(relayed(2), (4, 2));
+        // Without a cap (the embedded engine's own counts), nothing is clipped.
+        let mut telemetry = GenerationTelemetry::new("t", "m", Instant::now(), 3);
+        telemetry.on_relayed_end(None, Some(7));
+        assert_eq!((telemetry.prompt_tokens, telemetry.generated), (3, 7));
     }
 }

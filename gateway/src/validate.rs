@@ -12,6 +12,7 @@ use crate::openai::{
 };
 use crate::policy::Overflow;
 pub use codec::{PromptCodec, TemplateTurn};
+use serde_json::Value;
 use truncate::fit_conversation;
 
 /// At most this many stop sequences, as OpenAI allows.
@@ -39,6 +40,15 @@ pub struct Limits {
 pub enum Endpoint {
     Chat,
     Completion,
+}
+
+/// What will generate the answer. The embedded engine honours fewer options than an upstream
+/// engine, to which they are forwarded as the client wrote them (`upstream/proxy.rs`): only
+/// for the embedded engine are they refused ([`ValidationError::UnsupportedOption`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    Embedded,
+    Upstream,
 }
 
 /// A request that passed every rule, with all defaults filled in.
@@ -74,6 +84,13 @@ pub enum ValidationError {
     UnsupportedN(i64),
     #[error("`echo` is not supported")]
     UnsupportedEcho,
+    /// An option the embedded engine cannot honour, set to a value that would change the answer.
+    #[error("`{param}` is not supported by the embedded engine; {accepted}")]
+    UnsupportedOption {
+        param: &'static str,
+        /// What may be sent instead (the no-op values).
+        accepted: &'static str,
+    },
     #[error("`messages` must contain at least one message")]
     EmptyMessages,
     #[error("too many messages: {given} given, this tenant's policy allows at most {limit}")]
@@ -143,6 +160,7 @@ impl ValidationError {
             ModelNotFound(_) => "model",
             UnsupportedN(_) => "n",
             UnsupportedEcho => "echo",
+            UnsupportedOption { param, .. } => param,
             EmptyMessages | TooManyMessages { .. } => "messages",
             UnsupportedContentPart { message, part, .. } => {
                 return Some(format!("messages[{message}].content[{part}].type"));
@@ -167,9 +185,11 @@ impl ValidationError {
         match self {
             ModelNotFound(_) => "model_not_found",
             InputTooLong { .. } | ContextLengthExceeded { .. } => "context_length_exceeded",
-            UnsupportedN(_) | UnsupportedEcho | UnsupportedContentPart { .. } | PromptCount(_) => {
-                "unsupported_value"
-            }
+            UnsupportedN(_)
+            | UnsupportedEcho
+            | UnsupportedOption { .. }
+            | UnsupportedContentPart { .. }
+            | PromptCount(_) => "unsupported_value",
             Template(_) => "invalid_messages",
             EmptyMessages | TooManyMessages { .. } | MissingPartText { .. } | EmptyPrompt => {
                 "invalid_value"
@@ -192,15 +212,28 @@ impl ValidationError {
 
 // === Chat ===
 
-/// Validates a chat request for `model_name` under `limits`.
+/// Validates a chat request for `model_name` under `limits`, to be answered by `engine`.
 pub fn validate_chat(
     req: &ChatCompletionRequest,
     model_name: &str,
     limits: &Limits,
     codec: &dyn PromptCodec,
+    engine: Engine,
 ) -> Result<ValidRequest, ValidationError> {
     check_model(&req.model, model_name)?;
     check_n(req.n)?;
+    if engine == Engine::Embedded {
+        check_embedded_options(&[
+            (LOGPROBS, req.logprobs.as_ref()),
+            (TOP_LOGPROBS, req.top_logprobs.as_ref()),
+            (RESPONSE_FORMAT, req.response_format.as_ref()),
+            (TOOLS, req.tools.as_ref()),
+            (TOOL_CHOICE, req.tool_choice.as_ref()),
+            (FREQUENCY_PENALTY, req.frequency_penalty.as_ref()),
+            (PRESENCE_PENALTY, req.presence_penalty.as_ref()),
+            (LOGIT_BIAS, req.logit_bias.as_ref()),
+        ])?;
+    }
     if req.messages.is_empty() {
         return Err(ValidationError::EmptyMessages);
     }
@@ -276,17 +309,29 @@ fn template_turns(messages: &[WireMessage]) -> Result<Vec<TemplateTurn>, Validat
 
 // === Completions ===
 
-/// Validates a legacy completions request for `model_name` under `limits`.
+/// Validates a legacy completions request for `model_name` under `limits`, to be answered by
+/// `engine`.
 pub fn validate_completion(
     req: &CompletionRequest,
     model_name: &str,
     limits: &Limits,
     codec: &dyn PromptCodec,
+    engine: Engine,
 ) -> Result<ValidRequest, ValidationError> {
     check_model(&req.model, model_name)?;
     check_n(req.n)?;
     if req.echo == Some(true) {
         return Err(ValidationError::UnsupportedEcho);
+    }
+    if engine == Engine::Embedded {
+        check_embedded_options(&[
+            (COMPLETION_LOGPROBS, req.logprobs.as_ref()),
+            (BEST_OF, req.best_of.as_ref()),
+            (SUFFIX, req.suffix.as_ref()),
+            (FREQUENCY_PENALTY, req.frequency_penalty.as_ref()),
+            (PRESENCE_PENALTY, req.presence_penalty.as_ref()),
+            (LOGIT_BIAS, req.logit_bias.as_ref()),
+        ])?;
     }
     let prompt = match req.prompt.0.as_slice() {
         [one] => one,
@@ -337,6 +382,99 @@ fn check_n(n: Option<i64>) -> Result<(), ValidationError> {
         None | Some(1) => Ok(()),
         Some(other) => Err(ValidationError::UnsupportedN(other)),
     }
+}
+
+/// An option the embedded engine cannot honour: its name, the values that change nothing (the
+/// ones clients send routinely, accepted), and how to say so.
+struct EngineOption {
+    param: &'static str,
+    is_no_op: fn(&Value) -> bool,
+    accepted: &'static str,
+}
+
+const LOGPROBS: EngineOption = EngineOption {
+    param: "logprobs",
+    is_no_op: |v| matches!(v, Value::Bool(false)),
+    accepted: "omit it or set it to false",
+};
+/// Any value is refused: even one that would return nothing asks for logprobs.
+const TOP_LOGPROBS: EngineOption = EngineOption {
+    param: "top_logprobs",
+    is_no_op: |_| false,
+    accepted: "omit it",
+};
+const RESPONSE_FORMAT: EngineOption = EngineOption {
+    param: "response_format",
+    is_no_op: |v| {
+        v.as_object()
+            .and_then(|format| format.get("type"))
+            .and_then(Value::as_str)
+            == Some("text")
+    },
+    accepted: "omit it or set it to {\"type\": \"text\"}",
+};
+const TOOLS: EngineOption = EngineOption {
+    param: "tools",
+    is_no_op: |v| v.as_array().is_some_and(Vec::is_empty),
+    accepted: "omit it or send an empty list",
+};
+/// `none` and `auto` (which, with no tools, is `none`) call no tool.
+const TOOL_CHOICE: EngineOption = EngineOption {
+    param: "tool_choice",
+    is_no_op: |v| matches!(v.as_str(), Some("none" | "auto")),
+    accepted: "omit it or set it to \"none\" or \"auto\"",
+};
+const FREQUENCY_PENALTY: EngineOption = EngineOption {
+    param: "frequency_penalty",
+    is_no_op: is_zero,
+    accepted: "omit it or set it to 0",
+};
+const PRESENCE_PENALTY: EngineOption = EngineOption {
+    param: "presence_penalty",
+    is_no_op: is_zero,
+    accepted: "omit it or set it to 0",
+};
+const LOGIT_BIAS: EngineOption = EngineOption {
+    param: "logit_bias",
+    is_no_op: |v| v.as_object().is_some_and(serde_json::Map::is_empty),
+    accepted: "omit it or send an empty object",
+};
+/// Completions' `logprobs` is a count; even 0 returns the sampled tokens' logprobs.
+const COMPLETION_LOGPROBS: EngineOption = EngineOption {
+    param: "logprobs",
+    is_no_op: |v| matches!(v, Value::Bool(false)),
+    accepted: "omit it",
+};
+const BEST_OF: EngineOption = EngineOption {
+    param: "best_of",
+    is_no_op: |v| v.as_f64() == Some(1.0),
+    accepted: "omit it or set it to 1",
+};
+const SUFFIX: EngineOption = EngineOption {
+    param: "suffix",
+    is_no_op: |v| v.as_str() == Some(""),
+    accepted: "omit it",
+};
+
+fn is_zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+
+/// Refuses, in order, the first option given (not `null`) with a value that is not a no-op.
+fn check_embedded_options(
+    options: &[(EngineOption, Option<&Value>)],
+) -> Result<(), ValidationError> {
+    for (option, value) in options {
+        if let Some(value) = value
+            && !(option.is_no_op)(value)
+        {
+            return Err(ValidationError::UnsupportedOption {
+                param: option.param,
+                accepted: option.accepted,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Bounds an explicit completion budget; `None` means "use the default" (decided later, once

@@ -37,7 +37,7 @@ fn chat(body: serde_json::Value) -> Result<ValidRequest, ValidationError> {
 
 fn chat_with(body: serde_json::Value, limits: &Limits) -> Result<ValidRequest, ValidationError> {
     let req: ChatCompletionRequest = serde_json::from_value(body).expect("test body parses");
-    validate_chat(&req, "m", limits, &ByteCodec)
+    validate_chat(&req, "m", limits, &ByteCodec, Engine::Embedded)
 }
 
 fn user(text: &str) -> serde_json::Value {
@@ -223,7 +223,7 @@ fn reject_overflow_never_drops_messages() {
 fn completion_rules() {
     let parse = |body: serde_json::Value| -> Result<ValidRequest, ValidationError> {
         let req: CompletionRequest = serde_json::from_value(body).unwrap();
-        validate_completion(&req, "m", &limits(), &ByteCodec)
+        validate_completion(&req, "m", &limits(), &ByteCodec, Engine::Embedded)
     };
     let v = parse(
         json!({"model": "m", "prompt": "abc", "max_tokens": 5, "stream": true,
@@ -250,7 +250,7 @@ fn completion_rules() {
 fn completions_default_to_16_tokens_like_openai_and_chat_does_not() {
     let parse = |body: serde_json::Value, limits: &Limits| {
         let req: CompletionRequest = serde_json::from_value(body).unwrap();
-        validate_completion(&req, "m", limits, &ByteCodec)
+        validate_completion(&req, "m", limits, &ByteCodec, Engine::Embedded)
     };
     let v = parse(json!({"model": "m", "prompt": "abc"}), &limits()).unwrap();
     assert_eq!(v.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS);
@@ -313,6 +313,7 @@ fn message_content_cannot_inject_control_tokens() {
         "m",
         &limits,
         &tokenizer,
+        Engine::Embedded,
     )
     .expect("valid");
     // SmolLM2's template: default system turn, the user turn, the assistant prompt.
@@ -340,6 +341,7 @@ fn message_content_cannot_inject_control_tokens() {
         "m",
         &limits,
         &tokenizer,
+        Engine::Embedded,
     )
     .expect("valid");
     let rendered = tokenizer
@@ -370,4 +372,144 @@ fn an_oversized_completion_budget_names_what_sets_the_limit_not_an_api_key() {
         message.contains("The model's context length allows at most 40 completion tokens"),
         "{message}"
     );
+}
+
+fn completion(body: serde_json::Value, engine: Engine) -> Result<ValidRequest, ValidationError> {
+    let req: CompletionRequest = serde_json::from_value(body).expect("test body parses");
+    validate_completion(&req, "m", &limits(), &ByteCodec, engine)
+}
+
+fn chat_for(body: serde_json::Value, engine: Engine) -> Result<ValidRequest, ValidationError> {
+    let req: ChatCompletionRequest = serde_json::from_value(body).expect("test body parses");
+    validate_chat(&req, "m", &limits(), &ByteCodec, engine)
+}
+
+/// Adds `extra`'s members to a minimal valid request of `endpoint`.
+fn with(endpoint: Endpoint, extra: serde_json::Value) -> serde_json::Value {
+    let mut body = match endpoint {
+        Endpoint::Chat => json!({"model": "m", "messages": [user("hi")]}),
+        Endpoint::Completion => json!({"model": "m", "prompt": "hi"}),
+    };
+    for (key, value) in extra.as_object().expect("an object") {
+        body[key] = value.clone();
+    }
+    body
+}
+
+#[test]
+fn options_the_embedded_engine_cannot_honour_are_refused_naming_the_field() {
+    let chat_cases = [
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"top_logprobs": 2}), "top_logprobs"),
+        (json!({"top_logprobs": -1}), "top_logprobs"),
+        (json!({"top_logprobs": 0}), "top_logprobs"),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+            "response_format",
+        ),
+        (json!({"response_format": "json"}), "response_format"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
+        (json!({"presence_penalty": -1}), "presence_penalty"),
+        (json!({"presence_penalty": "0"}), "presence_penalty"),
+        (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
+    ];
+    for (extra, param) in chat_cases {
+        let err = chat_for(with(Endpoint::Chat, extra.clone()), Engine::Embedded)
+            .expect_err(&format!("{extra} is refused"));
+        assert_eq!(err.param().as_deref(), Some(param), "{extra}");
+        assert_eq!(err.code(), "unsupported_value");
+        let message = err.to_string();
+        assert!(
+            message.contains(&format!("`{param}`")) && message.contains("embedded engine"),
+            "{message}"
+        );
+    }
+    let completion_cases = [
+        (json!({"logprobs": 0}), "logprobs"),
+        (json!({"logprobs": 5}), "logprobs"),
+        (json!({"best_of": 2}), "best_of"),
+        (json!({"best_of": 0}), "best_of"),
+        (json!({"suffix": " end"}), "suffix"),
+        (json!({"frequency_penalty": 1.5}), "frequency_penalty"),
+        (json!({"logit_bias": {"1": 5}}), "logit_bias"),
+    ];
+    for (extra, param) in completion_cases {
+        let err = completion(with(Endpoint::Completion, extra.clone()), Engine::Embedded)
+            .expect_err(&format!("{extra} is refused"));
+        assert_eq!(err.param().as_deref(), Some(param), "{extra}");
+        assert!(err.to_string().contains("embedded engine"));
+    }
+    assert_eq!(
+        chat_for(
+            with(Endpoint::Chat, json!({"logprobs": true})),
+            Engine::Embedded
+        )
+        .unwrap_err()
+        .to_string(),
+        "`logprobs` is not supported by the embedded engine; omit it or set it to false"
+    );
+}
+
+#[test]
+fn the_defaults_clients_send_routinely_are_accepted_by_the_embedded_engine() {
+    let chat_defaults = json!({
+        "logprobs": false, "top_logprobs": null, "frequency_penalty": 0,
+        "presence_penalty": 0.0, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"}, "logit_bias": {},
+    });
+    chat_for(with(Endpoint::Chat, chat_defaults), Engine::Embedded).expect("defaults are fine");
+    chat_for(
+        with(Endpoint::Chat, json!({"tool_choice": "auto"})),
+        Engine::Embedded,
+    )
+    .expect("auto with no tools calls no tool");
+    let completion_defaults = json!({
+        "logprobs": null, "best_of": 1, "suffix": null, "frequency_penalty": 0,
+        "presence_penalty": 0, "logit_bias": {},
+    });
+    completion(
+        with(Endpoint::Completion, completion_defaults),
+        Engine::Embedded,
+    )
+    .expect("defaults are fine");
+}
+
+#[test]
+fn an_upstream_engine_gets_the_options_the_embedded_one_refuses() {
+    let chat_options = json!({
+        "logprobs": true, "top_logprobs": 3, "response_format": {"type": "json_object"},
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+        "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"1": 2},
+    });
+    chat_for(with(Endpoint::Chat, chat_options), Engine::Upstream).expect("left to the upstream");
+    let completion_options =
+        json!({"logprobs": 3, "best_of": 3, "suffix": "x", "frequency_penalty": 1});
+    completion(
+        with(Endpoint::Completion, completion_options),
+        Engine::Upstream,
+    )
+    .expect("left to the upstream");
+    // The rules every engine shares still apply: `n` is refused for both.
+    let err = chat_for(with(Endpoint::Chat, json!({"n": 2})), Engine::Upstream).unwrap_err();
+    assert_eq!(err, ValidationError::UnsupportedN(2));
+    // And an unknown model is a 404 before any option is judged.
+    let err = chat_for(
+        json!({"model": "other", "messages": [user("hi")], "logprobs": true}),
+        Engine::Embedded,
+    )
+    .unwrap_err();
+    assert_eq!(err, ValidationError::ModelNotFound("other".into()));
 }
