@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvgate_gateway::admission::{Admission, AdmissionTicket, PoolId};
+use kvgate_gateway::auth::Credential;
 use kvgate_gateway::policy::parse_policy;
 use kvgate_gateway::reload::PolicyStore;
 use kvgate_runtime::block_pool::BlockPool;
@@ -28,6 +29,8 @@ fn ticket(store: &PolicyStore, tenant: &str) -> AdmissionTicket {
             .current()
             .tenant(tenant)
             .expect("tenant in the policy"),
+        // Checked again only by a policy reload, which the benchmark never does.
+        credential: Credential::NoKey,
         prompt_tokens: 16,
         max_output_tokens: 16,
         request_id: String::new(),

@@ -43,7 +43,7 @@ pub use crate::metrics::TenantQueueSnapshot;
 pub use capacity::PoolLimit;
 pub use rejection::{MAX_RETRY_AFTER, MIN_CAPACITY_RETRY_AFTER, Rejection};
 
-use crate::auth::authenticate;
+use crate::auth::{Credential, authenticate};
 use crate::metrics::QueueSource;
 use crate::policy::{KvPolicy, OnStoreError, Policy, ReservationMode, TenantPolicy};
 use crate::queue::Lane;
@@ -87,6 +87,9 @@ pub struct Admission {
 #[derive(Debug, Clone)]
 pub struct AdmissionTicket {
     pub tenant: Arc<TenantPolicy>,
+    /// What authenticated the request: a policy reload while it is queued checks that it still
+    /// maps to `tenant` (a removed or moved key is refused with 401).
+    pub credential: Credential,
     pub prompt_tokens: usize,
     pub max_output_tokens: usize,
     pub request_id: String,

@@ -69,19 +69,43 @@ pub fn new_key() -> Result<String, rand::rand_core::OsError> {
     Ok(format!("{NEW_KEY_PREFIX}{}", hex::encode(bytes)))
 }
 
+/// How a request identified itself, kept with it while it waits so a policy reload can check
+/// it again ([`tenant_for`]): no key, or the digest of the key it sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Credential {
+    NoKey,
+    Key(KeyDigest),
+}
+
+/// The request's [`Credential`] (401 for a malformed `Authorization` header).
+pub fn credential(headers: &HeaderMap) -> Result<Credential, AuthError> {
+    Ok(match bearer_key(headers)? {
+        Some(key) => Credential::Key(digest_key(key)),
+        None => Credential::NoKey,
+    })
+}
+
 /// Maps a request's key to its tenant. No key: the anonymous tenant if the policy names one,
 /// else 401. A key that matches no tenant follows the policy's `unknown_keys`: the anonymous
 /// tenant (a keyless policy, where SDKs send a placeholder key), or 401, so that on a policy
 /// with keys a typo never silently downgrades a caller to anonymous limits.
 pub fn authenticate(policy: &Policy, headers: &HeaderMap) -> Result<Arc<TenantPolicy>, AuthError> {
-    let Some(key) = bearer_key(headers)? else {
+    tenant_for(policy, &credential(headers)?)
+}
+
+/// [`authenticate`] for a credential taken earlier: the tenant it maps to under `policy`.
+pub fn tenant_for(
+    policy: &Policy,
+    credential: &Credential,
+) -> Result<Arc<TenantPolicy>, AuthError> {
+    let Credential::Key(digest) = credential else {
         return policy
             .anonymous_tenant()
             .cloned()
             .ok_or(AuthError::MissingKey);
     };
     let digests = policy.tenant_key_digests();
-    let known = find_digest(&digest_key(key), digests.iter().map(|(digest, _)| digest))
+    let known = find_digest(digest, digests.iter().map(|(digest, _)| digest))
         .and_then(|index| digests.get(index))
         .map(|(_, tenant)| Arc::clone(tenant));
     match (known, policy.unknown_keys(), policy.anonymous_tenant()) {

@@ -16,7 +16,7 @@ use http::request::Parts;
 use http_body_util::{BodyExt, LengthLimitError};
 use serde::de::DeserializeOwned;
 
-use crate::auth::authenticate;
+use crate::auth::{Credential, credential, tenant_for};
 use crate::error::GatewayError;
 use crate::intake::IntakePermit;
 use crate::metrics::{RejectReason, record_rejection, record_request};
@@ -305,15 +305,23 @@ impl FromRequestParts<AppState> for Tenant {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let policy = state.policy_store().current();
-        authenticate(&policy, &parts.headers)
-            .map(Tenant)
-            .map_err(|error| {
-                // No tenant is known for a refused key; the label says so.
-                record_rejection("unauthenticated", RejectReason::Auth);
-                GatewayError::from(error)
-            })
+        authenticated(parts, state).map(|(tenant, _)| Tenant(tenant))
     }
+}
+
+/// The request's tenant under the current policy, and the credential that chose it.
+fn authenticated(
+    parts: &Parts,
+    state: &AppState,
+) -> Result<(Arc<TenantPolicy>, Credential), GatewayError> {
+    let policy = state.policy_store().current();
+    credential(&parts.headers)
+        .and_then(|credential| Ok((tenant_for(&policy, &credential)?, credential)))
+        .map_err(|error| {
+            // No tenant is known for a refused key; the label says so.
+            record_rejection("unauthenticated", RejectReason::Auth);
+            GatewayError::from(error)
+        })
 }
 
 /// The tenant of a generation request, let into intake: its key is valid, one request of its
@@ -327,6 +335,8 @@ impl FromRequestParts<AppState> for Tenant {
 #[derive(Debug)]
 pub struct TenantIntake {
     pub tenant: Arc<TenantPolicy>,
+    /// What chose the tenant: a reload checks it again while the request is queued.
+    pub credential: Credential,
     pub permit: IntakePermit,
     pub request: RequestCell,
 }
@@ -338,7 +348,7 @@ impl FromRequestParts<AppState> for TenantIntake {
         parts: &mut Parts,
         state: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let Tenant(tenant) = Tenant::from_request_parts(parts, state).await?;
+        let (tenant, credential) = authenticated(parts, state)?;
         // A refusal here is the request's outcome: counted as the handler counts its own.
         let refused = |reason: Option<RejectReason>| {
             record_request(&tenant.name, route_name(parts.uri.path()), false);
@@ -362,6 +372,7 @@ impl FromRequestParts<AppState> for TenantIntake {
         })?;
         Ok(TenantIntake {
             tenant,
+            credential,
             permit,
             request,
         })

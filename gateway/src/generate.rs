@@ -17,6 +17,7 @@ use kvgate_runtime::engine::{GenerationRequest, SamplingParams, StopParams, Subm
 use tokio::time::Instant;
 
 use crate::admission::{AdmissionTicket, Admitted, PoolId, PromptPrefix};
+use crate::auth::Credential;
 use crate::error::GatewayError;
 use crate::extract::{OpenAiBody, RequestId, TenantIntake};
 use crate::intake::{INLINE_VALIDATION_BYTES, IntakePermit};
@@ -55,6 +56,7 @@ pub async fn chat_completions(
     RequestId(request_id): RequestId,
     TenantIntake {
         tenant,
+        credential,
         permit,
         request: cell,
     }: TenantIntake,
@@ -74,7 +76,7 @@ pub async fn chat_completions(
             run(
                 &state,
                 &tenant,
-                (permit, cell),
+                (permit, cell, credential),
                 (request_id, arrived),
                 upstream.as_ref(),
                 validate,
@@ -93,6 +95,7 @@ pub async fn completions(
     RequestId(request_id): RequestId,
     TenantIntake {
         tenant,
+        credential,
         permit,
         request: cell,
     }: TenantIntake,
@@ -112,7 +115,7 @@ pub async fn completions(
             run(
                 &state,
                 &tenant,
-                (permit, cell),
+                (permit, cell, credential),
                 (request_id, arrived),
                 upstream.as_ref(),
                 validate,
@@ -140,7 +143,7 @@ fn engine_for(upstream: Option<&UpstreamRoute>) -> Engine {
 async fn run(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
-    intake: (IntakePermit, RequestCell),
+    intake: (IntakePermit, RequestCell, Credential),
     (request_id, arrived): (String, Instant),
     upstream: Option<&UpstreamRoute>,
     validate: Validator,
@@ -167,7 +170,7 @@ async fn run(
 async fn generate(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
-    (permit, cell): (IntakePermit, RequestCell),
+    (permit, cell, credential): (IntakePermit, RequestCell, Credential),
     request_id: String,
     arrived: Instant,
     validate: Validator,
@@ -179,7 +182,15 @@ async fn generate(
     let codec = Arc::clone(&state.inner.codec);
     let model = state.inner.model_name.clone();
     let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
-    let mut admitted = admit(state, tenant, &valid, cell, request_id, PoolId::LOCAL).await?;
+    let mut admitted = admit(
+        state,
+        (tenant, credential),
+        &valid,
+        cell,
+        request_id,
+        PoolId::LOCAL,
+    )
+    .await?;
     let meta = ResponseMeta::new(valid.endpoint, &state.inner.model_name, valid.include_usage);
     let telemetry = GenerationTelemetry::new(
         &tenant.name,
@@ -225,7 +236,7 @@ async fn generate(
 async fn proxy(
     state: &AppState,
     tenant: &Arc<TenantPolicy>,
-    (permit, cell): (IntakePermit, RequestCell),
+    (permit, cell, credential): (IntakePermit, RequestCell, Credential),
     (request_id, arrived): (String, Instant),
     route: &UpstreamRoute,
     validate: Validator,
@@ -241,7 +252,7 @@ async fn proxy(
     let valid = validate_off_thread(state, permit, limits, codec, model, validate).await?;
     let mut admitted = admit(
         state,
-        tenant,
+        (tenant, credential),
         &valid,
         cell,
         request_id.clone(),
@@ -393,7 +404,7 @@ impl Drop for SettleOnUsage {
 /// client leaves while this waits, the future is dropped and admission unqueues the request.
 async fn admit(
     state: &AppState,
-    tenant: &Arc<TenantPolicy>,
+    (tenant, credential): (&Arc<TenantPolicy>, Credential),
     valid: &ValidRequest,
     cell: RequestCell,
     request_id: String,
@@ -401,6 +412,7 @@ async fn admit(
 ) -> Result<Admitted, GatewayError> {
     let ticket = AdmissionTicket {
         tenant: Arc::clone(tenant),
+        credential,
         prompt_tokens: valid.prompt_ids.len(),
         max_output_tokens: valid.max_tokens as usize,
         request_id,

@@ -11,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvgate_gateway::admission::{Admission, AdmissionTicket, Admitted, PoolId, Rejection};
+use kvgate_gateway::auth::Credential;
 use kvgate_gateway::policy::{SharedPolicy, parse_policy};
 use kvgate_gateway::ratelimit::shared::SharedLimiter;
 use kvgate_gateway::ratelimit::{LimitKind, SharedDecision};
@@ -115,6 +116,8 @@ fn policy(redis: &RedisServer, shared_extra: &str, tenant: &str) -> String {
 fn ticket(store: &PolicyStore, n: usize, prompt: usize, max_output: usize) -> AdmissionTicket {
     AdmissionTicket {
         tenant: store.current().tenant("a").unwrap(),
+        // Checked again only by a policy reload, which these tests never do.
+        credential: Credential::NoKey,
         prompt_tokens: prompt,
         max_output_tokens: max_output,
         request_id: format!("req-{n}"),

@@ -1112,11 +1112,17 @@ fn requeue(
     pools: &[Arc<BlockPool>],
     pending: &mut Pending,
 ) -> Result<Arc<TenantPolicy>, Rejection> {
-    let Some(tenant) = policy.tenant(&pending.ticket.tenant.name) else {
-        return Err(Rejection::KeyRevoked {
-            tenant: pending.ticket.tenant.name.clone(),
-        });
+    // The credential must still choose the same tenant: a tenant removed, its key rotated or
+    // moved to another tenant, or anonymous access withdrawn all refuse the queued request as
+    // they would refuse it now at the door.
+    let revoked = || Rejection::KeyRevoked {
+        tenant: pending.ticket.tenant.name.clone(),
     };
+    let tenant =
+        crate::auth::tenant_for(policy, &pending.ticket.credential).map_err(|_| revoked())?;
+    if tenant.name != pending.ticket.tenant.name {
+        return Err(revoked());
+    }
     let Some(pool) = pools.get(pending.ticket.pool.0) else {
         return Err(Rejection::Unavailable);
     };

@@ -9,9 +9,35 @@ use crate::policy::parse_policy;
 
 const BLOCK_SIZE: usize = 16;
 
+/// `policy` with a key for every tenant, `test-key-NAME` (see [`credential_of`]): a queued
+/// request's credential is checked again on every reload.
+fn keyed(policy: &str) -> String {
+    policy
+        .lines()
+        .map(|line| {
+            match line
+                .trim()
+                .strip_prefix("[tenants.")
+                .and_then(|rest| rest.strip_suffix(']'))
+            {
+                Some(name) => format!(
+                    "{line}\nkey_sha256 = [\"{}\"]\n",
+                    crate::auth::hash_key(&format!("test-key-{name}"))
+                ),
+                None => format!("{line}\n"),
+            }
+        })
+        .collect()
+}
+
+/// The credential of tenant `name`'s requests under a [`keyed`] policy.
+fn credential_of(name: &str) -> Credential {
+    Credential::Key(crate::auth::digest_key(&format!("test-key-{name}")))
+}
+
 /// Admission over a pool of `blocks` blocks of 16 tokens, under the policy text `policy`.
 fn setup(blocks: usize, policy: &str) -> (Admission, Arc<BlockPool>, PolicyStore) {
-    let store = PolicyStore::from_policy(parse_policy("test.toml", policy).unwrap());
+    let store = PolicyStore::from_policy(parse_policy("test.toml", &keyed(policy)).unwrap());
     let pool = BlockPool::new(blocks, BLOCK_SIZE, 1024);
     (
         Admission::new(store.clone(), Arc::clone(&pool)),
@@ -28,6 +54,7 @@ fn ticket(
 ) -> AdmissionTicket {
     AdmissionTicket {
         tenant: store.current().tenant(tenant).unwrap(),
+        credential: credential_of(tenant),
         prompt_tokens,
         max_output_tokens,
         request_id: format!("req-{tenant}-{prompt_tokens}"),
@@ -706,7 +733,7 @@ fn setup_with_upstream(
     upstream: usize,
     policy: &str,
 ) -> (Admission, Arc<BlockPool>, PoolId, PolicyStore) {
-    let store = PolicyStore::from_policy(parse_policy("test.toml", policy).unwrap());
+    let store = PolicyStore::from_policy(parse_policy("test.toml", &keyed(policy)).unwrap());
     let local = BlockPool::new(local, BLOCK_SIZE, 1024);
     let remote = BlockPool::new(upstream, BLOCK_SIZE, 0);
     let limit = PoolLimit::new(Arc::clone(&remote));
@@ -786,7 +813,7 @@ fn setup_with_ejected_upstream(
     PoolId,
     PolicyStore,
 ) {
-    let store = PolicyStore::from_policy(parse_policy("test.toml", policy).unwrap());
+    let store = PolicyStore::from_policy(parse_policy("test.toml", &keyed(policy)).unwrap());
     let remote = BlockPool::new(upstream, BLOCK_SIZE, 0);
     let limit = PoolLimit::new(Arc::clone(&remote));
     limit.set_usable_blocks(0);
@@ -960,7 +987,7 @@ fn setup_reloadable(blocks: usize, policy: &str) -> (Admission, Arc<BlockPool>, 
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let path =
         std::env::temp_dir().join(format!("kvgate-admission-{}-{n}.toml", std::process::id()));
-    std::fs::write(&path, policy).unwrap();
+    std::fs::write(&path, keyed(policy)).unwrap();
     let store = PolicyStore::load(&path).unwrap();
     let pool = BlockPool::new(blocks, BLOCK_SIZE, 1024);
     (
@@ -971,7 +998,7 @@ fn setup_reloadable(blocks: usize, policy: &str) -> (Admission, Arc<BlockPool>, 
 }
 
 fn reload(store: &PolicyStore, policy: &str) {
-    std::fs::write(store.path(), policy).unwrap();
+    std::fs::write(store.path(), keyed(policy)).unwrap();
     store.reload().unwrap();
 }
 
@@ -1025,6 +1052,44 @@ async fn a_reload_refuses_the_queued_requests_of_a_removed_key_and_applies_new_l
         "{waited:?}"
     );
     drop(blocker);
+    let _ = std::fs::remove_file(store.path());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reload_that_rotates_or_moves_a_key_refuses_the_requests_queued_under_it() {
+    let (admission, pool, store) = setup_reloadable(10, "[tenants.a]\n[tenants.b]\n[tenants.c]\n");
+    let blocker = pool.try_reserve(10).unwrap();
+    let rotated = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    let moved = spawn_admit(&admission, ticket(&store, "b", 16, 16));
+    let kept = spawn_admit(&admission, ticket(&store, "c", 16, 16));
+    until(|| queued(&admission) == 3).await;
+    // a's key is replaced, b's now belongs to tenant d; c keeps its key. The tenants' names
+    // all stay, so only the credential can tell.
+    let hash = |name: &str| crate::auth::hash_key(&format!("test-key-{name}"));
+    let next = format!(
+        "[tenants.a]\nkey_sha256 = [\"{}\"]\n[tenants.b]\n[tenants.c]\nkey_sha256 = [\"{}\"]\n\
+         [tenants.d]\nkey_sha256 = [\"{}\"]\n",
+        hash("a-rotated"),
+        hash("c"),
+        hash("b"),
+    );
+    std::fs::write(store.path(), next).unwrap();
+    store.reload().unwrap();
+    for (queued, tenant) in [(rotated, "a"), (moved, "b")] {
+        let rejection = queued.await.unwrap().unwrap_err();
+        assert_eq!(
+            (rejection.status(), rejection.code()),
+            (401, "invalid_api_key"),
+            "tenant {tenant}"
+        );
+    }
+    assert_eq!(queued(&admission), 1, "c's request still waits");
+    drop(blocker);
+    let admitted = kept
+        .await
+        .unwrap()
+        .expect("an unchanged key keeps its place");
+    drop(admitted);
     let _ = std::fs::remove_file(store.path());
 }
 
