@@ -385,6 +385,15 @@ impl fmt::Display for PolicySummary {
                 t.queue_tokens,
                 t.max_queue_wait,
             )?;
+            if *keys == 0 && self.anonymous_tenant.as_deref() != Some(t.name.as_str()) {
+                // Valid, but almost certainly a mistake: say so where the operator looks.
+                writeln!(
+                    f,
+                    "warning: tenant {} has no keys and is not the anonymous tenant: no request \
+                     can reach it",
+                    t.name
+                )?;
+            }
         }
         Ok(())
     }

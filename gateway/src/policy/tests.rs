@@ -253,6 +253,30 @@ fn the_summary_says_which_unknown_keys_mode_is_in_force_and_why() {
 }
 
 #[test]
+fn the_summary_warns_of_a_tenant_no_request_can_reach() {
+    let summary = |text: &str| parse_policy("p.toml", text).unwrap().summary().to_string();
+    let unreachable = summary(&format!(
+        "anonymous_tenant = \"a\"\n[tenants.a]\n[tenants.b]\n[tenants.c]\nkey_sha256 = [\"{}\"]\n",
+        crate::auth::hash_key("sk-c")
+    ));
+    assert!(
+        unreachable.contains("warning: tenant b has no keys and is not the anonymous tenant"),
+        "{unreachable}"
+    );
+    assert_eq!(
+        unreachable.matches("warning:").count(),
+        1,
+        "a and c are reachable"
+    );
+    for shipped_file in ["default.toml", "multi-tenant.toml"] {
+        let text = check_policy_file(shipped(shipped_file))
+            .unwrap()
+            .to_string();
+        assert!(!text.contains("warning:"), "{shipped_file}: {text}");
+    }
+}
+
+#[test]
 fn max_validating_inherits_and_must_be_positive() {
     let policy = parse_policy(
         "p.toml",
