@@ -598,3 +598,128 @@ impl Drop for SharedCharge {
         });
     }
 }
+
+/// The admit/cancel pair against a real `redis-server` (skipped when it is not installed,
+/// unless `KVGATE_REQUIRE_REDIS=1`), in both orders. The stalled-store path through
+/// [`SharedLimiter::acquire`] is in `gateway/tests/shared_limits.rs`.
+#[cfg(test)]
+mod tests {
+    use std::process::{Command, Stdio};
+
+    use super::*;
+
+    struct Server(std::process::Child, u16);
+
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn server() -> Option<Server> {
+        if Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_err()
+        {
+            assert!(std::env::var("KVGATE_REQUIRE_REDIS").as_deref() != Ok("1"));
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let server = Server(child, port);
+        for _ in 0..250 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server did not start");
+    }
+
+    /// rpm 6, tpm 1000, 500 tokens, 1 lease, member "m".
+    async fn admit(connection: &mut redis::aio::MultiplexedConnection, keys: &Keys) -> i64 {
+        let reply: Vec<i64> = Script::new(ADMIT_LUA)
+            .key(&keys.rpm)
+            .key(&keys.tpm)
+            .key(&keys.leases)
+            .key(keys.receipt("m"))
+            .arg(6)
+            .arg(1000)
+            .arg(500)
+            .arg(1)
+            .arg("m")
+            .arg(30_000)
+            .invoke_async(connection)
+            .await
+            .unwrap();
+        reply[0]
+    }
+
+    async fn cancel(connection: &mut redis::aio::MultiplexedConnection, keys: &Keys) -> i64 {
+        Script::new(CANCEL_LUA)
+            .key(&keys.rpm)
+            .key(&keys.tpm)
+            .key(&keys.leases)
+            .key(keys.receipt("m"))
+            .arg(6)
+            .arg(1000)
+            .arg(500)
+            .arg("m")
+            .arg(30_000)
+            .invoke_async(connection)
+            .await
+            .unwrap()
+    }
+
+    /// No lease and no rate charge left for the tenant.
+    async fn clean(connection: &mut redis::aio::MultiplexedConnection, keys: &Keys) -> bool {
+        let leases: i64 = redis::cmd("ZCARD")
+            .arg(&keys.leases)
+            .query_async(connection)
+            .await
+            .unwrap();
+        let charged: i64 = redis::cmd("EXISTS")
+            .arg(&keys.rpm)
+            .arg(&keys.tpm)
+            .query_async(connection)
+            .await
+            .unwrap();
+        leases == 0 && charged == 0
+    }
+
+    #[tokio::test]
+    async fn a_cancel_undoes_an_admit_before_it_and_bars_one_after_it() {
+        let Some(server) = server() else {
+            return;
+        };
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}/0", server.1)).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+
+        // Admit, then cancel (the usual order): undone once, a retry is a no-op.
+        let keys = Keys::of("ordered");
+        assert_eq!(admit(&mut connection, &keys).await, 0);
+        assert!(!clean(&mut connection, &keys).await);
+        assert_eq!(cancel(&mut connection, &keys).await, 2);
+        assert!(clean(&mut connection, &keys).await);
+        assert_eq!(cancel(&mut connection, &keys).await, 0);
+        assert!(clean(&mut connection, &keys).await);
+
+        // Cancel, then admit (reordered by a reconnect): the admit writes nothing.
+        let keys = Keys::of("reordered");
+        assert_eq!(cancel(&mut connection, &keys).await, 1);
+        assert_eq!(admit(&mut connection, &keys).await, 4);
+        assert!(clean(&mut connection, &keys).await);
+    }
+}
