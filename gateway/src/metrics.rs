@@ -215,6 +215,13 @@ pub fn record_shared_store_error(tenant: &str, behaviour: &'static str) {
     handles::counter(SHARED_STORE_ERRORS_TOTAL, &labels).increment(1);
 }
 
+/// Counts one cancel of a shared admission call that failed or timed out in
+/// [`SHARED_COMPENSATIONS_TOTAL`], by `outcome` (undone, not_run, already_cancelled, failed).
+pub fn record_shared_compensation(tenant: &str, outcome: &'static str) {
+    let labels = [("tenant", tenant), ("outcome", outcome)];
+    handles::counter(SHARED_COMPENSATIONS_TOTAL, &labels).increment(1);
+}
+
 /// Counts one request in [`REQUESTS_TOTAL`] with its final admission outcome. Call it exactly
 /// once per request that reached a handler; `route` is a static route name ("chat", ...).
 pub fn record_request(tenant: &str, route: &'static str, admitted: bool) {

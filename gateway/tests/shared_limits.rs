@@ -428,3 +428,84 @@ async fn redis_stopped_mid_run_admits_unlimited_when_the_policy_says_allow() {
     }
     assert_eq!(held.len(), 6);
 }
+
+/// QA's repro, reduced: Redis stalls (here `CLIENT PAUSE`, which makes the server hold every
+/// command it receives until the pause ends) for longer than the per-call timeout while a
+/// request acquires. The gateway gives up (`on_store_error` decides that request), but the
+/// script is still queued and runs when Redis resumes; it must not leave a lease or a charge
+/// that no `SharedCharge` will ever give back.
+#[tokio::test]
+async fn an_admission_that_timed_out_in_a_stalled_store_leaves_no_lease_or_charge() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    // Slow rates, so a leaked charge would outlive the test: one request holds the rpm key for
+    // 10 s and 500 tokens hold the tpm key for 30 s; the lease would hold for 30 s.
+    let text = format!(
+        "[shared]\nredis = \"{}\"\ntimeout = \"50ms\"\n[tenants.a]\n\
+         requests_per_minute = 6\ntokens_per_minute = 1000\nmax_concurrency = 1\n",
+        redis.url()
+    );
+    let parsed = parse_policy("shared.toml", &text).unwrap();
+    let shared = parsed.shared.clone().unwrap();
+    let tenant = parsed.tenant("a").unwrap();
+    let limiter = SharedLimiter::new(&shared).unwrap();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut probe = client.get_multiplexed_async_connection().await.unwrap();
+
+    // Connected, and the script cached: the stalled call below is one EVALSHA.
+    let SharedDecision::Admitted(warm) = limiter.acquire(&tenant, "warm", 1).await else {
+        panic!("the warm-up admission was refused");
+    };
+    drop(warm);
+    let clean = |probe: redis::aio::MultiplexedConnection| async move {
+        let mut probe = probe;
+        let leases: i64 = redis::cmd("ZCARD")
+            .arg("kvgate:{a}:leases")
+            .query_async(&mut probe)
+            .await
+            .unwrap();
+        let rpm: Option<String> = redis::cmd("GET")
+            .arg("kvgate:{a}:rpm")
+            .query_async(&mut probe)
+            .await
+            .unwrap();
+        let tpm: Option<String> = redis::cmd("GET")
+            .arg("kvgate:{a}:tpm")
+            .query_async(&mut probe)
+            .await
+            .unwrap();
+        leases == 0 && rpm.is_none() && tpm.is_none()
+    };
+    assert!(
+        eventually(Duration::from_secs(2), || clean(probe.clone())).await,
+        "the warm-up admission was not released"
+    );
+
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(400)
+        .arg("ALL")
+        .query_async(&mut probe)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let decision = limiter.acquire(&tenant, "stalled", 500).await;
+    assert!(
+        matches!(decision, SharedDecision::StoreError(_)),
+        "expected a store timeout, got {decision:?}"
+    );
+    assert!(started.elapsed() < Duration::from_millis(300));
+
+    // Redis resumes and runs the queued admit; nothing it wrote may outlive the cancel.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        eventually(Duration::from_secs(3), || clean(probe.clone())).await,
+        "the timed-out admission left a lease or a charge behind"
+    );
+    // And the tenant's one concurrency slot is free for the next request.
+    assert!(matches!(
+        limiter.acquire(&tenant, "after", 1).await,
+        SharedDecision::Admitted(_)
+    ));
+}

@@ -19,6 +19,7 @@ pub const UPSTREAM_RELOADS_TOTAL: &str = "kvgate_upstream_reloads_total";
 pub const UPSTREAM_BREAKER_TOTAL: &str = "kvgate_upstream_breaker_transitions_total";
 pub const UPSTREAM_REQUESTS_TOTAL: &str = "kvgate_upstream_requests_total";
 pub const SHARED_STORE_ERRORS_TOTAL: &str = "kvgate_shared_store_errors_total";
+pub const SHARED_COMPENSATIONS_TOTAL: &str = "kvgate_shared_compensations_total";
 pub const UPSTREAM_RESPONSE_SECONDS: &str = "kvgate_upstream_response_seconds";
 pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "kvgate_prefix_cache_queries_total";
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "kvgate_prefix_cache_hits_total";
@@ -114,6 +115,12 @@ pub const RECORDED: &[Family] = &[
         Counter,
         &["tenant", "behaviour"],
         "Shared rate-limit store (Redis) calls that failed or timed out, by the on_store_error behaviour applied: local, allow, deny.",
+    ),
+    family(
+        SHARED_COMPENSATIONS_TOTAL,
+        Counter,
+        &["tenant", "outcome"],
+        "Cancels sent after a shared admission call failed or timed out, by outcome: undone (it had run; its lease and charge were removed), not_run (it is now barred from running), already_cancelled, failed (never answered; what it took lapses with the lease ttl).",
     ),
     family(
         QUEUE_ABANDONED_TOTAL,

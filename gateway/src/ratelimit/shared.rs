@@ -20,6 +20,22 @@
 //! Every call is bounded by the policy's `timeout`. A failed or slow call is the caller's to
 //! decide (`on_store_error`): [`SharedDecision::StoreError`] says so, and
 //! [`SharedLimiter::record_store_error`] logs (at most once per [`LOG_EVERY`]) and counts it.
+//!
+//! A call the gateway gave up on may still run: a stalled Redis keeps it queued and runs it
+//! when it resumes, taking a lease and charging rates that no [`SharedCharge`] will ever give
+//! back (the tenant then sees 429s with nothing running until the leases expire). So every
+//! admission is made idempotent-cancellable through a per-request *receipt* key,
+//! `kvgate:{tenant}:admit:<member>`: the admit script writes `1` there when it admits, and a
+//! call that failed or timed out is followed by [`CANCEL_LUA`] for the same member (spawned,
+//! retried, counted in `kvgate_shared_compensations_total`). The cancel script undoes exactly
+//! what a receipt says was done (ZREM the lease, refund the request and its tokens) and leaves
+//! a `0` tombstone; finding no receipt, it leaves the tombstone anyway, and an admit that runs
+//! after it sees the tombstone and writes nothing. So the outcome is the same whichever of the
+//! two Redis runs first (they normally run in order on the one multiplexed connection, but a
+//! reconnect in between could swap them), a cancel retried twice is a no-op, and nothing
+//! depends on the gateway's clock agreeing with Redis's (a deadline checked against `TIME`
+//! would). Receipts and tombstones expire with the lease ttl, measured from when Redis ran
+//! them; a charge's release deletes its receipt, so they only cost memory while requests live.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,10 +61,13 @@ const CONCURRENCY_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Decides or refuses one request: RPM, TPM and the concurrency lease in one round trip.
 ///
-/// KEYS: rpm, tpm, leases. ARGV: rpm limit, tpm limit (0 = none), tokens, lease limit (0 =
-/// none), lease member, lease ttl ms. Returns {verdict, wait ms, rpm remaining, rpm reset ms,
-/// tpm remaining, tpm reset ms}; verdict 0 = admitted, 1 = rpm, 2 = tpm, 3 = concurrency.
+/// KEYS: rpm, tpm, leases, receipt. ARGV: rpm limit, tpm limit (0 = none), tokens, lease
+/// limit (0 = none), lease member, lease ttl ms (also the receipt's). Returns {verdict, wait
+/// ms, rpm remaining, rpm reset ms, tpm remaining, tpm reset ms}; verdict 0 = admitted, 1 =
+/// rpm, 2 = tpm, 3 = concurrency, 4 = already cancelled (a [`CANCEL_LUA`] for this member ran
+/// first: nothing is written).
 const ADMIT_LUA: &str = r"
+if redis.call('EXISTS', KEYS[4]) == 1 then return {4, 0, 0, 0, 0, 0} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local period = 60000
@@ -83,8 +102,41 @@ if lease_limit > 0 then
 end
 if rpm_limit > 0 then redis.call('SET', KEYS[1], rpm_tat, 'PX', math.max(1, math.ceil(rpm_tat - now))) end
 if tpm_limit > 0 then redis.call('SET', KEYS[2], tpm_tat, 'PX', math.max(1, math.ceil(tpm_tat - now))) end
+redis.call('SET', KEYS[4], '1', 'PX', tonumber(ARGV[6]))
 return status(0, 0)
 ";
+
+/// Undoes an admission the gateway gave up on (see the module docs): with a receipt, removes
+/// the lease and refunds the request and its tokens; always leaves a tombstone, so a later
+/// admit for this member writes nothing and a repeated cancel does nothing.
+/// KEYS: rpm, tpm, leases, receipt. ARGV: rpm limit, tpm limit, tokens, lease member, ttl ms.
+/// Returns 2 = an admission was undone, 1 = none had run (tombstoned), 0 = already cancelled.
+const CANCEL_LUA: &str = r"
+local receipt = redis.call('GET', KEYS[4])
+if receipt == '0' then return 0 end
+redis.call('SET', KEYS[4], '0', 'PX', tonumber(ARGV[5]))
+if not receipt then return 1 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local function refund(key, limit, cells)
+  if limit <= 0 or cells <= 0 then return end
+  local stored = redis.call('GET', key)
+  if not stored then return end
+  local tat = math.max(tonumber(stored) - cells * 60000 / limit, now)
+  if tat - now < 1 then redis.call('DEL', key) return end
+  redis.call('SET', key, tat, 'PX', math.ceil(tat - now))
+end
+redis.call('ZREM', KEYS[3], ARGV[4])
+refund(KEYS[1], tonumber(ARGV[1]), 1)
+refund(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[3]))
+return 2
+";
+
+/// How many times a cancel is sent before giving up (each attempt is idempotent).
+const CANCEL_ATTEMPTS: u32 = 5;
+/// The least time one cancel attempt waits for its answer: longer than an admission may wait,
+/// since nobody waits on it and a slow store is why it is sent.
+const CANCEL_TIMEOUT_FLOOR: Duration = Duration::from_secs(1);
 
 /// Gives unused cells back: moves each TAT back by refund × interval, never before now.
 /// KEYS: rpm, tpm. ARGV: rpm limit, requests refunded, tpm limit, tokens refunded.
@@ -136,11 +188,14 @@ struct Inner {
     admit: Script,
     refund: Script,
     renew: Script,
+    cancel: Script,
     /// Names this gateway process in lease members, so two replicas' request ids never clash.
     replica: String,
     next_lease: AtomicU64,
     lease_ttl: Duration,
     last_logged: Mutex<Option<Instant>>,
+    /// The same throttle for cancels that never got through (a dead store fails them all).
+    last_cancel_logged: Mutex<Option<Instant>>,
 }
 
 impl std::fmt::Debug for SharedLimiter {
@@ -181,10 +236,12 @@ impl SharedLimiter {
                 admit: Script::new(ADMIT_LUA),
                 refund: Script::new(REFUND_LUA),
                 renew: Script::new(RENEW_LUA),
+                cancel: Script::new(CANCEL_LUA),
                 replica: format!("{:016x}", rand::random::<u64>()),
                 next_lease: AtomicU64::new(0),
                 lease_ttl,
                 last_logged: Mutex::new(None),
+                last_cancel_logged: Mutex::new(None),
             }),
         })
     }
@@ -223,6 +280,7 @@ impl SharedLimiter {
             .key(&keys.rpm)
             .key(&keys.tpm)
             .key(&keys.leases)
+            .key(keys.receipt(&member))
             .arg(rpm)
             .arg(tpm)
             .arg(tokens)
@@ -230,15 +288,19 @@ impl SharedLimiter {
             .arg(&member)
             .arg(self.inner.lease_ttl.as_millis() as u64);
         let call = invocation.invoke_async::<Vec<i64>>(&mut connection);
-        let reply = match tokio::time::timeout(self.inner.policy.timeout, call).await {
-            Ok(Ok(reply)) if reply.len() == 6 => reply,
-            Ok(Ok(reply)) => {
-                return SharedDecision::StoreError(format!("unexpected reply {reply:?}"));
-            }
-            Ok(Err(error)) => return SharedDecision::StoreError(error.to_string()),
-            Err(_) => {
-                let after = self.inner.policy.timeout;
-                return SharedDecision::StoreError(format!("no answer within {after:?}"));
+        // Without an answer the script may still have run, or may run later (a stalled store
+        // keeps it queued): whatever it did is cancelled, so no lease or charge is left behind.
+        let answer = match tokio::time::timeout(self.inner.policy.timeout, call).await {
+            Ok(Ok(reply)) if reply.len() == 6 && reply[0] != 4 => Ok(reply),
+            Ok(Ok(reply)) => Err(format!("unexpected reply {reply:?}")),
+            Ok(Err(error)) => Err(error.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", self.inner.policy.timeout)),
+        };
+        let reply = match answer {
+            Ok(reply) => reply,
+            Err(error) => {
+                self.spawn_cancel(&tenant.name, keys, member, [rpm, tpm, tokens]);
+                return SharedDecision::StoreError(error);
             }
         };
         let millis = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
@@ -257,6 +319,7 @@ impl SharedLimiter {
                     (leases > 0).then(|| self.spawn_renewer(keys.leases.clone(), member.clone()));
                 return SharedDecision::Admitted(SharedCharge {
                     limiter: self.clone(),
+                    receipt: keys.receipt(&member),
                     keys,
                     rpm,
                     tpm,
@@ -310,6 +373,81 @@ impl SharedLimiter {
         }
     }
 
+    /// Sends [`CANCEL_LUA`] for an admission whose answer never came, in the background, until
+    /// Redis answers it or [`CANCEL_ATTEMPTS`] fail; each outcome is counted in
+    /// `kvgate_shared_compensations_total{tenant,outcome}`. Queued on the same connection
+    /// right after the admit, it normally runs right after it; if not, the tombstone makes the
+    /// order irrelevant. A cancel that never gets through leaves at worst what the admit
+    /// wrote, which the lease ttl and the GCRA window clear on their own (logged).
+    fn spawn_cancel(&self, tenant: &str, keys: Keys, member: String, [rpm, tpm, tokens]: [u32; 3]) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let limiter = self.clone();
+        let tenant = tenant.to_owned();
+        runtime.spawn(async move {
+            let ttl = limiter.inner.lease_ttl.as_millis() as u64;
+            let timeout = limiter.inner.policy.timeout.max(CANCEL_TIMEOUT_FLOOR);
+            let receipt = keys.receipt(&member);
+            let mut last_error = String::new();
+            for attempt in 0..CANCEL_ATTEMPTS {
+                if attempt > 0 {
+                    tokio::time::sleep(Duration::from_millis(100) * 2u32.pow(attempt)).await;
+                }
+                let mut connection = limiter.inner.connection.clone();
+                let mut invocation = limiter.inner.cancel.prepare_invoke();
+                invocation
+                    .key(&keys.rpm)
+                    .key(&keys.tpm)
+                    .key(&keys.leases)
+                    .key(&receipt)
+                    .arg(rpm)
+                    .arg(tpm)
+                    .arg(tokens)
+                    .arg(&member)
+                    .arg(ttl);
+                let call = invocation.invoke_async::<i64>(&mut connection);
+                match tokio::time::timeout(timeout, call).await {
+                    Ok(Ok(done)) => {
+                        let outcome = match done {
+                            2 => "undone",
+                            1 => "not_run",
+                            _ => "already_cancelled",
+                        };
+                        crate::metrics::record_shared_compensation(&tenant, outcome);
+                        tracing::debug!(
+                            tenant,
+                            member,
+                            outcome,
+                            "cancelled a shared admission whose answer never came"
+                        );
+                        return;
+                    }
+                    Ok(Err(error)) => last_error = error.to_string(),
+                    Err(_) => last_error = format!("no answer within {timeout:?}"),
+                }
+            }
+            crate::metrics::record_shared_compensation(&tenant, "failed");
+            let now = Instant::now();
+            {
+                let mut last = limiter.inner.last_cancel_logged.lock();
+                if last.is_some_and(|at| now.duration_since(at) < LOG_EVERY) {
+                    return;
+                }
+                *last = Some(now);
+            }
+            tracing::warn!(
+                store = %limiter.inner.policy.redis_url,
+                tenant,
+                member,
+                error = last_error,
+                "could not cancel a timed-out shared admission; its lease and charge (if it \
+                 ran) lapse on their own within the lease ttl and the rate window (logged at \
+                 most every 10s)"
+            );
+        });
+    }
+
     /// Renews the lease every third of its ttl until aborted (by the charge's drop). A failed
     /// renewal is retried at the next tick; the lease only lapses if three in a row fail.
     fn spawn_renewer(&self, leases: String, member: String) -> JoinHandle<()> {
@@ -352,6 +490,13 @@ impl Keys {
             leases: format!("kvgate:{{{tenant}}}:leases"),
         }
     }
+
+    /// The admission receipt (or cancel tombstone) of one lease member: the tenant's prefix
+    /// (same hash tag) plus the member.
+    fn receipt(&self, member: &str) -> String {
+        let prefix = self.leases.strip_suffix("leases").unwrap_or(&self.leases);
+        format!("{prefix}admit:{member}")
+    }
 }
 
 /// What a charge gives back when it ends.
@@ -374,6 +519,8 @@ pub struct SharedCharge {
     tokens: u32,
     refund: Refund,
     lease: Option<String>,
+    /// This admission's receipt key, deleted with the release.
+    receipt: String,
     renewer: Option<JoinHandle<()>>,
     headers: RateLimitHeaders,
 }
@@ -410,9 +557,7 @@ impl Drop for SharedCharge {
             Refund::UnusedOf(used) => (0, self.tokens.saturating_sub(used)),
         };
         let lease = self.lease.take();
-        if lease.is_none() && tokens == 0 && requests == 0 {
-            return;
-        }
+        let receipt = std::mem::take(&mut self.receipt);
         // Outside a runtime (a test's teardown) the lease expires on its own and the refund is
         // lost, which only ever errs on the strict side.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -424,13 +569,17 @@ impl Drop for SharedCharge {
         runtime.spawn(async move {
             let timeout = limiter.inner.policy.timeout;
             let mut connection = limiter.inner.connection.clone();
-            if let Some(member) = lease {
-                let mut command = redis::cmd("ZREM");
-                command.arg(&keys.leases).arg(&member);
-                let release = command.query_async::<i64>(&mut connection);
-                if let Ok(Err(error)) = tokio::time::timeout(timeout, release).await {
-                    tracing::debug!(%error, "releasing a shared concurrency lease failed; it expires on its own");
-                }
+            // The receipt is only needed while the admission could still be cancelled, which
+            // an admission that got its answer never is: delete it so receipts cost memory only
+            // while their requests live.
+            let mut release = redis::pipe();
+            release.cmd("DEL").arg(&receipt).ignore();
+            if let Some(lease) = &lease {
+                release.cmd("ZREM").arg(&keys.leases).arg(lease).ignore();
+            }
+            let release = release.query_async::<()>(&mut connection);
+            if let Ok(Err(error)) = tokio::time::timeout(timeout, release).await {
+                tracing::debug!(%error, "releasing a shared concurrency lease failed; it expires on its own");
             }
             if requests > 0 || tokens > 0 {
                 let mut invocation = limiter.inner.refund.prepare_invoke();
@@ -447,5 +596,130 @@ impl Drop for SharedCharge {
                 }
             }
         });
+    }
+}
+
+/// The admit/cancel pair against a real `redis-server` (skipped when it is not installed,
+/// unless `KVGATE_REQUIRE_REDIS=1`), in both orders. The stalled-store path through
+/// [`SharedLimiter::acquire`] is in `gateway/tests/shared_limits.rs`.
+#[cfg(test)]
+mod tests {
+    use std::process::{Command, Stdio};
+
+    use super::*;
+
+    struct Server(std::process::Child, u16);
+
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn server() -> Option<Server> {
+        if Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_err()
+        {
+            assert!(std::env::var("KVGATE_REQUIRE_REDIS").as_deref() != Ok("1"));
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let server = Server(child, port);
+        for _ in 0..250 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server did not start");
+    }
+
+    /// rpm 6, tpm 1000, 500 tokens, 1 lease, member "m".
+    async fn admit(connection: &mut redis::aio::MultiplexedConnection, keys: &Keys) -> i64 {
+        let reply: Vec<i64> = Script::new(ADMIT_LUA)
+            .key(&keys.rpm)
+            .key(&keys.tpm)
+            .key(&keys.leases)
+            .key(keys.receipt("m"))
+            .arg(6)
+            .arg(1000)
+            .arg(500)
+            .arg(1)
+            .arg("m")
+            .arg(30_000)
+            .invoke_async(connection)
+            .await
+            .unwrap();
+        reply[0]
+    }
+
+    async fn cancel(connection: &mut redis::aio::MultiplexedConnection, keys: &Keys) -> i64 {
+        Script::new(CANCEL_LUA)
+            .key(&keys.rpm)
+            .key(&keys.tpm)
+            .key(&keys.leases)
+            .key(keys.receipt("m"))
+            .arg(6)
+            .arg(1000)
+            .arg(500)
+            .arg("m")
+            .arg(30_000)
+            .invoke_async(connection)
+            .await
+            .unwrap()
+    }
+
+    /// No lease and no rate charge left for the tenant.
+    async fn clean(connection: &mut redis::aio::MultiplexedConnection, keys: &Keys) -> bool {
+        let leases: i64 = redis::cmd("ZCARD")
+            .arg(&keys.leases)
+            .query_async(connection)
+            .await
+            .unwrap();
+        let charged: i64 = redis::cmd("EXISTS")
+            .arg(&keys.rpm)
+            .arg(&keys.tpm)
+            .query_async(connection)
+            .await
+            .unwrap();
+        leases == 0 && charged == 0
+    }
+
+    #[tokio::test]
+    async fn a_cancel_undoes_an_admit_before_it_and_bars_one_after_it() {
+        let Some(server) = server() else {
+            return;
+        };
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}/0", server.1)).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+
+        // Admit, then cancel (the usual order): undone once, a retry is a no-op.
+        let keys = Keys::of("ordered");
+        assert_eq!(admit(&mut connection, &keys).await, 0);
+        assert!(!clean(&mut connection, &keys).await);
+        assert_eq!(cancel(&mut connection, &keys).await, 2);
+        assert!(clean(&mut connection, &keys).await);
+        assert_eq!(cancel(&mut connection, &keys).await, 0);
+        assert!(clean(&mut connection, &keys).await);
+
+        // Cancel, then admit (reordered by a reconnect): the admit writes nothing.
+        let keys = Keys::of("reordered");
+        assert_eq!(cancel(&mut connection, &keys).await, 1);
+        assert_eq!(admit(&mut connection, &keys).await, 4);
+        assert!(clean(&mut connection, &keys).await);
     }
 }
