@@ -221,7 +221,8 @@ pub struct ServeArgs {
     /// kvgate_memory_budget_bytes so the peak-memory alert can fire at 90% of it.
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
-    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT (after the pre-drain);
+    /// then what is left is answered (503, or an error event for a stream) and closed.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub shutdown_grace: u64,
     /// Also serve model NAME by proxying it to another OpenAI-compatible engine at URL (plain

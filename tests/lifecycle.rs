@@ -1,6 +1,7 @@
 //! Lifetimes through the real server: disconnects free KV (streaming, non-streaming, queued),
-//! policy reloads (good and bad), and graceful shutdown that loses no in-flight request, with
-//! its pre-drain (cut short by a second signal to the real binary).
+//! policy reloads (good and bad), graceful shutdown that loses no in-flight request, with
+//! its pre-drain (cut short by a second signal to the real binary), and the end of its grace
+//! period, which answers what is still running or queued instead of cutting it off.
 
 mod common;
 
@@ -196,6 +197,113 @@ async fn graceful_shutdown_finishes_in_flight_requests() {
         tokio::net::TcpStream::connect(server.addr).await.is_err(),
         "no longer accepting"
     );
+}
+
+/// When the grace period is over nothing is cut off without an answer: a stream still running
+/// gets an OpenAI error event before its connection closes, a non-streamed request still
+/// generating gets a 503, and a request still queued behind its tenant's concurrency a 503
+/// with Retry-After; the server stops within the grace plus a short flush window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_end_of_the_grace_period_answers_what_is_still_running_or_queued() {
+    let grace = Duration::from_millis(500);
+    let mut options = common::Options::default();
+    options.serve.shutdown_grace = grace;
+    let mut server = TestServer::start_with(
+        &policy(
+            &[
+                TenantSpec {
+                    name: "a",
+                    key: "sk-a",
+                    extra: "max_concurrency = 1",
+                },
+                TenantSpec {
+                    name: "b",
+                    key: "sk-b",
+                    extra: "",
+                },
+            ],
+            "",
+        ),
+        options,
+    )
+    .await;
+    let client = server.client();
+    // Far longer than the grace: 512 tokens (the tenant's limit) take seconds.
+    let mut stream = hold_slot(&client, "sk-a", 512).await;
+    let plain = tokio::spawn({
+        let client = client.clone();
+        async move {
+            client
+                .post(CHAT, Some("sk-b"), &chat(LONG_ANSWER, 512))
+                .await
+        }
+    });
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { client.post(CHAT, Some("sk-a"), &chat("Hi.", 1)).await }
+    });
+    wait_until("a request queues behind a's slot", WAIT, || {
+        queued(&server, "a") == 1
+    })
+    .await;
+    wait_until("both generations run", WAIT, || {
+        server.engine.stats().running >= 2
+    })
+    .await;
+
+    let began = tokio::time::Instant::now();
+    let stopped = server.begin_shutdown();
+    let mut last = String::new();
+    while let Some(data) = stream.next_data().await {
+        last = data;
+    }
+    let event: serde_json::Value = serde_json::from_str(&last)
+        .unwrap_or_else(|e| panic!("the stream ends with a JSON event ({e}): {last:?}"));
+    assert_eq!(
+        event["error"]["code"], "shutting_down",
+        "the stream ends with an error event, not a cut: {event}"
+    );
+    assert_ne!(last, "[DONE]");
+
+    let reply = waiting.await.expect("the queued request gets an answer");
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        reply.body
+    );
+    assert_eq!(reply.error_code(), "service_unavailable");
+    assert_eq!(reply.json()["error"]["type"], "server_error");
+    let retry: u64 = reply
+        .header("retry-after")
+        .expect("a Retry-After")
+        .parse()
+        .expect("whole seconds");
+    assert!(retry >= 1, "{retry}");
+
+    let reply = plain
+        .await
+        .expect("the non-streamed request gets an answer");
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        reply.body
+    );
+    assert_eq!(reply.error_code(), "shutting_down");
+    assert!(reply.header("retry-after").is_some());
+
+    // Within the grace plus the flush window (half a second) and some slack for the test.
+    tokio::time::timeout(grace + Duration::from_secs(3), stopped)
+        .await
+        .expect("the server stops within the grace and its flush window")
+        .expect("the server task ends cleanly");
+    assert!(
+        began.elapsed() >= grace,
+        "answered at the end of the grace, not before: {:?}",
+        began.elapsed()
+    );
+    server.wait_for_idle_kv(WAIT).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

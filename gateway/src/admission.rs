@@ -187,6 +187,14 @@ impl Admission {
         id
     }
 
+    /// Shutdown's grace period is over: every queued request is answered 503 `Unavailable`
+    /// (with Retry-After) now, and any request that reaches admission later gets the same at
+    /// once; nothing starts any more. Running requests keep their guards.
+    pub fn close(&self) {
+        self.core.dispatcher.lock().close();
+        self.core.changed.notify_one();
+    }
+
     /// Waits until the request may start, or says why it may not.
     pub async fn admit(&self, ticket: AdmissionTicket) -> Result<Admitted, Rejection> {
         self.admit_prepaid(ticket, None).await

@@ -149,20 +149,31 @@ async fn run(
     validate: Validator,
     raw: Bytes,
 ) -> Result<Response, GatewayError> {
-    match upstream {
-        Some(route) => {
-            proxy(
-                state,
-                tenant,
-                intake,
-                (request_id, arrived),
-                route,
-                validate,
-                raw,
-            )
-            .await
+    let work = async {
+        match upstream {
+            Some(route) => {
+                proxy(
+                    state,
+                    tenant,
+                    intake,
+                    (request_id, arrived),
+                    route,
+                    validate,
+                    raw,
+                )
+                .await
+            }
+            None => generate(state, tenant, intake, request_id, arrived, validate).await,
         }
-        None => generate(state, tenant, intake, request_id, arrived, validate).await,
+    };
+    // Until its headers: a request still validating, queued or (non-streamed) generating when
+    // shutdown's grace period ends is answered 503 rather than cut off with its connection.
+    // The work first: admission's own 503 for a queued request, or a stream's headers, win.
+    let mut grace = state.grace_over();
+    tokio::select! {
+        biased;
+        result = work => result,
+        () = grace.wait() => Err(GatewayError::ShuttingDown),
     }
 }
 
@@ -215,7 +226,7 @@ async fn generate(
 
     let mut response = if stream {
         // The body now owns the handle, the admission guard and the telemetry.
-        sse_body(meta, handle, admitted, Some(telemetry))
+        sse_body(meta, handle, admitted, Some(telemetry), state.grace_over())
     } else {
         // Owned by this future: if hyper drops it (client gone), the sequence is cancelled.
         let collected = collect(handle, &mut admitted, Some(telemetry)).await?;
@@ -326,7 +337,14 @@ async fn proxy(
                     _lease: lease,
                     usage: usage.clone(),
                 };
-                let mut response = upstream::relay(answer, settle, &replica, usage, telemetry);
+                let mut response = upstream::relay(
+                    answer,
+                    settle,
+                    &replica,
+                    usage,
+                    telemetry,
+                    state.grace_over(),
+                );
                 finish_headers(&mut response, &rate_headers, valid.dropped_messages);
                 return Ok(response);
             }
@@ -349,6 +367,7 @@ async fn proxy(
             &replica,
             usage,
             None,
+            state.grace_over(),
         ));
     }
     Err(

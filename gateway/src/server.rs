@@ -287,6 +287,7 @@ impl Server {
                         let _ = stopped.await;
                     },
                     || {},
+                    || {},
                 ));
                 (Some(stop), Some(task))
             }
@@ -305,6 +306,7 @@ impl Server {
                 }
             }
         };
+        let graceless = state.clone();
         shutdown::serve_until(
             self.listener,
             self.service,
@@ -313,6 +315,7 @@ impl Server {
             move || {
                 state.start_draining();
             },
+            move || graceless.end_grace(),
         )
         .await;
         if let (Some(stop), Some(task)) = (operator_stop, operator_task) {

@@ -3,7 +3,11 @@
 //! Shutdown follows linkerd's shape: once the shutdown future resolves the listener is closed
 //! (no new connections), every connection is asked to finish gracefully (hyper stops
 //! keep-alive and completes the request in flight, streams included), and the drain is awaited
-//! up to a grace period; whatever is still open then is aborted.
+//! up to a grace period. When the grace is over, whatever is still open gets an answer rather
+//! than a cut connection: queued requests and unfinished non-streamed ones a 503, running
+//! streams an SSE error event ([`GraceOver`]); those answers get [`GRACE_FLUSH`] to be written,
+//! and only what is still open after that is aborted. Shutdown never takes longer than
+//! grace + flush.
 //!
 //! Slow clients are bounded three ways. hyper's header-read timeout covers slow headers and
 //! idle keep-alive connections (hyper 1.x starts it whenever it waits for a request head).
@@ -39,6 +43,48 @@ pub struct ConnectionLimits {
     /// Open connections at most; the accept loop waits for a slot beyond it.
     pub max_connections: usize,
     pub shutdown_grace: Duration,
+}
+
+/// How long connections get, once the grace period is over, to write the answers that the
+/// grace's end produced (503s for queued and unfinished requests, an error event for running
+/// streams) before whatever is still open is aborted.
+pub const GRACE_FLUSH: Duration = Duration::from_millis(500);
+
+/// Fires when shutdown's grace period is over ([`crate::state::AppState::end_grace`]): what
+/// streaming bodies and handlers select on to give their client an answer (an SSE error event,
+/// a 503) instead of a cut connection. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct GraceOver {
+    over: Option<watch::Receiver<bool>>,
+}
+
+impl GraceOver {
+    pub(crate) fn new(over: watch::Receiver<bool>) -> GraceOver {
+        GraceOver { over: Some(over) }
+    }
+
+    /// A signal that never fires (tests, bodies outside a server).
+    pub fn never() -> GraceOver {
+        GraceOver { over: None }
+    }
+
+    /// Whether the grace period is over now.
+    pub fn is_over(&self) -> bool {
+        self.over.as_ref().is_some_and(|over| *over.borrow())
+    }
+
+    /// Resolves once the grace period is over (at once if it already is). Cancel-safe.
+    pub async fn wait(&mut self) {
+        match self.over.as_mut() {
+            Some(over) => {
+                if over.wait_for(|over| *over).await.is_err() {
+                    // The server state is gone: no grace period ends any more.
+                    std::future::pending::<()>().await;
+                }
+            }
+            None => std::future::pending::<()>().await,
+        }
+    }
 }
 
 /// Waits for SIGTERM or SIGINT (Ctrl-C).
@@ -116,13 +162,17 @@ impl Signals {
 }
 
 /// Accepts connections until `shutdown` resolves, then drains them within the grace period.
-/// `on_drain` runs once, right when shutdown begins (readiness goes false there).
+/// `on_drain` runs once, right when the listener closes. If connections are still open when
+/// the grace period is over, `on_grace_over` runs once (it ends queued requests and running
+/// streams with an answer: [`crate::state::AppState::end_grace`]) and the connections get
+/// [`GRACE_FLUSH`] to write those answers; whatever is still open then is aborted.
 pub async fn serve_until(
     listener: TcpListener,
     service: GatewayService,
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
     on_drain: impl FnOnce(),
+    on_grace_over: impl FnOnce(),
 ) {
     let (drain_tx, drain_rx) = watch::channel(false);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -169,9 +219,21 @@ pub async fn serve_until(
     if drained.is_err() {
         tracing::warn!(
             left = connections.len(),
-            "grace period over; aborting connections"
+            flush = ?GRACE_FLUSH,
+            "grace period over; answering what is left"
         );
-        connections.shutdown().await;
+        on_grace_over();
+        let flushed = tokio::time::timeout(GRACE_FLUSH, async {
+            while connections.join_next().await.is_some() {}
+        })
+        .await;
+        if flushed.is_err() {
+            tracing::warn!(
+                left = connections.len(),
+                "flush window over; aborting connections"
+            );
+            connections.shutdown().await;
+        }
     }
 }
 

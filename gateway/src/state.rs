@@ -7,11 +7,13 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use kvgate_runtime::engine::Engine;
+use tokio::sync::watch;
 
 use crate::admission::Admission;
 use crate::intake::Intake;
 use crate::metrics::Metrics;
 use crate::reload::PolicyStore;
+use crate::shutdown::GraceOver;
 use crate::upstream::{UpstreamRoute, Upstreams};
 use crate::validate::PromptCodec;
 
@@ -36,6 +38,8 @@ pub(crate) struct StateInner {
     pub(crate) intake: Intake,
     /// A [`Phase`], as its `u8`.
     phase: AtomicU8,
+    /// True once shutdown's grace period is over ([`AppState::end_grace`]).
+    grace_over: watch::Sender<bool>,
 }
 
 /// Where the server is in its life. Shutdown has two steps so that load balancers can stop
@@ -92,6 +96,7 @@ impl AppState {
                 body: parts.body,
                 intake: Intake::new(parts.validation_workers),
                 phase: AtomicU8::new(Phase::Serving as u8),
+                grace_over: watch::Sender::new(false),
             }),
         }
     }
@@ -140,6 +145,22 @@ impl AppState {
     /// Marks the server as draining (the listener has closed): new generations are refused.
     pub fn start_draining(&self) {
         self.advance(Phase::Draining);
+    }
+
+    /// Shutdown's grace period is over: admission refuses every queued request (503
+    /// `unavailable`) and starts nothing more, then every [`GraceOver`] fires, so running
+    /// streams send an error event and end, and unfinished non-streamed requests answer 503.
+    /// The connections get a short flush window to write those answers before they are
+    /// aborted (see `shutdown::serve_until`).
+    pub fn end_grace(&self) {
+        self.advance(Phase::Draining);
+        self.inner.admission.close();
+        self.inner.grace_over.send_replace(true);
+    }
+
+    /// A signal that fires when shutdown's grace period is over (at once if it already is).
+    pub fn grace_over(&self) -> GraceOver {
+        GraceOver::new(self.inner.grace_over.subscribe())
     }
 
     pub fn phase(&self) -> Phase {

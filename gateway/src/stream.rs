@@ -23,6 +23,7 @@ use crate::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChunkChoice, Delta,
     FinishReason, TextChoice, TextCompletion, Usage,
 };
+use crate::shutdown::GraceOver;
 use crate::telemetry::GenerationTelemetry;
 use crate::validate::Endpoint;
 
@@ -168,14 +169,16 @@ pub fn full_response(meta: &ResponseMeta, collected: Collected) -> Response {
 
 /// The SSE response: a role chunk (chat), one chunk per text delta, a finish chunk, the usage
 /// chunk when asked for, then `data: [DONE]`. A failure after the headers went out is sent as
-/// an OpenAI error event and ends the stream (no `[DONE]`).
+/// an OpenAI error event and ends the stream (no `[DONE]`); so is the end of shutdown's grace
+/// period (`grace`) while the stream still runs: 503-style `shutting_down`, then the end.
 pub fn sse_body<G: BodyGuard>(
     meta: ResponseMeta,
     handle: GenerationHandle,
     guard: G,
     telemetry: Option<GenerationTelemetry>,
+    grace: GraceOver,
 ) -> Response {
-    Sse::new(event_stream(meta, handle, guard, telemetry))
+    Sse::new(event_stream(meta, handle, guard, telemetry, grace))
         .keep_alive(KeepAlive::default())
         .into_response()
 }
@@ -195,6 +198,8 @@ struct StreamState<G> {
     handle: Option<GenerationHandle>,
     guard: Option<G>,
     telemetry: Option<GenerationTelemetry>,
+    /// Shutdown's grace period is over: a running stream sends an error event and ends.
+    grace: GraceOver,
     phase: Phase,
 }
 
@@ -203,12 +208,14 @@ fn event_stream<G: BodyGuard>(
     handle: GenerationHandle,
     guard: G,
     telemetry: Option<GenerationTelemetry>,
+    grace: GraceOver,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
     let state = StreamState {
         meta,
         handle: Some(handle),
         guard: Some(guard),
         telemetry,
+        grace,
         phase: Phase::Start,
     };
     futures::stream::unfold(state, |mut state| async move {
@@ -233,8 +240,17 @@ impl<G: BodyGuard> StreamState<G> {
                 }
                 Phase::Streaming => {
                     let event = match self.handle.as_mut() {
-                        Some(handle) => handle.events.recv().await,
-                        None => None,
+                        // The grace first: an engine that keeps producing tokens must not
+                        // keep the stream past it.
+                        Some(handle) => tokio::select! {
+                            biased;
+                            () = self.grace.wait() => Err(()),
+                            event = handle.events.recv() => Ok(event),
+                        },
+                        None => Ok(None),
+                    };
+                    let Ok(event) = event else {
+                        return Some(self.fail(GatewayError::ShuttingDown));
                     };
                     self.phase = Phase::Streaming;
                     if let Some(TokenEvent::Token { .. }) = &event {
@@ -300,12 +316,16 @@ impl<G: BodyGuard> StreamState<G> {
     }
 
     fn fail(&mut self, error: GatewayError) -> Event {
-        tracing::error!(
-            error = %error,
-            detail = error.detail().unwrap_or(""),
-            id = %self.meta.id,
-            "stream failed after it started"
-        );
+        if matches!(error, GatewayError::ShuttingDown) {
+            tracing::warn!(id = %self.meta.id, "grace period over: ending a running stream");
+        } else {
+            tracing::error!(
+                error = %error,
+                detail = error.detail().unwrap_or(""),
+                id = %self.meta.id,
+                "stream failed after it started"
+            );
+        }
         self.release(None);
         self.phase = Phase::Ended;
         error.sse_event()

@@ -155,6 +155,8 @@ pub(super) struct Dispatcher {
     pub steps: u64,
     /// When the upkeep task means to run its next step unprompted (`None`: only when woken).
     upkeep_wake: Option<Instant>,
+    /// Shutdown's grace period is over ([`Dispatcher::close`]): nothing queues or starts.
+    closed: bool,
     /// Tests only: a request was queued without a step; the upkeep task's next wake-up runs one.
     #[cfg(test)]
     pub step_requested: bool,
@@ -213,6 +215,7 @@ impl Dispatcher {
             #[cfg(test)]
             steps: 0,
             upkeep_wake: None,
+            closed: false,
             #[cfg(test)]
             step_requested: false,
         }
@@ -222,6 +225,12 @@ impl Dispatcher {
     /// its refusal) now if it can start now. True when the queue now needs a wake-up earlier
     /// than the one the upkeep task planned (a new, sooner deadline; or the queue was empty).
     pub fn submit(&mut self, pending: Pending) -> bool {
+        if self.closed {
+            let tenant = Arc::clone(&pending.ticket.tenant);
+            drop(pending.debit);
+            self.reject(pending.reply, Rejection::Unavailable, &tenant);
+            return false;
+        }
         let now = Instant::now();
         self.enqueue(pending);
         self.step(now);
@@ -234,6 +243,36 @@ impl Dispatcher {
     pub fn withdraw(&mut self, key: u64) {
         self.cancel(key);
         self.step(Instant::now());
+    }
+
+    /// Shutdown's grace period is over: every queued request is answered `Unavailable` (503,
+    /// its debit refunded), and from now on nothing queues or starts; a request submitted
+    /// later is refused the same way at once. O(N), once.
+    pub fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let ids: Vec<EntryId> = self.queue.entries().map(|entry| entry.id).collect();
+        let mut refused = 0usize;
+        for id in ids {
+            let Some(entry) = self.unqueue(id) else {
+                continue;
+            };
+            let QueueEntry { payload, .. } = entry;
+            let tenant = Arc::clone(&payload.ticket.tenant);
+            drop(payload.debit);
+            if payload.reply.is_closed() {
+                count_abandoned(&tenant.name);
+                continue;
+            }
+            refused += 1;
+            self.reject(payload.reply, Rejection::Unavailable, &tenant);
+        }
+        if refused > 0 {
+            tracing::info!(refused, "grace period over: refused the queued requests");
+        }
+        self.ledger.publish(self.queue.backlogs());
     }
 
     /// One step: expire, re-forecast, dispatch, publish.

@@ -1725,3 +1725,26 @@ async fn admitting_on_the_callers_task_decides_as_the_upkeep_task_would() {
         );
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn closing_refuses_the_queued_requests_and_every_later_one_with_503() {
+    let (admission, _pool, store) = setup(100, "[tenants.a]\nmax_concurrency = 1\n");
+    let running = admission.admit(ticket(&store, "a", 10, 10)).await.unwrap();
+    let waiting = spawn_admit(&admission, ticket(&store, "a", 10, 10));
+    until(|| queued(&admission) == 1).await;
+    admission.close();
+    let Err(refused) = waiting.await.unwrap() else {
+        panic!("a queued request must be refused when admission closes");
+    };
+    assert!(matches!(refused, Rejection::Unavailable), "{refused:?}");
+    assert_eq!(refused.status(), 503);
+    assert!(refused.retry_after().is_some(), "with a Retry-After");
+    assert_eq!(queued(&admission), 0);
+    // The running request keeps its guard; nothing starts any more, even with a free slot.
+    drop(running);
+    let late = admission.admit(ticket(&store, "a", 10, 10)).await;
+    assert!(
+        matches!(late, Err(Rejection::Unavailable)),
+        "refused at once"
+    );
+}

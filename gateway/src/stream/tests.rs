@@ -89,7 +89,14 @@ async fn chat_stream_has_role_deltas_finish_usage_and_done() {
     let (handle, tx) = handle(events);
     drop(tx);
     let meta = ResponseMeta::new(Endpoint::Chat, "m", true);
-    let data = sse_data(sse_body(meta, handle, FakeGuard(probe.clone()), None)).await;
+    let data = sse_data(sse_body(
+        meta,
+        handle,
+        FakeGuard(probe.clone()),
+        None,
+        GraceOver::never(),
+    ))
+    .await;
 
     assert_eq!(data.len(), 6, "{data:?}"); // role, "Hel", "lo", finish, usage, [DONE]
     let first = json(&data[0]);
@@ -124,7 +131,14 @@ async fn completion_stream_without_usage_omits_the_field() {
     let (handle, tx) = handle(vec![token("a"), finished(EngineFinish::Length, 1)]);
     drop(tx);
     let meta = ResponseMeta::new(Endpoint::Completion, "m", false);
-    let data = sse_data(sse_body(meta, handle, FakeGuard(Probe::default()), None)).await;
+    let data = sse_data(sse_body(
+        meta,
+        handle,
+        FakeGuard(Probe::default()),
+        None,
+        GraceOver::never(),
+    ))
+    .await;
     assert_eq!(data.len(), 3, "{data:?}"); // "a", finish, [DONE]: no role chunk for completions
     let first = json(&data[0]);
     assert!(first["id"].as_str().unwrap().starts_with("cmpl-"));
@@ -144,7 +158,14 @@ async fn an_error_after_the_start_is_an_openai_error_event_without_done() {
     ]);
     drop(tx);
     let meta = ResponseMeta::new(Endpoint::Chat, "m", false);
-    let data = sse_data(sse_body(meta, handle, FakeGuard(probe.clone()), None)).await;
+    let data = sse_data(sse_body(
+        meta,
+        handle,
+        FakeGuard(probe.clone()),
+        None,
+        GraceOver::never(),
+    ))
+    .await;
     let last = json(data.last().unwrap());
     assert_eq!(last["error"]["type"], "server_error");
     // The engine's message is logged, not sent.
@@ -169,7 +190,14 @@ async fn a_stream_cut_short_by_the_engine_ends_with_an_error_event() {
     let (handle, tx) = handle(vec![token("a")]);
     drop(tx); // no Finished ever comes
     let meta = ResponseMeta::new(Endpoint::Chat, "m", false);
-    let data = sse_data(sse_body(meta, handle, FakeGuard(Probe::default()), None)).await;
+    let data = sse_data(sse_body(
+        meta,
+        handle,
+        FakeGuard(Probe::default()),
+        None,
+        GraceOver::never(),
+    ))
+    .await;
     assert_eq!(
         json(data.last().unwrap())["error"]["code"],
         "generation_failed"
@@ -181,7 +209,14 @@ async fn dropping_the_body_cancels_the_sequence_and_frees_the_guard() {
     let probe = Probe::default();
     let (handle, tx) = handle(vec![token("a")]);
     let meta = ResponseMeta::new(Endpoint::Chat, "m", false);
-    let mut body = sse_body(meta, handle, FakeGuard(probe.clone()), None).into_body();
+    let mut body = sse_body(
+        meta,
+        handle,
+        FakeGuard(probe.clone()),
+        None,
+        GraceOver::never(),
+    )
+    .into_body();
     // Read the role chunk and the first delta, then the client goes away.
     let _ = body.frame().await.unwrap().unwrap();
     let _ = body.frame().await.unwrap().unwrap();
@@ -235,4 +270,45 @@ async fn collect_turns_engine_errors_into_generation_failures() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some("generation_failed"));
+}
+
+#[tokio::test]
+async fn the_end_of_the_grace_period_ends_a_running_stream_with_an_error_event() {
+    let probe = Probe::default();
+    // The engine keeps the sequence running (the sender stays open): it would never end.
+    let (handle, tx) = handle(vec![token("a")]);
+    let (over, grace) = tokio::sync::watch::channel(false);
+    let meta = ResponseMeta::new(Endpoint::Chat, "m", false);
+    let body = sse_body(
+        meta,
+        handle,
+        FakeGuard(probe.clone()),
+        None,
+        GraceOver::new(grace),
+    );
+    let mut body = body.into_body();
+    // The role chunk and the token already generated are sent as usual.
+    let _ = body.frame().await.unwrap().unwrap();
+    let _ = body.frame().await.unwrap().unwrap();
+    over.send_replace(true);
+    let rest = body.collect().await.unwrap().to_bytes();
+    let text = String::from_utf8(rest.to_vec()).unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.len(), 1, "one error event, then the end: {data:?}");
+    let error = json(data[0]);
+    assert_eq!(error["error"]["code"], "shutting_down", "{error}");
+    assert_eq!(error["error"]["type"], "server_error", "{error}");
+    assert!(tx.is_closed(), "the sequence is cancelled");
+    assert!(
+        probe.dropped.load(Ordering::SeqCst),
+        "the guard is released"
+    );
+    assert_eq!(
+        probe.completion.load(Ordering::SeqCst),
+        0,
+        "no completion recorded: it did not finish"
+    );
 }

@@ -24,6 +24,7 @@
 //!   aborted.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -45,6 +46,7 @@ use super::conn::UpstreamBody;
 use super::rename::{Framing, RenameModel, UsageCell};
 use crate::error::GatewayError;
 use crate::ratelimit::HEADER_NAMES as RATE_LIMIT_HEADERS;
+use crate::shutdown::GraceOver;
 use crate::stack::REQUEST_ID_HEADER;
 use crate::telemetry::GenerationTelemetry;
 use crate::validate::{Endpoint, ValidRequest};
@@ -222,6 +224,7 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
     from: &Arc<Replica>,
     usage: UsageCell,
     telemetry: Option<GenerationTelemetry>,
+    grace: GraceOver,
 ) -> Response {
     let (mut parts, body) = upstream.into_parts();
     if parts.status.is_server_error() {
@@ -256,7 +259,8 @@ pub(crate) fn relay<G: Send + Unpin + 'static>(
     // is what the replica's breaker hears about, not its headers.
     let body = GuardedBody::new(body, guard)
         .watching(from.spec().name.clone(), from.spec().timeout, sse)
-        .blaming(Arc::clone(from));
+        .blaming(Arc::clone(from))
+        .ending_at(grace);
     Response::from_parts(parts, Body::new(body))
 }
 
@@ -338,6 +342,9 @@ struct Watch {
     blame: Option<Arc<Replica>>,
     /// Armed on the first poll (a timer needs the runtime), re-armed after each frame.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Resolves when shutdown's grace period is over: an SSE stream then sends a
+    /// `shutting_down` error event and ends; any other body is cut (its status is sent).
+    grace: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
 impl<B, G> GuardedBody<B, G> {
@@ -367,7 +374,17 @@ impl<B, G> GuardedBody<B, G> {
             sse,
             blame: None,
             stall: None,
+            grace: None,
         });
+        self
+    }
+
+    /// The relay ends when shutdown's grace period is over (`grace`), as a failure the
+    /// upstream is not blamed for: see [`Watch::grace`].
+    pub(crate) fn ending_at(mut self, mut grace: GraceOver) -> GuardedBody<B, G> {
+        if let Some(watch) = self.watch.as_mut() {
+            watch.grace = Some(Box::pin(async move { grace.wait().await }));
+        }
         self
     }
 
@@ -436,6 +453,24 @@ where
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
         };
+        if let Some(watch) = this.watch.as_mut()
+            && let Some(grace) = watch.grace.as_mut()
+            && grace.as_mut().poll(cx).is_ready()
+        {
+            let sse = watch.sse;
+            tracing::warn!(upstream = %watch.upstream, sse,
+                           "grace period over: ending a relayed answer");
+            this.finish();
+            let error = GatewayError::ShuttingDown;
+            return Poll::Ready(Some(if sse {
+                Ok(Frame::data(Bytes::from(format!(
+                    "data: {}\n\n",
+                    error.sse_data()
+                ))))
+            } else {
+                Err(error.to_string().into())
+            }));
+        }
         let polled = Pin::new(inner).poll_frame(cx);
         let Some(watch) = this.watch.as_mut() else {
             if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
@@ -709,6 +744,38 @@ mod tests {
             rest,
         );
         StreamBody::new(Box::pin(stream))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_end_of_the_grace_period_ends_a_relayed_stream_with_an_error_event() {
+        let pool = crate::upstream::pool::test_pool(&[1000]);
+        let replica = Arc::clone(&pool.replicas()[0]);
+        let released = Arc::new(AtomicBool::new(false));
+        let (over, grace) = tokio::sync::watch::channel(false);
+        // The upstream keeps streaming (never ends, never stalls past its timeout here).
+        let mut body = GuardedBody::new(
+            upstream_body(&["data: a\n\n"], None),
+            Flag(Arc::clone(&released)),
+        )
+        .watching("m".to_owned(), Duration::from_secs(3), true)
+        .blaming(Arc::clone(&replica))
+        .ending_at(GraceOver::new(grace));
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "data: a\n\n");
+        over.send_replace(true);
+        let last = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        let text = std::str::from_utf8(&last).unwrap();
+        let json: Value = serde_json::from_str(text.strip_prefix("data: ").unwrap().trim())
+            .unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert_eq!(json["error"]["code"], "shutting_down", "{json}");
+        assert!(
+            body.frame().await.is_none(),
+            "nothing after the error event"
+        );
+        assert!(
+            released.load(Ordering::SeqCst),
+            "its admission guard is released"
+        );
     }
 
     #[tokio::test(start_paused = true)]
