@@ -208,7 +208,7 @@ impl GatewayError {
                 // Messages that quote the client's values are kept short (see `concise`).
                 message: match self {
                     GatewayError::Invalid(_) | GatewayError::UnsupportedEncoding { .. } => {
-                        crate::extract::concise(self.to_string())
+                        concise(self.to_string())
                     }
                     _ => self.to_string(),
                 },
@@ -318,6 +318,41 @@ impl IntoResponse for GatewayError {
     }
 }
 
+/// Longest error message kvgate builds from client input, in characters.
+const MAX_MESSAGE_CHARS: usize = 500;
+/// Longest run of digits echoed as written; longer numbers are printed as `1e308`.
+const MAX_NUMBER_CHARS: usize = 20;
+
+/// Keeps an error message built from client input short: numbers longer than
+/// [`MAX_NUMBER_CHARS`] (serde prints `1e308` with all 309 digits) in scientific notation, and
+/// the whole message cut at [`MAX_MESSAGE_CHARS`] (a rejected string is echoed in full).
+pub(crate) fn concise(message: String) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_MESSAGE_CHARS + 4));
+    let mut rest = message.as_str();
+    while let Some(start) = rest.find(|c: char| c.is_ascii_digit()) {
+        out.push_str(&rest[..start]);
+        let run = &rest[start..];
+        let len = run
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(run.len());
+        let number = &run[..len];
+        match number.parse::<f64>() {
+            Ok(value) if number.len() > MAX_NUMBER_CHARS => out.push_str(&format!("{value:e}")),
+            _ => out.push_str(number),
+        }
+        rest = &run[len..];
+    }
+    out.push_str(rest);
+    match out.char_indices().nth(MAX_MESSAGE_CHARS) {
+        Some((cut, _)) => {
+            out.truncate(cut);
+            out.push('…');
+            out
+        }
+        None => out,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,6 +386,19 @@ mod tests {
                 assert!(detail.contains_key(field), "{field} missing in {json}");
             }
         }
+    }
+
+    #[test]
+    fn concise_shortens_long_numbers_and_long_messages() {
+        let digits = format!("got {}.0 here", "1".to_owned() + &"0".repeat(308));
+        assert_eq!(concise(digits), "got 1e308 here");
+        assert_eq!(
+            concise("between 0 and 2 (got 3.5)".into()),
+            "between 0 and 2 (got 3.5)"
+        );
+        let long = concise("x".repeat(10_000));
+        assert_eq!(long.chars().count(), MAX_MESSAGE_CHARS + 1);
+        assert!(long.ends_with('…'));
     }
 
     #[test]
