@@ -106,17 +106,12 @@ redis.call('SET', KEYS[4], '1', 'PX', tonumber(ARGV[6]))
 return status(0, 0)
 ";
 
-/// Undoes an admission the gateway gave up on (see the module docs): with a receipt, removes
-/// the lease and refunds the request and its tokens; always leaves a tombstone, so a later
-/// admit for this member writes nothing and a repeated cancel does nothing.
-/// KEYS: rpm, tpm, leases, receipt. ARGV: rpm limit, tpm limit, tokens, lease member, ttl ms.
-/// Returns 2 = an admission was undone, 1 = none had run (tombstoned), 0 = already cancelled.
-const CANCEL_LUA: &str = r"
-local receipt = redis.call('GET', KEYS[4])
-if receipt == '0' then return 0 end
-redis.call('SET', KEYS[4], '0', 'PX', tonumber(ARGV[5]))
-if not receipt then return 1 end
-local t = redis.call('TIME')
+/// Lua shared by [`CANCEL_LUA`] and [`REFUND_LUA`]: `now` from the server's clock, and
+/// `refund(key, limit, cells)`, which moves a GCRA TAT back by `cells` intervals, never before
+/// now (the key goes when nothing is left to wait for). A macro so `concat!` can splice it.
+macro_rules! refund_with_server_time {
+    () => {
+        r"local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local function refund(key, limit, cells)
   if limit <= 0 or cells <= 0 then return end
@@ -126,11 +121,29 @@ local function refund(key, limit, cells)
   if tat - now < 1 then redis.call('DEL', key) return end
   redis.call('SET', key, tat, 'PX', math.ceil(tat - now))
 end
-redis.call('ZREM', KEYS[3], ARGV[4])
+"
+    };
+}
+
+/// Undoes an admission the gateway gave up on (see the module docs): with a receipt, removes
+/// the lease and refunds the request and its tokens; always leaves a tombstone, so a later
+/// admit for this member writes nothing and a repeated cancel does nothing.
+/// KEYS: rpm, tpm, leases, receipt. ARGV: rpm limit, tpm limit, tokens, lease member, ttl ms.
+/// Returns 2 = an admission was undone, 1 = none had run (tombstoned), 0 = already cancelled.
+const CANCEL_LUA: &str = concat!(
+    r"
+local receipt = redis.call('GET', KEYS[4])
+if receipt == '0' then return 0 end
+redis.call('SET', KEYS[4], '0', 'PX', tonumber(ARGV[5]))
+if not receipt then return 1 end
+",
+    refund_with_server_time!(),
+    r"redis.call('ZREM', KEYS[3], ARGV[4])
 refund(KEYS[1], tonumber(ARGV[1]), 1)
 refund(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[3]))
 return 2
-";
+"
+);
 
 /// How many times a cancel is sent before giving up (each attempt is idempotent).
 const CANCEL_ATTEMPTS: u32 = 5;
@@ -140,21 +153,14 @@ const CANCEL_TIMEOUT_FLOOR: Duration = Duration::from_secs(1);
 
 /// Gives unused cells back: moves each TAT back by refund × interval, never before now.
 /// KEYS: rpm, tpm. ARGV: rpm limit, requests refunded, tpm limit, tokens refunded.
-const REFUND_LUA: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local function refund(key, limit, cells)
-  if limit <= 0 or cells <= 0 then return end
-  local stored = redis.call('GET', key)
-  if not stored then return end
-  local tat = math.max(tonumber(stored) - cells * 60000 / limit, now)
-  if tat - now < 1 then redis.call('DEL', key) return end
-  redis.call('SET', key, tat, 'PX', math.ceil(tat - now))
-end
-refund(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))
+const REFUND_LUA: &str = concat!(
+    "\n",
+    refund_with_server_time!(),
+    r"refund(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))
 refund(KEYS[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
 return 0
-";
+"
+);
 
 /// Extends a live lease (never re-creates one that was pruned or released).
 /// KEYS: leases. ARGV: member, ttl ms.
