@@ -56,28 +56,8 @@ if [ "$FLOOR" = 1 ]; then
     command -v "$tool" >/dev/null || { echo "bench-proxy-cpu: $tool is missing (FLOOR=1)" >&2; exit 1; }
   done
   chmod 755 "$WORK" # nginx's worker runs as an unprivileged user
-  mkdir -p "$WORK/nginx"
-  cat >"$WORK/nginx/nginx.conf" <<EOF_NGINX
-worker_processes 1;
-daemon off;
-pid $WORK/nginx/nginx.pid;
-error_log $WORK/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/nginx/body;
-  proxy_temp_path $WORK/nginx/proxy;
-  fastcgi_temp_path $WORK/nginx/fastcgi;
-  uwsgi_temp_path $WORK/nginx/uwsgi;
-  scgi_temp_path $WORK/nginx/scgi;
-  upstream stub { server 127.0.0.1:19100; keepalive 128; }
-  server {
-    listen 127.0.0.1:19104;
-    location / { proxy_pass http://stub; proxy_http_version 1.1; proxy_set_header Connection ""; }
-  }
-}
-EOF_NGINX
-  nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" >"$WORK/nginx.log" 2>&1 &
+  . scripts/bench-proxy-nginx.sh
+  start_nginx "$WORK/nginx" 1 19104 19100
   "$BARE" 127.0.0.1:19105 127.0.0.1:19100 1 >"$WORK/hyp1.log" 2>&1 &
   echo $! >"$WORK/hyp1.pid"
   "$BARE" 127.0.0.1:19106 127.0.0.1:19100 >"$WORK/hyp2.log" 2>&1 &

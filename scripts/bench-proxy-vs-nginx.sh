@@ -83,32 +83,8 @@ PIDS+=($!)
 wait_for "http://127.0.0.1:$STUB_PORT/health"
 
 # --- nginx: a plain reverse proxy, as its docs set one up for HTTP/1.1 keep-alive upstreams.
-mkdir -p "$WORK/nginx"
-cat >"$WORK/nginx/nginx.conf" <<EOF
-worker_processes auto;
-daemon off;
-pid $WORK/nginx/nginx.pid;
-error_log $WORK/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/nginx/body;
-  proxy_temp_path $WORK/nginx/proxy;
-  fastcgi_temp_path $WORK/nginx/fastcgi;
-  uwsgi_temp_path $WORK/nginx/uwsgi;
-  scgi_temp_path $WORK/nginx/scgi;
-  upstream stub { server 127.0.0.1:$STUB_PORT; keepalive 128; }
-  server {
-    listen 127.0.0.1:$NGINX_PORT;
-    location / {
-      proxy_pass http://stub;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-    }
-  }
-}
-EOF
-nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" &
+. scripts/bench-proxy-nginx.sh
+start_nginx "$WORK/nginx" auto "$NGINX_PORT" "$STUB_PORT"
 PIDS+=($!)
 wait_for "http://127.0.0.1:$NGINX_PORT/health"
 

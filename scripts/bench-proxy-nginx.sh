@@ -1,0 +1,34 @@
+# Sourced by the proxy benchmarks (scripts/bench-proxy-vs-nginx.sh, scripts/bench-proxy-cpu.sh):
+# start_nginx DIR WORKERS PORT STUB_PORT writes DIR/nginx.conf — Debian's nginx as a plain
+# reverse proxy, HTTP/1.1 keep-alive to the stub, access log off — and starts nginx on it in
+# the background (its master's pid in DIR/nginx.pid; $! is the master). DIR must be readable
+# by nginx's unprivileged worker user.
+start_nginx() {
+  local dir="$1" workers="$2" port="$3" stub_port="$4"
+  mkdir -p "$dir"
+  cat >"$dir/nginx.conf" <<EOF_NGINX
+worker_processes $workers;
+daemon off;
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $dir/body;
+  proxy_temp_path $dir/proxy;
+  fastcgi_temp_path $dir/fastcgi;
+  uwsgi_temp_path $dir/uwsgi;
+  scgi_temp_path $dir/scgi;
+  upstream stub { server 127.0.0.1:$stub_port; keepalive 128; }
+  server {
+    listen 127.0.0.1:$port;
+    location / {
+      proxy_pass http://stub;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+EOF_NGINX
+  nginx -p "$dir" -c "$dir/nginx.conf" >"$dir/nginx.log" 2>&1 &
+}
