@@ -48,6 +48,64 @@ KERNEL void write_kv(uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_ca
     }
 }
 
+// The pieces both attention kernels run per (row, head), written once so that their float
+// operations are the same by construction (the tiled kernel's bit identity rests on it).
+
+// Lane `sl` of a token's LPT lanes: 8 halves (16 bytes) of K at position `pos` through the
+// block table, as f32; zeros when `valid` is false (the lane still joins the shuffles).
+template <int D>
+DEVICE void load_k8(float (&k8)[8], bool valid, const uint16_t* __restrict__ k_cache,
+                    const int32_t* __restrict__ table, int pos, int n_kv_heads, int kv_head,
+                    int sl) {
+    if (!valid) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) k8[j] = 0.0f;
+        return;
+    }
+    const long long blk = table[pos / KV_BLOCK];
+    const uint16_t* kp = k_cache + (blk * n_kv_heads + kv_head) * ((long long)KV_BLOCK * D) +
+                         (pos % KV_BLOCK) * D + sl * 8;
+    const u32x4 raw = *reinterpret_cast<const u32x4*>(kp);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        k8[2 * j] = f16_to_f32((uint16_t)(words[j] & 0xffff));
+        k8[2 * j + 1] = f16_to_f32((uint16_t)(words[j] >> 16));
+    }
+}
+
+// One score before scaling: 8 sequential fmaf over this lane's dimensions, then the butterfly
+// over the token's LPT lanes (every lane of them ends with the sum).
+template <int LPT>
+DEVICE float score_dot(const float (&k8)[8], const float* q8) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = fmaf(k8[j], q8[j], acc);
+#pragma unroll
+    for (int o = LPT / 2; o > 0; o >>= 1) acc += SHFL_XOR(acc, o);
+    return acc;
+}
+
+// One warp, one head, one partition: replaces the n scores in lg by exp(score - max) and writes
+// (max, sum of the exponentials) to stat[0..2]. Lane-strided partial max and sum, then the
+// warp's butterfly.
+DEVICE void softmax_exps(float* lg, int n, float* stat, int lane) {
+    float m = NEG_INF;
+    for (int t = lane; t < n; t += WARP) m = fmaxf(m, lg[t]);
+    m = warp_max_f(m);
+    float s = 0.0f;
+    for (int t = lane; t < n; t += WARP) {
+        const float e = expf(lg[t] - m);
+        lg[t] = e;
+        s += e;
+    }
+    s = warp_sum(s);
+    if (lane == 0) {
+        stat[0] = m;
+        stat[1] = s;
+    }
+}
+
 // Dynamic shared memory of one attention block, in floats.
 //   q_s     [group][D]                     the group's queries, rounded to f16
 //   logits  [group][ATTN_PARTITION]        scores, then probabilities
@@ -101,29 +159,9 @@ DEVICE void paged_attention(float* __restrict__ out, float* __restrict__ part_ou
         const int t = base + sub;
         const bool valid = t < n;
         float k8[8];
-        if (valid) {
-            const int pos = start + t;
-            const long long blk = table[pos / KV_BLOCK];
-            const uint16_t* kp = k_cache + (blk * n_kv_heads + kv_head) * head_stride +
-                                 (pos % KV_BLOCK) * D + sl * 8;
-            const u32x4 raw = *reinterpret_cast<const u32x4*>(kp);
-            const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                k8[2 * j] = f16_to_f32((uint16_t)(words[j] & 0xffff));
-                k8[2 * j + 1] = f16_to_f32((uint16_t)(words[j] >> 16));
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) k8[j] = 0.0f;
-        }
+        load_k8<D>(k8, valid, k_cache, table, start + t, n_kv_heads, kv_head, sl);
         for (int g = 0; g < group; ++g) {
-            const float* qg = q_s + g * D + sl * 8;
-            float acc = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc = fmaf(k8[j], qg[j], acc);
-#pragma unroll
-            for (int o = LPT / 2; o > 0; o >>= 1) acc += SHFL_XOR(acc, o);
+            const float acc = score_dot<LPT>(k8, q_s + g * D + sl * 8);
             if (valid && sl == 0) logits[g * ATTN_PARTITION + t] = acc * scale;
         }
     }
@@ -131,21 +169,7 @@ DEVICE void paged_attention(float* __restrict__ out, float* __restrict__ part_ou
 
     // Softmax over the partition, one warp per query head.
     for (int g = warp; g < group; g += ATTN_WARPS) {
-        float* lg = logits + g * ATTN_PARTITION;
-        float m = NEG_INF;
-        for (int t = lane; t < n; t += WARP) m = fmaxf(m, lg[t]);
-        m = warp_max_f(m);
-        float s = 0.0f;
-        for (int t = lane; t < n; t += WARP) {
-            const float e = expf(lg[t] - m);
-            lg[t] = e;
-            s += e;
-        }
-        s = warp_sum(s);
-        if (lane == 0) {
-            stats[2 * g] = m;
-            stats[2 * g + 1] = s;
-        }
+        softmax_exps(logits + g * ATTN_PARTITION, n, stats + 2 * g, lane);
     }
     __syncthreads();
     for (int i = tid; i < group * n; i += ATTN_THREADS) {
@@ -309,34 +333,14 @@ DEVICE void paged_attention_tiled(float* __restrict__ out, float* __restrict__ p
     for (int base = warp * TPW; base < n_max; base += ATTN_WARPS * TPW) {
         const int t = base + sub;
         float k8[8];
-        if (t < n_max) {
-            const int pos = start + t;
-            const long long blk = table[pos / KV_BLOCK];
-            const uint16_t* kp = k_cache + (blk * n_kv_heads + kv_head) * head_stride +
-                                 (pos % KV_BLOCK) * D + sl * 8;
-            const u32x4 raw = *reinterpret_cast<const u32x4*>(kp);
-            const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                k8[2 * j] = f16_to_f32((uint16_t)(words[j] & 0xffff));
-                k8[2 * j + 1] = f16_to_f32((uint16_t)(words[j] >> 16));
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) k8[j] = 0.0f;
-        }
+        load_k8<D>(k8, t < n_max, k_cache, table, start + t, n_kv_heads, kv_head, sl);
         for (int h = 0; h < heads; ++h) {
             const int n = n_s[h];
             // Rows whose context ends before this warp's tokens (the causal triangle at the
             // end of a prefill tile): skipped by the whole warp, so every lane still reaches
             // each shuffle it takes part in.
             if (n <= base) continue;
-            const float* qh = q_s + h * D + sl * 8;
-            float acc = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc = fmaf(k8[j], qh[j], acc);
-#pragma unroll
-            for (int o = LPT / 2; o > 0; o >>= 1) acc += SHFL_XOR(acc, o);
+            const float acc = score_dot<LPT>(k8, q_s + h * D + sl * 8);
             if (t < n && sl == 0) logits[h * ATTN_PARTITION + t] = acc * scale;
         }
     }
@@ -344,22 +348,7 @@ DEVICE void paged_attention_tiled(float* __restrict__ out, float* __restrict__ p
 
     // Softmax over the partition, one warp per head: the row kernel's code over the head's n.
     for (int h = warp; h < heads; h += ATTN_WARPS) {
-        const int n = n_s[h];
-        float* lg = logits + h * ATTN_PARTITION;
-        float m = NEG_INF;
-        for (int t = lane; t < n; t += WARP) m = fmaxf(m, lg[t]);
-        m = warp_max_f(m);
-        float s = 0.0f;
-        for (int t = lane; t < n; t += WARP) {
-            const float e = expf(lg[t] - m);
-            lg[t] = e;
-            s += e;
-        }
-        s = warp_sum(s);
-        if (lane == 0) {
-            stats[2 * h] = m;
-            stats[2 * h + 1] = s;
-        }
+        softmax_exps(logits + h * ATTN_PARTITION, n_s[h], stats + 2 * h, lane);
     }
     __syncthreads();
     for (int h = 0; h < heads; ++h) {
