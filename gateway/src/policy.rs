@@ -304,6 +304,7 @@ impl Policy {
             admin_keys: self.admin_keys.len(),
             kv: self.kv,
             lanes: self.lanes,
+            shared: self.shared.clone(),
         }
     }
 }
@@ -318,6 +319,7 @@ pub struct PolicySummary {
     pub admin_keys: usize,
     pub kv: KvPolicy,
     pub lanes: LanePolicy,
+    pub shared: Option<SharedPolicy>,
 }
 
 /// One tenant in a [`PolicySummary`].
@@ -326,6 +328,19 @@ pub struct TenantSummary {
     pub policy: TenantPolicy,
     /// Number of API key digests mapped to this tenant.
     pub keys: usize,
+}
+
+/// `url` with any password replaced by `***`: a summary is printed and pasted around.
+fn without_password(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            let hidden = if userinfo.contains(':') { ":***" } else { "" };
+            format!("{}{user}{hidden}{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
 }
 
 impl fmt::Display for PolicySummary {
@@ -366,6 +381,17 @@ impl fmt::Display for PolicySummary {
             "lanes: long prompts >= {} tokens, at most {} at once",
             self.lanes.long_prompt_tokens, self.lanes.long_max_concurrency
         )?;
+        match &self.shared {
+            Some(shared) => writeln!(
+                f,
+                "shared limits: {} (timeout {:?}, on store error {}, {} replica(s))",
+                without_password(&shared.redis_url),
+                shared.timeout,
+                shared.on_store_error.as_str(),
+                shared.replicas
+            )?,
+            None => writeln!(f, "shared limits: none (each gateway replica limits alone)")?,
+        }
         for TenantSummary { policy: t, keys } in &self.tenants {
             let per_minute =
                 |limit: Option<NonZeroU32>| limit.map_or("unlimited".into(), |n| n.to_string());

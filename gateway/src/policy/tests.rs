@@ -253,6 +253,25 @@ fn the_summary_says_which_unknown_keys_mode_is_in_force_and_why() {
 }
 
 #[test]
+fn the_summary_shows_the_shared_store_without_its_password() {
+    let summary = |text: &str| parse_policy("p.toml", text).unwrap().summary().to_string();
+    let shared = summary(
+        "[shared]\nredis = \"redis://app:s3cret@10.0.0.9:6379/2\"\nreplicas = 3\n\
+         on_store_error = \"deny\"\n[tenants.a]\n",
+    );
+    assert!(
+        shared.contains(
+            "shared limits: redis://app:***@10.0.0.9:6379/2 (timeout 50ms, on store error deny, \
+             3 replica(s))"
+        ),
+        "{shared}"
+    );
+    assert!(!shared.contains("s3cret"), "{shared}");
+    let local = summary("[tenants.a]\n");
+    assert!(local.contains("shared limits: none"), "{local}");
+}
+
+#[test]
 fn the_summary_warns_of_a_tenant_no_request_can_reach() {
     let summary = |text: &str| parse_policy("p.toml", text).unwrap().summary().to_string();
     // c's key is sk-c (its SHA-256 below).
