@@ -58,6 +58,11 @@ pub struct ChatCompletionRequest {
     pub tools: Option<serde_json::Value>,
     #[serde(default)]
     pub tool_choice: Option<serde_json::Value>,
+    /// The legacy (pre-`tools`) function-calling pair, still sent by older clients.
+    #[serde(default)]
+    pub functions: Option<serde_json::Value>,
+    #[serde(default)]
+    pub function_call: Option<serde_json::Value>,
     #[serde(default)]
     pub frequency_penalty: Option<serde_json::Value>,
     #[serde(default)]

@@ -229,6 +229,8 @@ pub fn validate_chat(
             (RESPONSE_FORMAT, req.response_format.as_ref()),
             (TOOLS, req.tools.as_ref()),
             (TOOL_CHOICE, req.tool_choice.as_ref()),
+            (FUNCTIONS, req.functions.as_ref()),
+            (FUNCTION_CALL, req.function_call.as_ref()),
             (FREQUENCY_PENALTY, req.frequency_penalty.as_ref()),
             (PRESENCE_PENALTY, req.presence_penalty.as_ref()),
             (LOGIT_BIAS, req.logit_bias.as_ref()),
@@ -423,6 +425,15 @@ const TOOL_CHOICE: EngineOption = EngineOption {
     param: "tool_choice",
     is_no_op: |v| matches!(v.as_str(), Some("none" | "auto")),
     accepted: "omit it or set it to \"none\" or \"auto\"",
+};
+/// The legacy forms of `tools` and `tool_choice`, judged the same way.
+const FUNCTIONS: EngineOption = EngineOption {
+    param: "functions",
+    ..TOOLS
+};
+const FUNCTION_CALL: EngineOption = EngineOption {
+    param: "function_call",
+    ..TOOL_CHOICE
 };
 const FREQUENCY_PENALTY: EngineOption = EngineOption {
     param: "frequency_penalty",

@@ -421,6 +421,8 @@ fn options_the_embedded_engine_cannot_honour_are_refused_naming_the_field() {
             json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
             "tool_choice",
         ),
+        (json!({"functions": [{"name": "f"}]}), "functions"),
+        (json!({"function_call": {"name": "f"}}), "function_call"),
         (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
         (json!({"presence_penalty": -1}), "presence_penalty"),
         (json!({"presence_penalty": "0"}), "presence_penalty"),
@@ -469,6 +471,7 @@ fn the_defaults_clients_send_routinely_are_accepted_by_the_embedded_engine() {
         "logprobs": false, "top_logprobs": null, "frequency_penalty": 0,
         "presence_penalty": 0.0, "tools": [], "tool_choice": "none",
         "response_format": {"type": "text"}, "logit_bias": {},
+        "functions": [], "function_call": "none",
     });
     chat_for(with(Endpoint::Chat, chat_defaults), Engine::Embedded).expect("defaults are fine");
     chat_for(
@@ -493,6 +496,7 @@ fn an_upstream_engine_gets_the_options_the_embedded_one_refuses() {
         "logprobs": true, "top_logprobs": 3, "response_format": {"type": "json_object"},
         "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
         "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"1": 2},
+        "functions": [{"name": "f"}], "function_call": {"name": "f"},
     });
     chat_for(with(Endpoint::Chat, chat_options), Engine::Upstream).expect("left to the upstream");
     let completion_options =
