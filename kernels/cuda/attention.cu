@@ -106,6 +106,24 @@ DEVICE void softmax_exps(float* lg, int n, float* stat, int lane) {
     }
 }
 
+// Dimension d of query head `head`'s output o: into `out` when its row has one partition,
+// else into its partition's slot of part_out, with the partition's (max, sum) `stat` written
+// once per head (d == 0) for attention_reduce.
+template <int D>
+DEVICE void store_output(float* __restrict__ out, float* __restrict__ part_out,
+                         float* __restrict__ part_stats, long long head, int d, float o,
+                         int n_parts, int part, int max_parts, const float* stat) {
+    if (n_parts == 1) {
+        out[head * D + d] = o;
+        return;
+    }
+    part_out[(head * max_parts + part) * D + d] = o;
+    if (d == 0) {
+        part_stats[(head * max_parts + part) * 2] = stat[0];
+        part_stats[(head * max_parts + part) * 2 + 1] = stat[1];
+    }
+}
+
 // Dynamic shared memory of one attention block, in floats.
 //   q_s     [group][D]                     the group's queries, rounded to f16
 //   logits  [group][ATTN_PARTITION]        scores, then probabilities
@@ -216,15 +234,8 @@ DEVICE void paged_attention(float* __restrict__ out, float* __restrict__ part_ou
         for (int w = 0; w < ATTN_WARPS; ++w) o += red[w * group * D + i];
         const int g = i / D, d = i % D;
         const long long head = (long long)row * n_heads + (long long)kv_head * group + g;
-        if (n_parts == 1) {
-            out[head * D + d] = o;
-        } else {
-            part_out[(head * max_parts + part) * D + d] = o;
-            if (d == 0) {
-                part_stats[(head * max_parts + part) * 2] = stats[2 * g];
-                part_stats[(head * max_parts + part) * 2 + 1] = stats[2 * g + 1];
-            }
-        }
+        store_output<D>(out, part_out, part_stats, head, d, o, n_parts, part, max_parts,
+                        stats + 2 * g);
     }
 }
 
@@ -407,15 +418,8 @@ DEVICE void paged_attention_tiled(float* __restrict__ out, float* __restrict__ p
         const int row = row0 + h / group;
         const int n_parts = (row_ctx[row] + ATTN_PARTITION - 1) / ATTN_PARTITION;
         const long long head = (long long)row * n_heads + (long long)kv_head * group + h % group;
-        if (n_parts == 1) {
-            out[head * D + d] = o;
-        } else {
-            part_out[(head * max_parts + part) * D + d] = o;
-            if (d == 0) {
-                part_stats[(head * max_parts + part) * 2] = stats[2 * h];
-                part_stats[(head * max_parts + part) * 2 + 1] = stats[2 * h + 1];
-            }
-        }
+        store_output<D>(out, part_out, part_stats, head, d, o, n_parts, part, max_parts,
+                        stats + 2 * h);
     }
 }
 
