@@ -345,14 +345,21 @@ fn a_stdout_that_cannot_be_written_is_one_error_line_not_a_panic() {
         &["policy", "hash-key", "some-key"],
         &["policy", "new-key"],
     ] {
-        let (code, stderr) = run_with_stdout(args, full());
-        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
-        assert_eq!(code, Some(1), "{args:?}: {stderr}");
-        assert_eq!(
-            stderr, "kvgate: error: No space left on device (os error 28)\n",
-            "{args:?}"
+        assert_fails_with_one_line(
+            args,
+            full(),
+            "kvgate: error: No space left on device (os error 28)\n",
         );
     }
+}
+
+/// Runs `kvgate ARGS` with `stdout` and checks it exits 1 with exactly `line` on stderr (no
+/// panic, no backtrace).
+fn assert_fails_with_one_line(args: &[&str], stdout: std::process::Stdio, line: &str) {
+    let (code, stderr) = run_with_stdout(args, stdout);
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    assert_eq!(code, Some(1), "{args:?}: {stderr}");
+    assert_eq!(stderr, line, "{args:?}");
 }
 
 #[test]
@@ -361,12 +368,10 @@ fn a_closed_pipe_on_stdout_is_the_error_generate_gives_not_a_panic() {
     for args in [&PLAN_13B[..], &["tokenize", "hello"]] {
         let (reader, writer) = std::io::pipe().expect("a pipe");
         drop(reader);
-        let (code, stderr) = run_with_stdout(args, writer.into());
-        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
-        assert_eq!(code, Some(1), "{args:?}: {stderr}");
-        assert_eq!(
-            stderr, "kvgate: error: Broken pipe (os error 32)\n",
-            "{args:?}"
+        assert_fails_with_one_line(
+            args,
+            writer.into(),
+            "kvgate: error: Broken pipe (os error 32)\n",
         );
     }
 }
