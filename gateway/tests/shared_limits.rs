@@ -84,6 +84,28 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
+    /// Kills the server and starts a fresh one (no data kept) on the same port.
+    fn restart(&mut self) {
+        self.stop();
+        for _ in 0..50 {
+            let child = Command::new("redis-server")
+                .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn redis-server");
+            self.child = Some(child);
+            if self.wait_ready() {
+                return;
+            }
+            // The old server's port may not be free yet.
+            self.stop();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("redis-server did not restart on port {}", self.port);
+    }
+
     /// Kills the server (Redis "stopped mid-run").
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -508,4 +530,44 @@ async fn an_admission_that_timed_out_in_a_stalled_store_leaves_no_lease_or_charg
         limiter.acquire(&tenant, "after", 1).await,
         SharedDecision::Admitted(_)
     ));
+}
+
+/// A restart drops the connection every replica holds; the first call after it finds the
+/// connection broken. That call is sent again once on a fresh connection instead of counting
+/// as a store error: with `deny`, a store error would refuse a request the restarted store
+/// admits (and with `local` it would admit past the shared limit).
+#[tokio::test]
+async fn the_first_admission_after_a_redis_restart_goes_through_the_new_store() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let text = policy(
+        &redis,
+        "on_store_error = \"deny\"",
+        "requests_per_minute = 100\nmax_concurrency = 100",
+    );
+    let (admission, store) = replica(&text);
+    let mut held = vec![admit(&admission, ticket(&store, 0, 10, 10)).await.unwrap()];
+    redis.restart();
+    for n in 1..=3 {
+        match admit(&admission, ticket(&store, n, 10, 10)).await {
+            Ok(admitted) => held.push(admitted),
+            Err(rejection) => panic!(
+                "admission {n} after the restart was refused: {}",
+                rejection.message()
+            ),
+        }
+    }
+    // Charged in the new store: its rpm bucket exists again.
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("kvgate:{a}:*")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert!(
+        keys.iter().any(|k| k.ends_with(":rpm")),
+        "the new store holds no charge: {keys:?}"
+    );
 }

@@ -280,7 +280,6 @@ impl SharedLimiter {
         let lease_number = self.inner.next_lease.fetch_add(1, Ordering::Relaxed);
         let member = format!("{}:{lease_number}:{request_id}", self.inner.replica);
         let keys = Keys::of(&tenant.name);
-        let mut connection = self.inner.connection.clone();
         let mut invocation = self.inner.admit.prepare_invoke();
         invocation
             .key(&keys.rpm)
@@ -293,10 +292,20 @@ impl SharedLimiter {
             .arg(leases)
             .arg(&member)
             .arg(self.inner.lease_ttl.as_millis() as u64);
-        let call = invocation.invoke_async::<Vec<i64>>(&mut connection);
+        // Sent again if the connection had died (safe: if the first send did run, the receipt
+        // makes the second answer 4, which is cancelled below).
+        let answer = send_within(
+            self.inner.policy.timeout,
+            &self.inner.connection,
+            |mut c| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async::<Vec<i64>>(&mut c).await }
+            },
+        )
+        .await;
         // Without an answer the script may still have run, or may run later (a stalled store
         // keeps it queued): whatever it did is cancelled, so no lease or charge is left behind.
-        let answer = match tokio::time::timeout(self.inner.policy.timeout, call).await {
+        let answer = match answer {
             Ok(Ok(reply)) if reply.len() == 6 && reply[0] != 4 => Ok(reply),
             Ok(Ok(reply)) => Err(format!("unexpected reply {reply:?}")),
             Ok(Err(error)) => Err(error.to_string()),
@@ -574,7 +583,6 @@ impl Drop for SharedCharge {
         let (rpm, tpm) = (self.rpm, self.tpm);
         runtime.spawn(async move {
             let timeout = limiter.inner.policy.timeout;
-            let mut connection = limiter.inner.connection.clone();
             // The receipt is only needed while the admission could still be cancelled, which
             // an admission that got its answer never is: delete it so receipts cost memory only
             // while their requests live.
@@ -583,8 +591,11 @@ impl Drop for SharedCharge {
             if let Some(lease) = &lease {
                 release.cmd("ZREM").arg(&keys.leases).arg(lease).ignore();
             }
-            let release = release.query_async::<()>(&mut connection);
-            if let Ok(Err(error)) = tokio::time::timeout(timeout, release).await {
+            let released = send_within(timeout, &limiter.inner.connection, |mut c| {
+                let release = &release;
+                async move { release.query_async::<()>(&mut c).await }
+            });
+            if let Ok(Err(error)) = released.await {
                 tracing::debug!(%error, "releasing a shared concurrency lease failed; it expires on its own");
             }
             if requests > 0 || tokens > 0 {
@@ -596,12 +607,39 @@ impl Drop for SharedCharge {
                     .arg(requests)
                     .arg(tpm)
                     .arg(tokens);
+                // Not sent again: a refund is not idempotent (a dropped connection may have
+                // run it), and a lost one only errs on the strict side.
+                let mut connection = limiter.inner.connection.clone();
                 let refund = invocation.invoke_async::<i64>(&mut connection);
                 if let Ok(Err(error)) = tokio::time::timeout(timeout, refund).await {
                     tracing::debug!(%error, "refunding a shared rate-limit charge failed");
                 }
             }
         });
+    }
+}
+
+/// Runs the call `send` makes, within `timeout` in all. A connection that died since the last
+/// call (a Redis restart, an idle timeout, a failover) fails the next call at once, before
+/// anything reached Redis in the usual case: that call is sent once more, on the fresh
+/// connection the manager makes, within the same deadline, instead of counting as a store
+/// error. Only for calls that are safe to repeat.
+async fn send_within<T, F>(
+    timeout: Duration,
+    connection: &ConnectionManager,
+    send: impl Fn(ConnectionManager) -> F,
+) -> Result<redis::RedisResult<T>, tokio::time::error::Elapsed>
+where
+    F: std::future::Future<Output = redis::RedisResult<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let first = tokio::time::timeout_at(deadline, send(connection.clone())).await;
+    match first {
+        Ok(Err(error)) if error.is_connection_dropped() => {
+            tracing::debug!(%error, "shared store connection dropped; sending again");
+            tokio::time::timeout_at(deadline, send(connection.clone())).await
+        }
+        answer => answer,
     }
 }
 
