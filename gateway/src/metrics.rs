@@ -216,7 +216,7 @@ pub fn record_shared_store_error(tenant: &str, behaviour: &'static str) {
 }
 
 /// Counts one cancel of a shared admission call that failed or timed out in
-/// [`SHARED_COMPENSATIONS_TOTAL`], by `outcome` (undone, not_run, already_cancelled, failed).
+/// [`SHARED_COMPENSATIONS_TOTAL`], by `outcome` (undone, not_run, already_cancelled, failed, dropped).
 pub fn record_shared_compensation(tenant: &str, outcome: &'static str) {
     let labels = [("tenant", tenant), ("outcome", outcome)];
     handles::counter(SHARED_COMPENSATIONS_TOTAL, &labels).increment(1);

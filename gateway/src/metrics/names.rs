@@ -120,7 +120,7 @@ pub const RECORDED: &[Family] = &[
         SHARED_COMPENSATIONS_TOTAL,
         Counter,
         &["tenant", "outcome"],
-        "Cancels sent after a shared admission call failed or timed out, by outcome: undone (it had run; its lease and charge were removed), not_run (it is now barred from running), already_cancelled, failed (never answered; what it took lapses with the lease ttl).",
+        "Cancels sent after a shared admission call failed or timed out, by outcome: undone (it had run; its lease and charge were removed), not_run (it is now barred from running), already_cancelled, failed (never answered; what it took lapses with the lease ttl), dropped (not sent: too many cancels in flight; lapses the same way).",
     ),
     family(
         QUEUE_ABANDONED_TOTAL,

@@ -38,7 +38,7 @@
 //! them; a charge's release deletes its receipt, so they only cost memory while requests live.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -147,6 +147,11 @@ return 2
 
 /// How many times a cancel is sent before giving up (each attempt is idempotent).
 const CANCEL_ATTEMPTS: u32 = 5;
+/// Most cancels in flight at once. A stalled store fails every admission, and each failure's
+/// cancel lives for its retries (seconds): past this many, further cancels are not sent (their
+/// leases and charges lapse on their own, as a cancel that never gets through would), so a
+/// long stall under load cannot pile up tasks without bound.
+const MAX_CANCELS_IN_FLIGHT: usize = if cfg!(test) { 4 } else { 1024 };
 /// The least time one cancel attempt waits for its answer: longer than an admission may wait,
 /// since nobody waits on it and a slow store is why it is sent.
 const CANCEL_TIMEOUT_FLOOR: Duration = Duration::from_secs(1);
@@ -202,6 +207,8 @@ struct Inner {
     last_logged: Mutex<Option<Instant>>,
     /// The same throttle for cancels that never got through (a dead store fails them all).
     last_cancel_logged: Mutex<Option<Instant>>,
+    /// Cancel tasks running now (at most [`MAX_CANCELS_IN_FLIGHT`]).
+    cancels_in_flight: AtomicUsize,
 }
 
 impl std::fmt::Debug for SharedLimiter {
@@ -248,6 +255,7 @@ impl SharedLimiter {
                 lease_ttl,
                 last_logged: Mutex::new(None),
                 last_cancel_logged: Mutex::new(None),
+                cancels_in_flight: AtomicUsize::new(0),
             }),
         })
     }
@@ -398,9 +406,15 @@ impl SharedLimiter {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let Some(slot) = CancelSlot::take(&self.inner) else {
+            crate::metrics::record_shared_compensation(tenant, "dropped");
+            self.log_cancel_failure(tenant, &member, "too many cancels in flight");
+            return;
+        };
         let limiter = self.clone();
         let tenant = tenant.to_owned();
         runtime.spawn(async move {
+            let _slot = slot;
             let ttl = limiter.inner.lease_ttl.as_millis() as u64;
             let timeout = limiter.inner.policy.timeout.max(CANCEL_TIMEOUT_FLOOR);
             let receipt = keys.receipt(&member);
@@ -443,24 +457,34 @@ impl SharedLimiter {
                 }
             }
             crate::metrics::record_shared_compensation(&tenant, "failed");
-            let now = Instant::now();
-            {
-                let mut last = limiter.inner.last_cancel_logged.lock();
-                if last.is_some_and(|at| now.duration_since(at) < LOG_EVERY) {
-                    return;
-                }
-                *last = Some(now);
-            }
-            tracing::warn!(
-                store = %limiter.inner.policy.redis_url,
-                tenant,
-                member,
-                error = last_error,
-                "could not cancel a timed-out shared admission; its lease and charge (if it \
-                 ran) lapse on their own within the lease ttl and the rate window (logged at \
-                 most every 10s)"
-            );
+            limiter.log_cancel_failure(&tenant, &member, &last_error);
         });
+    }
+
+    /// Cancels running now (tests).
+    pub fn cancels_in_flight(&self) -> usize {
+        self.inner.cancels_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Logs a cancel that was not sent or never got through, at most once per [`LOG_EVERY`].
+    fn log_cancel_failure(&self, tenant: &str, member: &str, error: &str) {
+        let now = Instant::now();
+        {
+            let mut last = self.inner.last_cancel_logged.lock();
+            if last.is_some_and(|at| now.duration_since(at) < LOG_EVERY) {
+                return;
+            }
+            *last = Some(now);
+        }
+        tracing::warn!(
+            store = %self.inner.policy.redis_url,
+            tenant,
+            member,
+            error,
+            "could not cancel a timed-out shared admission; its lease and charge (if it \
+             ran) lapse on their own within the lease ttl and the rate window (logged at \
+             most every 10s)"
+        );
     }
 
     /// Renews the lease every third of its ttl until aborted (by the charge's drop). A failed
@@ -619,6 +643,27 @@ impl Drop for SharedCharge {
     }
 }
 
+/// One of the [`MAX_CANCELS_IN_FLIGHT`] places; given back on drop.
+struct CancelSlot(Arc<Inner>);
+
+impl CancelSlot {
+    fn take(inner: &Arc<Inner>) -> Option<CancelSlot> {
+        let taken =
+            inner
+                .cancels_in_flight
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < MAX_CANCELS_IN_FLIGHT).then_some(n + 1)
+                });
+        taken.is_ok().then(|| CancelSlot(Arc::clone(inner)))
+    }
+}
+
+impl Drop for CancelSlot {
+    fn drop(&mut self) {
+        self.0.cancels_in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Runs the call `send` makes, within `timeout` in all. A connection that died since the last
 /// call (a Redis restart, an idle timeout, a failover) fails the next call at once, before
 /// anything reached Redis in the usual case: that call is sent once more, on the fresh
@@ -765,5 +810,40 @@ mod tests {
         assert_eq!(cancel(&mut connection, &keys).await, 1);
         assert_eq!(admit(&mut connection, &keys).await, 4);
         assert!(clean(&mut connection, &keys).await);
+    }
+
+    fn shared_policy(port: u16) -> SharedPolicy {
+        SharedPolicy {
+            redis_url: format!("redis://127.0.0.1:{port}/0"),
+            timeout: Duration::from_millis(50),
+            on_store_error: crate::policy::OnStoreError::Deny,
+            replicas: 1,
+        }
+    }
+
+    fn limited_tenant() -> TenantPolicy {
+        let policy = crate::policy::parse_policy(
+            "t.toml",
+            "[tenants.t]\nrequests_per_minute = 10\nmax_concurrency = 2\n",
+        )
+        .unwrap();
+        TenantPolicy::clone(&policy.tenant("t").unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_stalled_store_holds_at_most_the_bounded_number_of_cancels() {
+        // Accepts connections (the kernel's backlog) and never answers: every call times out,
+        // and each cancel waits out its retries.
+        let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = blackhole.local_addr().unwrap().port();
+        let limiter = SharedLimiter::new(&shared_policy(port)).unwrap();
+        for n in 0..MAX_CANCELS_IN_FLIGHT + 3 {
+            let decision = limiter
+                .acquire(&limited_tenant(), &format!("r{n}"), 10)
+                .await;
+            assert!(matches!(decision, SharedDecision::StoreError(_)));
+        }
+        assert_eq!(limiter.cancels_in_flight(), MAX_CANCELS_IN_FLIGHT);
+        drop(blackhole);
     }
 }
