@@ -45,6 +45,13 @@ impl KvLayout {
 /// product through llamafile's tinyBLAS when the step has at least two tokens (one 8-lane
 /// accumulator) and through `ggml_vec_dot_f16` otherwise (four 8-lane accumulators); the
 /// results differ in the last bits, which can flip a greedy argmax.
+///
+/// llama.cpp's order depends on how the work was cut into steps, so its output does too (a
+/// cached prefix leaving one token, a chunk boundary). kvgate picks the order per token, by
+/// what llama.cpp does in a plain run — a prompt of two or more tokens in one step, then one
+/// step per generated token ([`ReductionOrder::for_token`]) — so it matches that run and gives
+/// a token the same numbers however its sequence is split, preempted and recomputed, or
+/// served from the prefix cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReductionOrder {
     /// `ggml_vec_dot_f16`: a step of exactly one token.
@@ -54,12 +61,14 @@ pub enum ReductionOrder {
 }
 
 impl ReductionOrder {
-    /// The order llama.cpp uses for a step (ubatch) of `step_tokens` tokens.
-    pub fn for_step(step_tokens: usize) -> Self {
-        if step_tokens < 2 {
-            ReductionOrder::VecDot
-        } else {
+    /// The order for the token at `position` of a sequence whose prompt is `prompt_len`
+    /// tokens: tinyBLAS for a prompt token (llama.cpp's prefill step) unless the prompt is a
+    /// single token, vec_dot for a generated one (llama.cpp's decode steps).
+    pub fn for_token(position: usize, prompt_len: usize) -> Self {
+        if position < prompt_len && prompt_len >= 2 {
             ReductionOrder::TinyBlas
+        } else {
+            ReductionOrder::VecDot
         }
     }
 }
@@ -101,8 +110,8 @@ impl AttentionScratch {
 
 /// Attention of one query token (all `n_heads` heads, `q` is `n_heads × head_dim`) over
 /// positions `0..context_len` of a sequence; writes `n_heads × head_dim` values to `out`.
-/// Causality is the caller's: pass `context_len = position + 1`. `order` must follow the step
-/// size, see [`ReductionOrder::for_step`]. Runs on the calling thread.
+/// Causality is the caller's: pass `context_len = position + 1`. `order` follows what the
+/// token is, see [`ReductionOrder::for_token`]. Runs on the calling thread.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     layout: &KvLayout,

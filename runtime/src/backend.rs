@@ -36,6 +36,10 @@ pub struct SeqInputs {
     pub block_table: Vec<u32>,
     /// True for the last prefill chunk or a decode: the step needs logits for the last token.
     pub needs_logits: bool,
+    /// Length of the sequence's prompt: positions below it are prompt tokens, the rest were
+    /// generated. The CPU backend sums attention in an order chosen by this, never by how the
+    /// step was cut (see `kvgate_kernels::ReductionOrder::for_token`).
+    pub prompt_len: usize,
 }
 
 impl BatchInputs {

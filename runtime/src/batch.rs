@@ -76,6 +76,7 @@ pub fn build_inputs(
         out.num_tokens = entry.num_tokens;
         out.context_len = end;
         out.needs_logits = entry.needs_logits;
+        out.prompt_len = seq.prompt_len;
         out.block_table.clear();
         out.block_table
             .extend_from_slice(&seq.block_table[..table_len]);
@@ -156,6 +157,7 @@ mod tests {
                 context_len: 10,
                 block_table: vec![7, 2, 9],
                 needs_logits: true,
+                prompt_len: 10,
             }
         );
         assert_eq!(inputs.seqs[1].token_start, 6);

@@ -316,7 +316,7 @@ impl Scheduler {
         if !seq.block_table.is_empty() || seq.num_computed_tokens != 0 {
             return;
         }
-        let max_blocks = pool.cacheable_prefix_blocks(seq.len());
+        let max_blocks = Self::cacheable_blocks(pool, block_size, seq);
         let hit = pool.acquire_cached_prefix(
             salt,
             &seq.token_ids,
@@ -326,6 +326,14 @@ impl Scheduler {
             &mut seq.block_hashes,
         );
         seq.num_computed_tokens = hit * block_size;
+    }
+
+    /// How many leading blocks of `seq` the cache may serve: whole-prompt blocks only (a
+    /// preempted sequence's generated tokens are recomputed as they were first computed, see
+    /// [`Scheduler::postprocess`]), and never the block holding its last token.
+    fn cacheable_blocks(pool: &BlockPool, block_size: usize, seq: &Sequence) -> usize {
+        pool.cacheable_prefix_blocks(seq.len())
+            .min(seq.prompt_len / block_size.max(1))
     }
 
     /// Gives back what [`Scheduler::reuse_cached_prefix`] pinned for a sequence that could not
@@ -344,9 +352,10 @@ impl Scheduler {
         let Some(salt) = seq.cache_salt.as_deref() else {
             return;
         };
+        // Only prompt blocks are ever registered, so only they are worth waiting for.
         pool.extend_block_hashes(
             salt,
-            &seq.token_ids,
+            &seq.token_ids[..seq.prompt_len],
             usize::MAX,
             &mut seq.token_block_hashes,
         );
@@ -377,7 +386,7 @@ impl Scheduler {
             return false;
         };
         let next = seq.block_hashes.len();
-        if in_flight.is_empty() || next >= pool.cacheable_prefix_blocks(seq.len()) {
+        if in_flight.is_empty() || next >= Self::cacheable_blocks(pool, pool.block_size(), seq) {
             return false;
         }
         pool.extend_block_hashes(salt, &seq.token_ids, next + 1, &mut seq.token_block_hashes);
@@ -886,11 +895,16 @@ impl Scheduler {
             seq.num_computed_tokens += entry.num_tokens;
             seq.num_scheduled_tokens = 0;
             // The step wrote these tokens' K/V: blocks it filled can serve other sequences.
+            // Only whole-prompt blocks: a generated token's numbers come from the decode-step
+            // attention order (`ReductionOrder::for_token`), and a later request that resends
+            // it as prompt computes it in the prompt order, so a hit there would change that
+            // request's output. Such a request registers those blocks itself, for the next.
             if let Some(salt) = seq.cache_salt.as_deref() {
+                let computed_prompt = seq.num_computed_tokens.min(seq.prompt_len);
                 self.pool.register_full_blocks(
                     salt,
                     &seq.block_table,
-                    &seq.token_ids[..seq.num_computed_tokens],
+                    &seq.token_ids[..computed_prompt],
                     &mut seq.block_hashes,
                 );
             }

@@ -108,6 +108,8 @@ fn batch(parts: &[Part]) -> BatchInputs {
             context_len: p.start + p.tokens.len(),
             block_table: p.blocks.to_vec(),
             needs_logits: p.needs_logits,
+            // The CUDA backend's attention order does not depend on it.
+            prompt_len: p.start + p.tokens.len(),
         });
     }
     b

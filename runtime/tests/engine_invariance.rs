@@ -95,16 +95,9 @@ fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
     let mut observed_request = request(prompt.clone(), 40, "observed");
     observed_request.reservation = Some(reservation);
     let observed = rt.engine.submit(observed_request).expect("submit");
-    let long_text =
-        "Paged attention stores the key and value vectors of each sequence in fixed-size blocks. "
-            .repeat(20);
     let mut neighbours = (0..5).map(|i| {
-        let mut p = rt
-            .tokenizer
-            .encode(&format!("Neighbour {i}. {long_text}"), false);
-        p.truncate(150);
         rt.engine
-            .submit(request(p, 64, "neighbour"))
+            .submit(request(neighbour_prompt(&rt, i), 64, "neighbour"))
             .expect("submit")
     });
     // Cancel one neighbour once it has produced a token.
@@ -117,8 +110,9 @@ fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
     drop(cancelled);
     let neighbours: Vec<_> = neighbours.collect();
     let got = collect(observed);
-    for h in neighbours {
-        assert_eq!(collect(h).len(), 64, "a preempted sequence still finishes");
+    let resumed: Vec<Vec<u32>> = neighbours.into_iter().map(collect).collect();
+    for ids in &resumed {
+        assert_eq!(ids.len(), 64, "a preempted sequence still finishes");
     }
     let stats = rt.engine.stats();
     assert!(
@@ -130,7 +124,31 @@ fn preempting_or_cancelling_neighbours_does_not_change_a_sequence() {
         got, alone,
         "preemption or cancellation of neighbours changed the greedy tokens"
     );
+    // A preempted sequence recomputes its generated tokens as one chunk, where they were first
+    // computed one step each: the same numbers, so it resumes with the tokens it would have
+    // produced running alone.
+    for (i, ids) in resumed.iter().enumerate() {
+        let alone = generate_blocking(
+            &rt.engine,
+            request(neighbour_prompt(&rt, i + 1), 64, "alone"),
+        )
+        .expect("alone")
+        .tokens;
+        assert_eq!(ids, &alone, "neighbour {} after preemption", i + 1);
+    }
     rt.engine.shutdown();
+}
+
+/// The ~150-token prompt of neighbour `i` of the preemption test.
+fn neighbour_prompt(rt: &Runtime, i: usize) -> Vec<u32> {
+    let long_text =
+        "Paged attention stores the key and value vectors of each sequence in fixed-size blocks. "
+            .repeat(20);
+    let mut p = rt
+        .tokenizer
+        .encode(&format!("Neighbour {i}. {long_text}"), false);
+    p.truncate(150);
+    p
 }
 
 /// `request` with the prefix cache on (salt `s`) or off (`None`).
@@ -192,6 +210,42 @@ fn a_cached_prefix_gives_the_same_greedy_tokens_as_recomputing_it() {
         cached_total += cached.cached_tokens;
     }
     assert!(cached_total > 0);
+
+    // A hit that leaves exactly one prompt token to compute (the prompt is whole blocks of
+    // the cached one plus one token): that token runs as a step of one, where the uncached
+    // prompt computes it inside a chunk.
+    for blocks in [1, 3] {
+        let prompt = base[..blocks * block + 1].to_vec();
+        let uncached =
+            generate_blocking(&rt.engine, salted(prompt.clone(), 16, None)).expect("uncached");
+        let cached =
+            generate_blocking(&rt.engine, salted(prompt.clone(), 16, Some("t"))).expect("cached");
+        assert_eq!(cached.cached_tokens, blocks * block);
+        assert_eq!(
+            cached.tokens, uncached.tokens,
+            "a hit leaving one token after {blocks} blocks"
+        );
+    }
+
+    // The next turn of a conversation: the prompt resends the previous answer, whose blocks
+    // were cached as that request generated them one token at a time.
+    let turn = generate_blocking(&rt.engine, salted(base[..40].to_vec(), 40, Some("t")))
+        .expect("first turn");
+    let mut next = base[..40].to_vec();
+    next.extend(&turn.tokens);
+    next.extend(&tail);
+    let uncached = generate_blocking(&rt.engine, salted(next.clone(), 16, None)).expect("uncached");
+    let cached =
+        generate_blocking(&rt.engine, salted(next.clone(), 16, Some("t"))).expect("cached");
+    assert!(
+        cached.cached_tokens > 40,
+        "the answer's blocks are hit: {}",
+        cached.cached_tokens
+    );
+    assert_eq!(
+        cached.tokens, uncached.tokens,
+        "the next turn of a conversation"
+    );
 
     // In a mixed batch: cached requests next to uncached fillers, all submitted together.
     let expected = generate_blocking(&rt.engine, salted(base.clone(), 16, None))

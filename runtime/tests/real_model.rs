@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Part, argmax, backend, model_path, open_model, step};
+use common::{Part, backend, model_path, open_model, step};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::loader::{LoadError, Runtime, RuntimeOptions};
 
@@ -151,21 +151,10 @@ fn prefill_in_one_chunk_several_chunks_or_token_by_token_agrees() {
         )
         .remove(0);
     }
-    let diff = one
-        .iter()
-        .zip(&last)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    println!("max |logit diff| one chunk vs token by token: {diff}");
-    // Single-token steps sum attention in llama.cpp's vec_dot order instead of tinyBLAS's
-    // (exactly what llama.cpp does for decode). Those last-bit differences get amplified by
-    // the 8-bit activation quantization of 30 layers (about 0.8 logits on this prompt; forcing
-    // one order makes the two runs bit-identical), but they must not change the prediction.
-    assert_eq!(argmax(&one), argmax(&last));
-    assert!(
-        diff < 2.0,
-        "token-by-token logits differ by up to {diff}: more than rounding"
-    );
+    // Single-token steps too (decode, a prefix-cache hit leaving one token, a chunk of one):
+    // every row sums attention in one order whatever its step holds, so a sequence's numbers
+    // do not depend on how it was split into steps.
+    assert_eq!(one, last, "token by token changed the logits");
 }
 
 #[test]

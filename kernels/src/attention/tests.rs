@@ -185,10 +185,17 @@ fn single_position_returns_its_value() {
 }
 
 #[test]
-fn reduction_order_follows_step_size() {
-    assert_eq!(ReductionOrder::for_step(1), ReductionOrder::VecDot);
-    assert_eq!(ReductionOrder::for_step(2), ReductionOrder::TinyBlas);
-    assert_eq!(ReductionOrder::for_step(512), ReductionOrder::TinyBlas);
+fn reduction_order_follows_what_the_token_is() {
+    // Prompt tokens: tinyBLAS (llama.cpp's prefill step), unless the prompt is one token.
+    assert_eq!(ReductionOrder::for_token(0, 2), ReductionOrder::TinyBlas);
+    assert_eq!(
+        ReductionOrder::for_token(511, 512),
+        ReductionOrder::TinyBlas
+    );
+    assert_eq!(ReductionOrder::for_token(0, 1), ReductionOrder::VecDot);
+    // Generated tokens: vec_dot (llama.cpp's decode steps).
+    assert_eq!(ReductionOrder::for_token(2, 2), ReductionOrder::VecDot);
+    assert_eq!(ReductionOrder::for_token(600, 512), ReductionOrder::VecDot);
 }
 
 #[test]

@@ -161,6 +161,7 @@ mod tests {
                     context_len: 5,
                     block_table: vec![3, 1],
                     needs_logits: true,
+                    prompt_len: 0,
                 },
                 SeqInputs {
                     token_start: 5,
@@ -168,6 +169,7 @@ mod tests {
                     context_len: 7,
                     block_table: vec![0, 2],
                     needs_logits: true,
+                    prompt_len: 0,
                 },
             ],
         }

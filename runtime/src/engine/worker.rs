@@ -234,6 +234,8 @@ impl Worker {
             context_len: depth,
             block_table: table,
             needs_logits: true,
+            // A decode: the token is a generated one.
+            prompt_len: 0,
         });
         let mut shape = StepShape::default();
         shape.add_decode(position);

@@ -72,6 +72,8 @@ pub fn batch(parts: &[Part]) -> BatchInputs {
             context_len: p.start + p.tokens.len(),
             block_table: p.blocks.to_vec(),
             needs_logits: true,
+            // Prompt tokens, however the steps cut them; [`greedy`] marks its decode steps.
+            prompt_len: p.start + p.tokens.len(),
         });
     }
     b
@@ -79,9 +81,14 @@ pub fn batch(parts: &[Part]) -> BatchInputs {
 
 /// Runs one step and returns one logits row per part.
 pub fn step(backend: &mut CpuBackend, parts: &[Part]) -> Vec<Vec<f32>> {
+    step_inputs(backend, &batch(parts))
+}
+
+/// Runs one step of `inputs` and returns one logits row per sequence.
+pub fn step_inputs(backend: &mut CpuBackend, inputs: &BatchInputs) -> Vec<Vec<f32>> {
     let mut logits = Vec::new();
     backend
-        .forward(&batch(parts), &mut logits)
+        .forward(inputs, &mut logits)
         .expect("forward succeeds");
     logits
         .chunks(backend.vocab_size())
@@ -123,14 +130,14 @@ pub fn greedy(
         if Some(next) == eos || i + 1 == steps {
             break;
         }
-        logits = step(
-            backend,
-            &[Part {
-                tokens: &[next],
-                start: prompt.len() + i,
-                blocks: &blocks,
-            }],
-        );
+        let mut inputs = batch(&[Part {
+            tokens: &[next],
+            start: prompt.len() + i,
+            blocks: &blocks,
+        }]);
+        // A generated token, as in llama.cpp's decode steps.
+        inputs.seqs[0].prompt_len = prompt.len();
+        logits = step_inputs(backend, &inputs);
     }
     out
 }

@@ -52,10 +52,12 @@ impl<'a> QueryRows<'a> {
                 block_table: &seq.block_table,
                 context_len: inputs.positions[t] as usize + 1,
             });
-            // A sequence's own step size picks the summation order llama.cpp would use running
-            // it alone (tinyBLAS for a chunk of 2+ tokens, vec_dot for a single token), so its
-            // result does not depend on what it is batched with.
-            q.orders.push(ReductionOrder::for_step(seq.num_tokens));
+            // Chosen by what the token is (prompt or generated), never by how the step was cut,
+            // so the same token gets the same numbers in every computation of it.
+            q.orders.push(ReductionOrder::for_token(
+                inputs.positions[t] as usize,
+                seq.prompt_len,
+            ));
         }
         q
     }

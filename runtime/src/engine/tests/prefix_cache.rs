@@ -71,7 +71,7 @@ fn cached_prefixes_at_every_offset_give_the_uncached_output() {
 }
 
 #[test]
-fn mixed_batches_share_blocks_in_use_and_generated_tokens_are_cached() {
+fn mixed_batches_share_blocks_in_use_and_a_resent_answer_is_cached_once_computed_as_prompt() {
     let engine = start(Mode::Hash, FakeDecoder::letters(), cached_config(true));
     let base = prompt(2, 20);
     // Several prompts sharing prefixes of different lengths, with unrelated ones, at once:
@@ -92,15 +92,20 @@ fn mixed_batches_share_blocks_in_use_and_generated_tokens_are_cached() {
     for (p, handle) in prompts.iter().zip(&mut handles) {
         assert_eq!(tokens_of(&collect(handle)), reference_greedy(p, 7));
     }
-    // A second turn resends the conversation: blocks filled while decoding are hits too.
+    // A second turn resends the conversation. Blocks filled while decoding are not cached
+    // (their tokens were computed in the decode order; as prompt they take the prompt order,
+    // see `Scheduler::postprocess`): only the first turn's 20 prompt tokens (5 blocks) hit.
     let answer = reference_greedy(&base, 7);
     let mut turn = base.clone();
     turn.extend(&answer);
     turn.extend(prompt(5, 6));
     let second = run(&engine, &turn, "test");
     assert_eq!(second.tokens, reference_greedy(&turn, 6));
-    // 20 prompt + 6 generated tokens were computed: 6 full blocks.
-    assert_eq!(second.cached_tokens, 24);
+    assert_eq!(second.cached_tokens, 20);
+    // Computed as this turn's prompt, the answer's blocks now serve the next request.
+    let again = run(&engine, &turn, "test");
+    assert_eq!(again.tokens, second.tokens);
+    assert_eq!(again.cached_tokens, (turn.len() - 1) / 4 * 4);
 }
 
 #[test]
