@@ -124,7 +124,9 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
 pub fn tokenize(args: TokenizeArgs) -> Result<()> {
     let path = provision::resolve_model(args.model.as_deref())?;
     let gguf = GgufFile::open(&path)?;
-    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    // Worded as `generate` words it, naming the file: the vocabulary's error does not.
+    let tokenizer = Tokenizer::from_gguf(&gguf)
+        .with_context(|| format!("loading {}: tokenizer", path.display()))?;
     let ids = if args.add_special {
         tokenizer.encode_with_specials(&args.text, !args.no_special)
     } else {
