@@ -627,6 +627,8 @@ pub(crate) mod testutil {
         tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
         /// (tensor index, offset written in its directory entry instead of the real one).
         offset_overrides: Vec<(usize, u64)>,
+        /// Padding of the header and of each tensor's data (32 unless [`Self::padded_to`]).
+        align: u64,
     }
 
     impl GgufBuilder {
@@ -636,7 +638,15 @@ pub(crate) mod testutil {
                 n_kv: 0,
                 tensors: Vec::new(),
                 offset_overrides: Vec::new(),
+                align: 32,
             }
+        }
+
+        /// Pads the header and each tensor's data to `align` bytes (write the matching
+        /// `general.alignment` too).
+        pub fn padded_to(mut self, align: u64) -> Self {
+            self.align = align;
+            self
         }
 
         /// Writes `offset` as tensor `index`'s data offset (the data stays where it was).
@@ -746,16 +756,16 @@ pub(crate) mod testutil {
                     .rfind(|(i, _)| *i == index)
                     .map_or(offset, |(_, o)| *o);
                 out.extend(written.to_le_bytes());
-                offset += (data.len() as u64).div_ceil(32) * 32;
+                offset += (data.len() as u64).div_ceil(self.align) * self.align;
             }
-            while out.len() % 32 != 0 {
+            while out.len() as u64 % self.align != 0 {
                 out.push(0);
             }
-            // Offsets above were assigned in order with 32-byte padding, which is what appending
-            // each tensor and padding reproduces.
+            // Offsets above were assigned in order with the same padding, which is what
+            // appending each tensor and padding reproduces.
             for (_, _, _, data) in &self.tensors {
                 out.extend(data);
-                while out.len() % 32 != 0 {
+                while out.len() as u64 % self.align != 0 {
                     out.push(0);
                 }
             }
