@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvgate_gateway::policy::parse_duration;
 use kvgate_gateway::upstream::UpstreamSpec;
 use kvgate_runtime::device::DeviceRequest;
-use kvgate_runtime::engine::{DEFAULT_TARGET_ITL, PrefillOrder};
+use kvgate_runtime::engine::{DEFAULT_TARGET_ITL, MAX_COMMAND_QUEUE, PrefillOrder};
 use kvgate_runtime::requant::QuantMix;
 use kvgate_runtime::synth::{SynthDtype, SynthShape};
 
@@ -76,9 +76,10 @@ pub struct ModelArgs {
     /// Most sequences in one running batch.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_num_seqs: usize,
-    /// Capacity of the engine's submit queue and waiting list; `serve` admits at most this
-    /// many requests into the engine at once (the rest wait in admission's fair queue).
-    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Capacity of the engine's submit queue and waiting list (1 to 65536: it is allocated
+    /// whole); `serve` admits at most this many requests into the engine at once (the rest
+    /// wait in admission's fair queue).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=MAX_COMMAND_QUEUE as i64))]
     pub engine_queue: u32,
     /// Token budget of one scheduler step (prefill chunks and decodes together).
     #[arg(long, value_name = "N", default_value_t = 512)]
