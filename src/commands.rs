@@ -270,17 +270,16 @@ pub fn policy(cmd: PolicyCommand) -> Result<()> {
 }
 
 pub fn top(args: TopArgs) -> Result<()> {
-    if !(args.interval.is_finite() && args.interval > 0.0) {
-        bail!("--interval must be a positive number of seconds");
-    }
+    // Checked when parsed (positive, at most an hour), so it converts; checked again here
+    // rather than panicking in `from_secs_f64` should the two ever disagree.
+    let interval = Duration::try_from_secs_f64(args.interval)
+        .ok()
+        .filter(|interval| !interval.is_zero())
+        .context("--interval must be a positive number of seconds")?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(crate::top::run(
-        args.url,
-        Duration::from_secs_f64(args.interval),
-        args.once,
-    ))
+    runtime.block_on(crate::top::run(args.url, interval, args.once))
 }
 
 pub fn fetch_model() -> Result<()> {
