@@ -758,14 +758,14 @@ pub(crate) mod testutil {
                 out.extend(written.to_le_bytes());
                 offset += (data.len() as u64).div_ceil(self.align) * self.align;
             }
-            while out.len() as u64 % self.align != 0 {
+            while !(out.len() as u64).is_multiple_of(self.align) {
                 out.push(0);
             }
             // Offsets above were assigned in order with the same padding, which is what
             // appending each tensor and padding reproduces.
             for (_, _, _, data) in &self.tensors {
                 out.extend(data);
-                while out.len() as u64 % self.align != 0 {
+                while !(out.len() as u64).is_multiple_of(self.align) {
                     out.push(0);
                 }
             }
