@@ -622,8 +622,11 @@ impl Reader<'_> {
 #[cfg(test)]
 pub(crate) mod testutil {
     pub struct GgufBuilder {
-        kv: Vec<u8>,
-        n_kv: u64,
+        /// (key, its record: key, type and value bytes), in the order first written.
+        kv: Vec<(String, Vec<u8>)>,
+        /// Write a key set twice twice (to test that files doing so are refused); otherwise
+        /// setting a key again replaces its value, as tests that alter one base file expect.
+        repeat_keys: bool,
         tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
         /// (tensor index, offset written in its directory entry instead of the real one).
         offset_overrides: Vec<(usize, u64)>,
@@ -635,7 +638,7 @@ pub(crate) mod testutil {
         pub fn new() -> Self {
             Self {
                 kv: Vec::new(),
-                n_kv: 0,
+                repeat_keys: false,
                 tensors: Vec::new(),
                 offset_overrides: Vec::new(),
                 align: 32,
@@ -655,34 +658,46 @@ pub(crate) mod testutil {
             self
         }
 
+        /// Keeps every key set more than once instead of replacing its value.
+        pub fn repeat_keys(mut self) -> Self {
+            self.repeat_keys = true;
+            self
+        }
+
         fn key(&mut self, key: &str, ty: u32) {
-            self.kv.extend((key.len() as u64).to_le_bytes());
-            self.kv.extend(key.as_bytes());
-            self.kv.extend(ty.to_le_bytes());
-            self.n_kv += 1;
+            let mut record = Vec::new();
+            record.extend((key.len() as u64).to_le_bytes());
+            record.extend(key.as_bytes());
+            record.extend(ty.to_le_bytes());
+            self.kv.push((key.to_owned(), record));
+        }
+
+        /// The record of the key written last, for its value bytes.
+        fn value(&mut self) -> &mut Vec<u8> {
+            &mut self.kv.last_mut().expect("a key first").1
         }
 
         pub fn u32(mut self, key: &str, v: u32) -> Self {
             self.key(key, 4);
-            self.kv.extend(v.to_le_bytes());
+            self.value().extend(v.to_le_bytes());
             self
         }
 
         pub fn u64(mut self, key: &str, v: u64) -> Self {
             self.key(key, 10);
-            self.kv.extend(v.to_le_bytes());
+            self.value().extend(v.to_le_bytes());
             self
         }
 
         pub fn f32(mut self, key: &str, v: f32) -> Self {
             self.key(key, 6);
-            self.kv.extend(v.to_le_bytes());
+            self.value().extend(v.to_le_bytes());
             self
         }
 
         pub fn bool(mut self, key: &str, v: bool) -> Self {
             self.key(key, 7);
-            self.kv.push(u8::from(v));
+            self.value().push(u8::from(v));
             self
         }
 
@@ -703,28 +718,28 @@ pub(crate) mod testutil {
             items: impl ExactSizeIterator<Item = [u8; N]>,
         ) -> Self {
             self.key(key, 9);
-            self.kv.extend(elem_ty.to_le_bytes());
-            self.kv.extend((items.len() as u64).to_le_bytes());
+            self.value().extend(elem_ty.to_le_bytes());
+            self.value().extend((items.len() as u64).to_le_bytes());
             for bytes in items {
-                self.kv.extend(bytes);
+                self.value().extend(bytes);
             }
             self
         }
 
         pub fn str(mut self, key: &str, v: &str) -> Self {
             self.key(key, 8);
-            self.kv.extend((v.len() as u64).to_le_bytes());
-            self.kv.extend(v.as_bytes());
+            self.value().extend((v.len() as u64).to_le_bytes());
+            self.value().extend(v.as_bytes());
             self
         }
 
         pub fn str_array(mut self, key: &str, items: &[&str]) -> Self {
             self.key(key, 9);
-            self.kv.extend(8u32.to_le_bytes());
-            self.kv.extend((items.len() as u64).to_le_bytes());
+            self.value().extend(8u32.to_le_bytes());
+            self.value().extend((items.len() as u64).to_le_bytes());
             for s in items {
-                self.kv.extend((s.len() as u64).to_le_bytes());
-                self.kv.extend(s.as_bytes());
+                self.value().extend((s.len() as u64).to_le_bytes());
+                self.value().extend(s.as_bytes());
             }
             self
         }
@@ -739,8 +754,17 @@ pub(crate) mod testutil {
             out.extend(b"GGUF");
             out.extend(3u32.to_le_bytes());
             out.extend((self.tensors.len() as u64).to_le_bytes());
-            out.extend(self.n_kv.to_le_bytes());
-            out.extend(&self.kv);
+            let mut records: Vec<(String, Vec<u8>)> = Vec::new();
+            for (key, record) in self.kv.iter().cloned() {
+                match records.iter_mut().find(|(k, _)| *k == key) {
+                    Some(earlier) if !self.repeat_keys => earlier.1 = record,
+                    _ => records.push((key, record)),
+                }
+            }
+            out.extend((records.len() as u64).to_le_bytes());
+            for (_, record) in &records {
+                out.extend(record);
+            }
             let mut offset = 0u64;
             for (index, (name, dims, ty, data)) in self.tensors.iter().enumerate() {
                 out.extend((name.len() as u64).to_le_bytes());
@@ -975,6 +999,7 @@ mod tests {
         let msg = open_error("dup-tensor.gguf", &bytes);
         assert!(msg.contains("tensor `w` appears more than once"), "{msg}");
         let bytes = GgufBuilder::new()
+            .repeat_keys()
             .str("general.architecture", "llama")
             .str("general.architecture", "qwen2")
             .build();
