@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvgate_gateway::policy::parse_duration;
 use kvgate_gateway::upstream::UpstreamSpec;
 use kvgate_runtime::device::DeviceRequest;
-use kvgate_runtime::engine::{DEFAULT_TARGET_ITL, PrefillOrder};
+use kvgate_runtime::engine::{DEFAULT_TARGET_ITL, MAX_COMMAND_QUEUE, PrefillOrder};
 use kvgate_runtime::requant::QuantMix;
 use kvgate_runtime::synth::{SynthDtype, SynthShape};
 
@@ -76,9 +76,10 @@ pub struct ModelArgs {
     /// Most sequences in one running batch.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_num_seqs: usize,
-    /// Capacity of the engine's submit queue and waiting list; `serve` admits at most this
-    /// many requests into the engine at once (the rest wait in admission's fair queue).
-    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Capacity of the engine's submit queue and waiting list (1 to 65536: it is allocated
+    /// whole); `serve` admits at most this many requests into the engine at once (the rest
+    /// wait in admission's fair queue).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=MAX_COMMAND_QUEUE as i64))]
     pub engine_queue: u32,
     /// Token budget of one scheduler step (prefill chunks and decodes together).
     #[arg(long, value_name = "N", default_value_t = 512)]
@@ -130,6 +131,19 @@ fn parse_pre_drain(text: &str) -> Result<Duration, String> {
             MAX_PRE_DRAIN.as_secs() / 60
         )),
         pre_drain => Ok(pre_drain),
+    }
+}
+
+/// Longest `kvgate top --interval`: a view refreshed less than hourly is no live view, and far
+/// larger values (1e20) do not fit a `Duration`.
+pub const MAX_TOP_INTERVAL_SECS: f64 = 3600.0;
+
+fn parse_interval(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(secs) if secs > 0.0 && secs <= MAX_TOP_INTERVAL_SECS => Ok(secs),
+        _ => Err(format!(
+            "expected a number of seconds above 0 and at most {MAX_TOP_INTERVAL_SECS}, got `{text}`"
+        )),
     }
 }
 
@@ -460,8 +474,8 @@ pub struct TopArgs {
     /// Base URL of a running kvgate.
     #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
-    /// Refresh interval in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 1.0)]
+    /// Refresh interval in seconds (at most 3600).
+    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = parse_interval)]
     pub interval: f64,
     /// Render once and exit (for scripts).
     #[arg(long)]
@@ -518,6 +532,19 @@ mod tests {
             let error = parse_streams(bad).expect_err(bad);
             assert!(
                 error.starts_with("expected stream counts"),
+                "{bad}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn top_interval_is_positive_and_at_most_an_hour() {
+        assert_eq!(parse_interval("0.5"), Ok(0.5));
+        assert_eq!(parse_interval("3600"), Ok(3600.0));
+        for bad in ["0", "-1", "1e20", "inf", "NaN", "soon"] {
+            let error = parse_interval(bad).expect_err(bad);
+            assert!(
+                error.starts_with("expected a number of seconds"),
                 "{bad}: {error}"
             );
         }

@@ -124,7 +124,9 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
 pub fn tokenize(args: TokenizeArgs) -> Result<()> {
     let path = provision::resolve_model(args.model.as_deref())?;
     let gguf = GgufFile::open(&path)?;
-    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    // Worded as `generate` words it, naming the file: the vocabulary's error does not.
+    let tokenizer = Tokenizer::from_gguf(&gguf)
+        .with_context(|| format!("loading {}: tokenizer", path.display()))?;
     let ids = if args.add_special {
         tokenizer.encode_with_specials(&args.text, !args.no_special)
     } else {
@@ -268,17 +270,16 @@ pub fn policy(cmd: PolicyCommand) -> Result<()> {
 }
 
 pub fn top(args: TopArgs) -> Result<()> {
-    if !(args.interval.is_finite() && args.interval > 0.0) {
-        bail!("--interval must be a positive number of seconds");
-    }
+    // Checked when parsed (positive, at most an hour), so it converts; checked again here
+    // rather than panicking in `from_secs_f64` should the two ever disagree.
+    let interval = Duration::try_from_secs_f64(args.interval)
+        .ok()
+        .filter(|interval| !interval.is_zero())
+        .context("--interval must be a positive number of seconds")?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(crate::top::run(
-        args.url,
-        Duration::from_secs_f64(args.interval),
-        args.once,
-    ))
+    runtime.block_on(crate::top::run(args.url, interval, args.once))
 }
 
 pub fn fetch_model() -> Result<()> {

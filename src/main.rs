@@ -19,7 +19,10 @@ use clap::Parser;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => return clap_error(err),
+    };
     let result = match cli.command {
         cli::Command::Serve(args) => serve::run(args),
         cli::Command::Generate(args) => commands::generate(args),
@@ -39,6 +42,47 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--help`, `--version` and a bare `kvgate` print as clap prints them; an argument error is
+/// one line like every other error (clap's own take 3-7 lines: the error, a hint, the usage),
+/// with clap's exit code 2.
+fn clap_error(err: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        err.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        err.exit();
+    }
+    eprintln!("kvgate: error: {}", clap_line(&err.render().to_string()));
+    ExitCode::from(2)
+}
+
+/// clap's rendered error on one line: its lines joined, without the `error: ` prefix, the
+/// usage block and the pointer to `--help`.
+fn clap_line(rendered: &str) -> String {
+    let mut line = String::new();
+    let mut in_usage = false;
+    for part in rendered.lines().map(str::trim) {
+        if part.starts_with("Usage:") {
+            in_usage = true;
+        }
+        if part.is_empty() {
+            in_usage = false;
+        }
+        if in_usage || part.is_empty() || part.starts_with("For more information") {
+            continue;
+        }
+        let part = part.strip_prefix("error: ").unwrap_or(part);
+        if !line.is_empty() {
+            line.push_str(if line.ends_with(':') { " " } else { "; " });
+        }
+        line.push_str(part);
+    }
+    line
 }
 
 /// The error and its causes on one line, each cause only where its text is not already in the
@@ -61,6 +105,35 @@ mod tests {
     use anyhow::Context;
 
     use super::*;
+
+    #[test]
+    fn clap_errors_are_one_line_without_usage_or_help_pointer() {
+        let line = |args: &[&str]| {
+            let err = cli::Cli::try_parse_from(args).expect_err("refused");
+            clap_line(&err.render().to_string())
+        };
+        assert_eq!(
+            line(&["kvgate", "serve", "--block-size", "0"]),
+            "invalid value '0' for '--block-size <N>': must be at least 1"
+        );
+        let missing = line(&["kvgate", "generate"]);
+        assert_eq!(
+            missing,
+            "the following required arguments were not provided: <PROMPT>"
+        );
+        let choice = line(&["kvgate", "serve", "--prefill-order", "fifo"]);
+        assert!(
+            choice.starts_with("invalid value 'fifo' for '--prefill-order <PREFILL_ORDER>'")
+                && choice.contains("[possible values: tenant-fair, fcfs]"),
+            "{choice}"
+        );
+        for text in [missing, choice] {
+            assert!(
+                !text.contains("Usage") && !text.contains("--help"),
+                "{text}"
+            );
+        }
+    }
 
     #[test]
     fn a_cause_already_in_the_message_is_said_once() {

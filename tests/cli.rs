@@ -480,9 +480,11 @@ fn zero_counts_are_refused_naming_the_flag_never_clamped() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(!output.status.success(), "{args:?}");
         let flag = args[args.iter().position(|a| *a == "0").unwrap() - 1];
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
         let first = stderr.lines().next().unwrap_or_default();
         assert!(
-            first.starts_with("error: invalid value '0' for '")
+            first.starts_with("kvgate: error: invalid value '0' for '")
                 && first.contains(flag)
                 && first.ends_with("': must be at least 1"),
             "{args:?}: {stderr}"
@@ -535,6 +537,165 @@ fn plan_sizes_that_overflow_are_one_line_naming_the_value() {
     assert!(
         line.starts_with("kvgate: error: --memory 1GiB is smaller than one KV block"),
         "{line}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}
+
+/// Runs `kvgate ARGS` in `home` and returns its one stderr line, checking the exit code.
+fn one_line_with_code(args: &[&str], home: &Path, code: i32) -> String {
+    let output = run(args, home);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    assert_eq!(output.status.code(), Some(code), "{args:?}: {stderr}");
+    one_error_line(&output)
+}
+
+#[test]
+fn argument_errors_are_one_line_and_help_is_unchanged() {
+    let home = scratch_dir("clap-one-line");
+    for (args, needle) in [
+        (&["serve", "--device", "tpu"][..], "'--device <DEVICE>'"),
+        (&["generate", "--temperature", "-1", "hi"], "'-1'"),
+        (&["serve", "--engine-queue", "4294967295"], "--engine-queue"),
+        (&["top", "--once", "--interval", "1e20"], "at most 3600"),
+        (&["generate"], "<PROMPT>"),
+    ] {
+        let line = one_line_with_code(args, &home, 2);
+        assert!(line.contains(needle), "{args:?}: {line}");
+    }
+    let help = run(&["serve", "--help"], &home);
+    assert_eq!(help.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&help.stdout).lines().count() > 10);
+    std::fs::remove_dir_all(&home).ok();
+}
+
+/// A tiny synthetic model written into `home`.
+fn tiny_model(home: &Path) -> String {
+    let path = home.join("tiny.gguf");
+    let path = path.to_str().expect("utf-8 path").to_owned();
+    let output = run(
+        &["synth-model", "--shape", "tiny", "--seed", "1", &path],
+        home,
+    );
+    assert!(output.status.success(), "{output:?}");
+    path
+}
+
+#[test]
+fn step_budgets_too_large_for_memory_are_refused_before_allocating() {
+    let home = scratch_dir("max-batched");
+    let model = tiny_model(&home);
+    let line = one_line_with_code(
+        &[
+            "generate",
+            "--model",
+            &model,
+            "--max-batched-tokens",
+            "18446744073709551615",
+            "hi",
+        ],
+        &home,
+        1,
+    );
+    assert!(
+        line.ends_with(
+            "--max-batched-tokens 18446744073709551615 is too large: the activation workspace \
+             for that many tokens per step overflows"
+        ),
+        "{line}"
+    );
+    // Terabytes of workspace: refused by the MemAvailable check, not aborted by the allocator.
+    let line = one_line_with_code(
+        &[
+            "generate",
+            "--model",
+            &model,
+            "--max-batched-tokens",
+            "10000000000",
+            "hi",
+        ],
+        &home,
+        1,
+    );
+    assert!(
+        line.contains("(--max-batched-tokens) is more than the memory this host has available")
+            && line.ends_with("lower --kv-memory or --max-batched-tokens"),
+        "{line}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn outputs_that_are_not_regular_files_are_refused_and_left_as_they_were() {
+    use std::os::unix::fs::FileTypeExt;
+    let home = scratch_dir("out-not-file");
+    let model = tiny_model(&home);
+    let fifo = home.join("fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
+    let dir = home.join("dir");
+    std::fs::create_dir(&dir).unwrap();
+    for out in [&fifo, &dir] {
+        let out = out.to_str().unwrap();
+        for args in [
+            &["synth-model", "--shape", "tiny", out][..],
+            &["quantize", &model, out],
+        ] {
+            let line = one_line_with_code(args, &home, 1);
+            assert_eq!(
+                line,
+                format!(
+                    "kvgate: error: {}: exists and is not a regular file; name a file to write",
+                    if args[0] == "quantize" {
+                        out.to_owned()
+                    } else {
+                        format!("cannot write {out}")
+                    }
+                ),
+                "{args:?}"
+            );
+        }
+    }
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    let mut left: Vec<_> = std::fs::read_dir(&home)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["dir", "fifo", "tiny.gguf"], "no temporary files");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    // An input that is not a regular file is refused, not read without end.
+    let line = one_line_with_code(&["quantize", "/dev/zero", "out.gguf"], &home, 1);
+    assert_eq!(line, "kvgate: error: /dev/zero: not a regular file");
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn tokenize_names_the_model_file_in_its_errors() {
+    let home = scratch_dir("tokenize-path");
+    // A valid GGUF with one key and no vocabulary.
+    let mut bytes = b"GGUF".to_vec();
+    bytes.extend(3u32.to_le_bytes());
+    bytes.extend(0u64.to_le_bytes());
+    bytes.extend(1u64.to_le_bytes());
+    let key = "general.architecture";
+    bytes.extend((key.len() as u64).to_le_bytes());
+    bytes.extend(key.as_bytes());
+    bytes.extend(8u32.to_le_bytes());
+    bytes.extend(5u64.to_le_bytes());
+    bytes.extend(b"llama");
+    let path = home.join("novocab.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    let path = path.to_str().unwrap();
+    let line = one_line_with_code(&["tokenize", "--model", path, "hi"], &home, 1);
+    assert_eq!(
+        line,
+        format!(
+            "kvgate: error: loading {path}: tokenizer: GGUF file has no `tokenizer.ggml.model`"
+        )
     );
     std::fs::remove_dir_all(&home).ok();
 }

@@ -92,7 +92,7 @@ fn bad_arguments_are_one_clear_error_line() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
-        err.contains("cannot write /nonexistent/dir/x.gguf.partial"),
+        err.starts_with("kvgate: error: cannot write /nonexistent/dir/x.gguf: "),
         "{err}"
     );
 }

@@ -102,7 +102,7 @@ impl ChatTemplate {
                     if e.detail().is_some_and(|d| d.starts_with(RAISED)) =>
                 {
                     let detail = e.detail().unwrap_or_default();
-                    TemplateError::Rejected(detail.trim_start_matches(RAISED).to_string())
+                    TemplateError::Rejected(one_line(detail.trim_start_matches(RAISED)))
                 }
                 _ => TemplateError::Render(describe(&e)),
             })
@@ -122,9 +122,19 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
 /// The error with its detail and location, without minijinja's multi-line debug dump.
 fn describe(e: &minijinja::Error) -> String {
     match e.line() {
-        Some(line) => format!("{e} (line {line})"),
-        None => e.to_string(),
+        Some(line) => format!("{} (line {line})", one_line(&e.to_string())),
+        None => one_line(&e.to_string()),
     }
+}
+
+/// `text` with its line breaks (and the spaces around them) replaced by single spaces: the
+/// template's own text (`raise_exception('a\nb')`) ends up in a one-line CLI error or log line.
+fn one_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[cfg(test)]
@@ -178,6 +188,13 @@ mod tests {
         let t = ChatTemplate::new(src, "", "").expect("compiles");
         let err = t
             .render(&msgs(&[("assistant", "x")]), false)
+            .expect_err("rejected");
+        assert_eq!(err, TemplateError::Rejected("first must be user".into()));
+        // Its line breaks would split a one-line error.
+        let t = ChatTemplate::new("{{ raise_exception('first\n  must\r\nbe user') }}", "", "")
+            .expect("compiles");
+        let err = t
+            .render(&msgs(&[("user", "x")]), false)
             .expect_err("rejected");
         assert_eq!(err, TemplateError::Rejected("first must be user".into()));
     }

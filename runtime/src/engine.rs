@@ -31,7 +31,7 @@ use crate::block_pool::{BlockPool, Reservation};
 use crate::kv_math::blocks_for_tokens;
 use crate::tokenizer::Tokenizer;
 
-pub use self::config::{DEFAULT_TARGET_ITL, EngineConfig};
+pub use self::config::{DEFAULT_TARGET_ITL, EngineConfig, MAX_COMMAND_QUEUE};
 pub use self::stats::{
     EngineStats, STEP_BUCKET_BOUNDS, STEP_MICROS_BUCKET_BOUNDS, SeqSnapshot, StepDurationHistogram,
     StepHistogram,

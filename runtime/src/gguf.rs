@@ -16,7 +16,12 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 /// Sanity caps so a corrupt header cannot make us allocate absurd amounts of memory.
 const MAX_STRING_LEN: u64 = 64 << 20;
 const MAX_ARRAY_LEN: u64 = 1 << 26;
-const MAX_TENSOR_DIMS: u32 = 8;
+/// ggml's `GGML_MAX_DIMS`: llama.cpp refuses a tensor with more dimensions.
+const MAX_TENSOR_DIMS: u32 = 4;
+/// Largest `general.alignment` accepted. llama.cpp only asks for a power of two, but writers use
+/// 32 (gguf-py's default) or 64; a huge value only pads every tensor, and `kvgate quantize`
+/// writes that padding into memory (2^31 took 2 GiB for a 300 KB file).
+pub const MAX_ALIGNMENT: u64 = 1 << 20;
 
 /// Everything that can go wrong reading a GGUF file.
 #[derive(Debug, thiserror::Error)]
@@ -57,8 +62,10 @@ pub enum GgufError {
         offset: u64,
         alignment: u64,
     },
-    #[error("{path}: general.alignment is {value}; it must be a power of two")]
-    BadAlignment { path: PathBuf, value: String },
+    #[error("{path}: {reason}")]
+    BadAlignment { path: PathBuf, reason: String },
+    #[error("{path}: not a regular file")]
+    NotAFile { path: PathBuf },
 }
 
 /// GGML tensor types. Only the ones kvgate can compute with have their own variant.
@@ -253,6 +260,11 @@ impl GgufFile {
             path: path.clone(),
             source,
         };
+        // Before opening: opening a FIFO blocks until a writer comes, and a device such as
+        // /dev/zero has no end to map.
+        if !std::fs::metadata(&path).map_err(io)?.is_file() {
+            return Err(GgufError::NotAFile { path });
+        }
         let file = File::open(&path).map_err(io)?;
         // The map is read-only and the file is not expected to change while kvgate runs; a file
         // truncated underneath a running process is outside what any mmap-based loader handles.
@@ -285,21 +297,39 @@ impl GgufFile {
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
             let key = r.string("metadata key")?;
+            // llama.cpp refuses a repeated key; keeping the last one would let a second
+            // `general.architecture` silently change what the file is.
+            if metadata.contains_key(&key) {
+                return Err(r.corrupt(format!("metadata key `{key}` appears more than once")));
+            }
             let ty = r.u32("metadata value type")?;
             let value = r.value(ty, &key, 0)?;
             metadata.insert(key, value);
         }
 
         let mut tensors = Vec::with_capacity(n_tensors as usize);
+        let mut names = std::collections::HashSet::new();
         for _ in 0..n_tensors {
             let name = r.string("tensor name")?;
+            // As llama.cpp: lookups by name would find only one of two tensors of one name.
+            if !names.insert(name.clone()) {
+                return Err(r.corrupt(format!("tensor `{name}` appears more than once")));
+            }
             let n_dims = r.u32("tensor dimension count")?;
             if n_dims == 0 || n_dims > MAX_TENSOR_DIMS {
-                return Err(r.corrupt(format!("tensor `{name}` has {n_dims} dimensions")));
+                return Err(r.corrupt(format!(
+                    "tensor `{name}` has {n_dims} dimensions (1 to {MAX_TENSOR_DIMS} allowed)"
+                )));
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
-                dims.push(r.u64("tensor dimension")?);
+                let dim = r.u64("tensor dimension")?;
+                // A tensor without elements is no weight any model uses, and row counts are
+                // divided by its dimensions later (`kvgate quantize` once divided by zero).
+                if dim == 0 {
+                    return Err(r.corrupt(format!("tensor `{name}` has a dimension of 0")));
+                }
+                dims.push(dim);
             }
             let ty = GgmlType::from_id(r.u32("tensor type")?);
             let offset = r.u64("tensor offset")?;
@@ -311,19 +341,9 @@ impl GgufFile {
             });
         }
 
-        // llama.cpp refuses an alignment that is not a power of two rather than guessing.
-        let alignment = match metadata.get("general.alignment") {
-            None => DEFAULT_ALIGNMENT,
-            Some(value) => match value.as_u64().filter(|a| a.is_power_of_two()) {
-                Some(a) => a,
-                None => {
-                    let value = match value.as_i64() {
-                        Some(v) => v.to_string(),
-                        None => format!("{value:?}").chars().take(40).collect(),
-                    };
-                    return Err(GgufError::BadAlignment { path, value });
-                }
-            },
+        let alignment = match alignment_of(metadata.get("general.alignment")) {
+            Ok(alignment) => alignment,
+            Err(reason) => return Err(GgufError::BadAlignment { path, reason }),
         };
         let data_start = r.pos.div_ceil(alignment) * alignment;
         let gguf = Self {
@@ -375,7 +395,9 @@ impl GgufFile {
                     ),
                 ));
             }
-            let bytes = elems / block_elems * block_bytes;
+            let bytes = (elems / block_elems)
+                .checked_mul(block_bytes)
+                .ok_or_else(|| self.corrupt(0, format!("tensor `{}` size overflows", t.name)))?;
             let start = self.data_start.checked_add(t.offset);
             let end = start.and_then(|s| s.checked_add(bytes));
             match end {
@@ -404,6 +426,11 @@ impl GgufFile {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The whole mapped file.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map
     }
 
     /// Size of the mapped file in bytes.
@@ -468,6 +495,42 @@ impl GgufFile {
             .map(|t| self.tensor_data(t).len() as u64)
             .sum()
     }
+}
+
+/// `general.alignment` (32 when absent), stored in any integer width (writers differ). llama.cpp
+/// refuses one that is not a power of two rather than guessing; above [`MAX_ALIGNMENT`] is
+/// refused too. The loader and `kvgate quantize` both read it here, so they cannot disagree
+/// about where tensor data starts.
+pub fn alignment_of(value: Option<&MetaValue>) -> Result<u64, String> {
+    let Some(value) = value else {
+        return Ok(DEFAULT_ALIGNMENT);
+    };
+    match value.as_u64() {
+        Some(a) if a.is_power_of_two() && a <= MAX_ALIGNMENT => Ok(a),
+        Some(a) if a.is_power_of_two() => Err(format!(
+            "general.alignment is {a}; at most {MAX_ALIGNMENT} is accepted"
+        )),
+        _ => {
+            let shown = match value.as_i64() {
+                Some(v) => v.to_string(),
+                None => format!("{value:?}").chars().take(40).collect(),
+            };
+            Err(format!(
+                "general.alignment is {shown}; it must be a power of two"
+            ))
+        }
+    }
+}
+
+/// One metadata value of GGUF type `ty` decoded from `bytes` (for readers that skip over the
+/// values they do not need, such as `kvgate quantize`); `None` if the bytes do not hold one.
+pub(crate) fn decode_value(ty: u32, bytes: &[u8]) -> Option<MetaValue> {
+    let mut r = Reader {
+        buf: bytes,
+        pos: 0,
+        path: Path::new(""),
+    };
+    r.value(ty, "", 0).ok()
 }
 
 /// Bounds-checked little-endian cursor over the mapped header.
@@ -559,21 +622,34 @@ impl Reader<'_> {
 #[cfg(test)]
 pub(crate) mod testutil {
     pub struct GgufBuilder {
-        kv: Vec<u8>,
-        n_kv: u64,
+        /// (key, its record: key, type and value bytes), in the order first written.
+        kv: Vec<(String, Vec<u8>)>,
+        /// Write a key set twice twice (to test that files doing so are refused); otherwise
+        /// setting a key again replaces its value, as tests that alter one base file expect.
+        repeat_keys: bool,
         tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
         /// (tensor index, offset written in its directory entry instead of the real one).
         offset_overrides: Vec<(usize, u64)>,
+        /// Padding of the header and of each tensor's data (32 unless [`Self::padded_to`]).
+        align: u64,
     }
 
     impl GgufBuilder {
         pub fn new() -> Self {
             Self {
                 kv: Vec::new(),
-                n_kv: 0,
+                repeat_keys: false,
                 tensors: Vec::new(),
                 offset_overrides: Vec::new(),
+                align: 32,
             }
+        }
+
+        /// Pads the header and each tensor's data to `align` bytes (write the matching
+        /// `general.alignment` too).
+        pub fn padded_to(mut self, align: u64) -> Self {
+            self.align = align;
+            self
         }
 
         /// Writes `offset` as tensor `index`'s data offset (the data stays where it was).
@@ -582,28 +658,46 @@ pub(crate) mod testutil {
             self
         }
 
+        /// Keeps every key set more than once instead of replacing its value.
+        pub fn repeat_keys(mut self) -> Self {
+            self.repeat_keys = true;
+            self
+        }
+
         fn key(&mut self, key: &str, ty: u32) {
-            self.kv.extend((key.len() as u64).to_le_bytes());
-            self.kv.extend(key.as_bytes());
-            self.kv.extend(ty.to_le_bytes());
-            self.n_kv += 1;
+            let mut record = Vec::new();
+            record.extend((key.len() as u64).to_le_bytes());
+            record.extend(key.as_bytes());
+            record.extend(ty.to_le_bytes());
+            self.kv.push((key.to_owned(), record));
+        }
+
+        /// The record of the key written last, for its value bytes.
+        fn value(&mut self) -> &mut Vec<u8> {
+            &mut self.kv.last_mut().expect("a key first").1
         }
 
         pub fn u32(mut self, key: &str, v: u32) -> Self {
             self.key(key, 4);
-            self.kv.extend(v.to_le_bytes());
+            self.value().extend(v.to_le_bytes());
+            self
+        }
+
+        pub fn u64(mut self, key: &str, v: u64) -> Self {
+            self.key(key, 10);
+            self.value().extend(v.to_le_bytes());
             self
         }
 
         pub fn f32(mut self, key: &str, v: f32) -> Self {
             self.key(key, 6);
-            self.kv.extend(v.to_le_bytes());
+            self.value().extend(v.to_le_bytes());
             self
         }
 
         pub fn bool(mut self, key: &str, v: bool) -> Self {
             self.key(key, 7);
-            self.kv.push(u8::from(v));
+            self.value().push(u8::from(v));
             self
         }
 
@@ -624,28 +718,28 @@ pub(crate) mod testutil {
             items: impl ExactSizeIterator<Item = [u8; N]>,
         ) -> Self {
             self.key(key, 9);
-            self.kv.extend(elem_ty.to_le_bytes());
-            self.kv.extend((items.len() as u64).to_le_bytes());
+            self.value().extend(elem_ty.to_le_bytes());
+            self.value().extend((items.len() as u64).to_le_bytes());
             for bytes in items {
-                self.kv.extend(bytes);
+                self.value().extend(bytes);
             }
             self
         }
 
         pub fn str(mut self, key: &str, v: &str) -> Self {
             self.key(key, 8);
-            self.kv.extend((v.len() as u64).to_le_bytes());
-            self.kv.extend(v.as_bytes());
+            self.value().extend((v.len() as u64).to_le_bytes());
+            self.value().extend(v.as_bytes());
             self
         }
 
         pub fn str_array(mut self, key: &str, items: &[&str]) -> Self {
             self.key(key, 9);
-            self.kv.extend(8u32.to_le_bytes());
-            self.kv.extend((items.len() as u64).to_le_bytes());
+            self.value().extend(8u32.to_le_bytes());
+            self.value().extend((items.len() as u64).to_le_bytes());
             for s in items {
-                self.kv.extend((s.len() as u64).to_le_bytes());
-                self.kv.extend(s.as_bytes());
+                self.value().extend((s.len() as u64).to_le_bytes());
+                self.value().extend(s.as_bytes());
             }
             self
         }
@@ -660,8 +754,17 @@ pub(crate) mod testutil {
             out.extend(b"GGUF");
             out.extend(3u32.to_le_bytes());
             out.extend((self.tensors.len() as u64).to_le_bytes());
-            out.extend(self.n_kv.to_le_bytes());
-            out.extend(&self.kv);
+            let mut records: Vec<(String, Vec<u8>)> = Vec::new();
+            for (key, record) in self.kv.iter().cloned() {
+                match records.iter_mut().find(|(k, _)| *k == key) {
+                    Some(earlier) if !self.repeat_keys => earlier.1 = record,
+                    _ => records.push((key, record)),
+                }
+            }
+            out.extend((records.len() as u64).to_le_bytes());
+            for (_, record) in &records {
+                out.extend(record);
+            }
             let mut offset = 0u64;
             for (index, (name, dims, ty, data)) in self.tensors.iter().enumerate() {
                 out.extend((name.len() as u64).to_le_bytes());
@@ -677,16 +780,16 @@ pub(crate) mod testutil {
                     .rfind(|(i, _)| *i == index)
                     .map_or(offset, |(_, o)| *o);
                 out.extend(written.to_le_bytes());
-                offset += (data.len() as u64).div_ceil(32) * 32;
+                offset += (data.len() as u64).div_ceil(self.align) * self.align;
             }
-            while out.len() % 32 != 0 {
+            while !(out.len() as u64).is_multiple_of(self.align) {
                 out.push(0);
             }
-            // Offsets above were assigned in order with 32-byte padding, which is what appending
-            // each tensor and padding reproduces.
+            // Offsets above were assigned in order with the same padding, which is what
+            // appending each tensor and padding reproduces.
             for (_, _, _, data) in &self.tensors {
                 out.extend(data);
-                while out.len() % 32 != 0 {
+                while !(out.len() as u64).is_multiple_of(self.align) {
                     out.push(0);
                 }
             }
@@ -841,5 +944,110 @@ mod tests {
         let bytes = two(GgufBuilder::new().u32("general.alignment", 24)).build();
         let err = GgufFile::open(write_tmp("align24.gguf", &bytes)).expect_err("24 refused");
         assert!(err.to_string().contains("general.alignment is 24"), "{err}");
+    }
+
+    /// The error text of opening `bytes` written as `name`.
+    fn open_error(name: &str, bytes: &[u8]) -> String {
+        let err = GgufFile::open(write_tmp(name, bytes)).expect_err(name);
+        let msg = err.to_string();
+        assert!(!msg.contains('\n'), "{msg}");
+        msg
+    }
+
+    #[test]
+    fn a_tensor_whose_byte_size_overflows_is_refused_naming_it() {
+        // 2^62 F32 elements: the element count fits a u64, its 2^64 bytes do not.
+        let bytes = GgufBuilder::new()
+            .tensor("blk.0.attn_norm.weight", &[1 << 62], 0, vec![0; 32])
+            .build();
+        let msg = open_error("overflow.gguf", &bytes);
+        assert!(
+            msg.contains("tensor `blk.0.attn_norm.weight` size overflows"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn zero_dimensions_and_more_than_four_are_refused_as_llama_cpp_does() {
+        let bytes = GgufBuilder::new().tensor("w", &[0], 0, Vec::new()).build();
+        let msg = open_error("dim0.gguf", &bytes);
+        assert!(msg.contains("tensor `w` has a dimension of 0"), "{msg}");
+        let bytes = GgufBuilder::new()
+            .tensor("w", &[32, 1, 0, 1], 0, Vec::new())
+            .build();
+        assert!(open_error("dim2.gguf", &bytes).contains("a dimension of 0"));
+        let bytes = GgufBuilder::new()
+            .tensor("w", &[8, 1, 1, 1, 1], 0, vec![0; 32])
+            .build();
+        let msg = open_error("dims5.gguf", &bytes);
+        assert!(
+            msg.contains("tensor `w` has 5 dimensions (1 to 4 allowed)"),
+            "{msg}"
+        );
+        let four = GgufBuilder::new()
+            .tensor("w", &[8, 1, 1, 1], 0, vec![0; 32])
+            .build();
+        GgufFile::open(write_tmp("dims4.gguf", &four)).expect("4 dimensions open");
+    }
+
+    #[test]
+    fn repeated_tensor_names_and_metadata_keys_are_refused_naming_them() {
+        let bytes = GgufBuilder::new()
+            .tensor("w", &[8], 0, vec![0; 32])
+            .tensor("w", &[8], 0, vec![0; 32])
+            .build();
+        let msg = open_error("dup-tensor.gguf", &bytes);
+        assert!(msg.contains("tensor `w` appears more than once"), "{msg}");
+        let bytes = GgufBuilder::new()
+            .repeat_keys()
+            .str("general.architecture", "llama")
+            .str("general.architecture", "qwen2")
+            .build();
+        let msg = open_error("dup-key.gguf", &bytes);
+        assert!(
+            msg.contains("metadata key `general.architecture` appears more than once"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn alignment_is_read_from_any_integer_width_and_capped() {
+        let f32s = vec![0u8; 8 * 4];
+        let bytes = GgufBuilder::new()
+            .u64("general.alignment", 32)
+            .tensor("w", &[8], 0, f32s.clone())
+            .build();
+        let gguf = GgufFile::open(write_tmp("align-u64.gguf", &bytes)).expect("u64 32 opens");
+        assert_eq!(gguf.alignment, 32);
+        assert_eq!(
+            alignment_of(Some(&MetaValue::U64(64))),
+            Ok(64),
+            "as the loader reads it"
+        );
+        assert_eq!(alignment_of(Some(&MetaValue::U32(1 << 20))), Ok(1 << 20));
+        assert_eq!(alignment_of(None), Ok(32));
+        let bytes = GgufBuilder::new()
+            .u32("general.alignment", 1 << 31)
+            .tensor("w", &[8], 0, f32s)
+            .build();
+        let msg = open_error("align-huge.gguf", &bytes);
+        assert!(
+            msg.ends_with("general.alignment is 2147483648; at most 1048576 is accepted"),
+            "{msg}"
+        );
+        let msg = alignment_of(Some(&MetaValue::I32(-32))).unwrap_err();
+        assert_eq!(msg, "general.alignment is -32; it must be a power of two");
+    }
+
+    #[test]
+    fn a_path_that_is_not_a_regular_file_is_refused_without_reading_it() {
+        for path in [Path::new("/dev/zero"), &std::env::temp_dir()] {
+            let err = GgufFile::open(path).expect_err("not a file");
+            assert!(matches!(err, GgufError::NotAFile { .. }), "{err}");
+            assert_eq!(
+                err.to_string(),
+                format!("{}: not a regular file", path.display())
+            );
+        }
     }
 }

@@ -13,6 +13,7 @@ pub mod gguf;
 pub mod kv_math;
 pub mod loader;
 pub mod model;
+pub mod out_file;
 pub mod plan;
 pub mod provision;
 pub mod requant;

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::backend::cpu::workspace_bytes as cpu_workspace_bytes;
 use crate::backend::cpu::{CpuBackend, CpuBackendOptions, default_threads};
 use crate::backend::cuda::{
     CudaBackend, CudaBackendOptions, MemoryPlan, MemoryPlanError, MemoryPlanInputs, workspace_bytes,
@@ -86,14 +87,25 @@ pub enum LoadError {
         block_size: usize,
     },
     #[error(
-        "KV memory budget {budget} plus the model's weights {weights} is more than the memory \
-         this host has available ({available}, MemAvailable in /proc/meminfo); lower --kv-memory"
+        "KV memory budget {budget} plus the model's weights {weights}{workspace} is more than the \
+         memory this host has available ({available}, MemAvailable in /proc/meminfo); lower \
+         --kv-memory{lower}"
     )]
     HostMemory {
         budget: HumanSize,
         weights: HumanSize,
+        /// `" and the activation workspace SIZE (--max-batched-tokens)"` where it counts.
+        workspace: String,
+        /// `" or --max-batched-tokens"` where the workspace is over a tenth of the total.
+        lower: &'static str,
         available: HumanSize,
     },
+    /// `--max-batched-tokens` so large its activation workspace size overflows.
+    #[error(
+        "--max-batched-tokens {0} is too large: the activation workspace for that many tokens \
+         per step overflows"
+    )]
+    WorkspaceOverflow(usize),
     /// A count given as 0, e.g. the block size or the thread count (`--{0}`).
     #[error("--{0} must be at least 1")]
     Zero(&'static str),
@@ -123,20 +135,39 @@ fn mem_available_bytes(meminfo: &str) -> Option<u64> {
 /// them is slightly conservative where their pages are already cached (and so also counted as
 /// available), which errs on the side of a clear refusal at startup. Where `meminfo` is `None`
 /// or has no `MemAvailable` line (kernels before 3.14), nothing is refused.
+///
+/// The activation workspace (`--max-batched-tokens` rows of every intermediate) counts too:
+/// `--max-batched-tokens 100000000` asked for 230 GB, and allocating it aborted the process.
 fn check_host_memory(
     kv_budget: usize,
     weights: u64,
+    workspace: u64,
     meminfo: Option<&str>,
 ) -> Result<(), LoadError> {
     let Some(available) = meminfo.and_then(mem_available_bytes) else {
         return Ok(());
     };
-    let needed = (kv_budget as u64).saturating_add(weights);
+    let needed = (kv_budget as u64)
+        .saturating_add(weights)
+        .saturating_add(workspace);
     if needed > available {
+        let human = |bytes: u64| HumanSize(usize::try_from(bytes).unwrap_or(usize::MAX));
         return Err(LoadError::HostMemory {
             budget: HumanSize(kv_budget),
-            weights: HumanSize(usize::try_from(weights).unwrap_or(usize::MAX)),
-            available: HumanSize(usize::try_from(available).unwrap_or(usize::MAX)),
+            weights: human(weights),
+            workspace: match workspace {
+                0 => String::new(),
+                bytes => format!(
+                    " and the activation workspace {} (--max-batched-tokens)",
+                    human(bytes)
+                ),
+            },
+            lower: if workspace > needed / 10 {
+                " or --max-batched-tokens"
+            } else {
+                ""
+            },
+            available: human(available),
         });
     }
     Ok(())
@@ -201,7 +232,14 @@ impl Runtime {
                 }
                 // Before anything is allocated: a pool the host cannot hold would be allocated
                 // until the kernel's OOM killer ends this process (or another one).
-                check_host_memory(budget, gguf.tensor_bytes(), read_mem_available().as_deref())?;
+                let workspace = cpu_workspace_bytes(&config, opts.max_batched_tokens)
+                    .ok_or(LoadError::WorkspaceOverflow(opts.max_batched_tokens))?;
+                check_host_memory(
+                    budget,
+                    gguf.tensor_bytes(),
+                    workspace,
+                    read_mem_available().as_deref(),
+                )?;
                 let backend = CpuBackend::new(
                     Arc::clone(&gguf),
                     config.clone(),
@@ -385,20 +423,34 @@ mod tests {
     #[test]
     fn a_pool_and_weights_over_mem_available_are_refused_and_unknown_memory_is_not() {
         // 2 GiB available: 1.5 GiB of KV and 256 MiB of weights fit, 1 TiB does not.
-        assert!(check_host_memory(3 << 29, 256 << 20, Some(MEMINFO)).is_ok());
-        let err = check_host_memory(1 << 40, 256 << 20, Some(MEMINFO)).expect_err("1TiB");
+        assert!(check_host_memory(3 << 29, 256 << 20, 0, Some(MEMINFO)).is_ok());
+        let err = check_host_memory(1 << 40, 256 << 20, 0, Some(MEMINFO)).expect_err("1TiB");
         assert_eq!(
             err.to_string(),
             "KV memory budget 1TiB plus the model's weights 256MiB is more than the memory this \
              host has available (2GiB, MemAvailable in /proc/meminfo); lower --kv-memory"
         );
         // The weights count: 2 GiB of KV alone fits exactly, with weights it does not.
-        assert!(check_host_memory(2 << 30, 0, Some(MEMINFO)).is_ok());
-        assert!(check_host_memory(2 << 30, 1, Some(MEMINFO)).is_err());
-        assert!(check_host_memory(usize::MAX, u64::MAX, Some(MEMINFO)).is_err());
+        assert!(check_host_memory(2 << 30, 0, 0, Some(MEMINFO)).is_ok());
+        assert!(check_host_memory(2 << 30, 1, 0, Some(MEMINFO)).is_err());
+        assert!(check_host_memory(usize::MAX, u64::MAX, u64::MAX, Some(MEMINFO)).is_err());
         // No /proc/meminfo, or no MemAvailable in it: nothing to compare with, nothing refused.
-        assert!(check_host_memory(1 << 40, 0, None).is_ok());
-        assert!(check_host_memory(1 << 40, 0, Some("MemTotal: 1 kB\n")).is_ok());
+        assert!(check_host_memory(1 << 40, 0, 0, None).is_ok());
+        assert!(check_host_memory(1 << 40, 0, 0, Some("MemTotal: 1 kB\n")).is_ok());
+    }
+
+    #[test]
+    fn the_activation_workspace_counts_against_mem_available() {
+        // 2 GiB available: 1 GiB of KV with 1 GiB of workspace fits, with 1 byte more it does not.
+        assert!(check_host_memory(1 << 30, 0, 1 << 30, Some(MEMINFO)).is_ok());
+        let err = check_host_memory(1 << 28, 1 << 20, 230 << 30, Some(MEMINFO))
+            .expect_err("230 GiB of workspace");
+        assert_eq!(
+            err.to_string(),
+            "KV memory budget 256MiB plus the model's weights 1MiB and the activation workspace \
+             230GiB (--max-batched-tokens) is more than the memory this host has available \
+             (2GiB, MemAvailable in /proc/meminfo); lower --kv-memory or --max-batched-tokens"
+        );
     }
 
     #[test]

@@ -15,11 +15,13 @@
 //! `GGML_NATIVE` build, so every product and sum rounds on its own.
 
 use std::fmt;
-use std::fs;
 use std::io::Write;
 use std::path::Path;
 
 use half::f16;
+
+use crate::gguf::{GgufFile, MetaValue, alignment_of, decode_value};
+use crate::out_file;
 
 const GGUF_MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: usize = 32;
@@ -152,21 +154,20 @@ pub struct QuantizeReport {
     pub bytes: u64,
 }
 
-/// Reads the GGUF at `input`, writes its Q4_K_M requantization to `output` (through
-/// `output.partial`, renamed when complete). Errors are one line, naming the file.
+/// Reads the GGUF at `input`, writes its Q4_K_M requantization to `output` (through a
+/// temporary file, renamed when complete; see [`crate::out_file`]). Errors are one line,
+/// naming the file.
 pub fn quantize_file(input: &Path, output: &Path, mix: QuantMix) -> Result<QuantizeReport, String> {
-    let data = fs::read(input).map_err(|e| format!("{}: {e}", input.display()))?;
+    let out_error = |e: std::io::Error| format!("{}: {e}", output.display());
+    // Before the work: an output that cannot be replaced is refused in milliseconds.
+    out_file::check_output(output).map_err(out_error)?;
+    // Opened as the loader opens a model: mapped (not read whole; `/dev/zero` and other files
+    // that are not regular are refused) and checked (tensor extents, dimensions, repeated
+    // names, alignment) before any byte is requantized. Its errors name the file.
+    let gguf = GgufFile::open(input).map_err(|e| e.to_string())?;
     let (bytes, tensors) =
-        quantize_bytes(&data, mix).map_err(|e| format!("{}: {e}", input.display()))?;
-    // Per process, so two writers of the same file cannot interleave their bytes.
-    let partial = output.with_extension(format!("partial.{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = fs::File::create(&partial)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        fs::rename(&partial, output)
-    };
-    write().map_err(|e| format!("{}: {e}", output.display()))?;
+        quantize_bytes(gguf.bytes(), mix).map_err(|e| format!("{}: {e}", input.display()))?;
+    out_file::write_via_partial(output, |f| f.write_all(&bytes)).map_err(out_error)?;
     Ok(QuantizeReport {
         tensors,
         bytes: bytes.len() as u64,
@@ -293,16 +294,17 @@ pub fn quantize_bytes(
         let value_at = c.pos;
         c.skip_value(ty)?;
         let value = &data[value_at..c.pos];
-        if key == "general.alignment" && ty == 4 {
-            alignment = u32::from_le_bytes([value[0], value[1], value[2], value[3]]) as usize;
-            if alignment == 0 || !alignment.is_power_of_two() {
-                return Err(format!(
-                    "general.alignment {alignment} is not a power of two"
-                ));
-            }
+        // Read as the loader reads them, in any integer width: reading only UINT32 once
+        // shifted every tensor of a file whose alignment was a UINT64.
+        if key == "general.alignment" {
+            let value = decode_value(ty, value).ok_or("general.alignment cannot be read")?;
+            let a = alignment_of(Some(&value))?;
+            // At most MAX_ALIGNMENT (1 MiB), so it fits a usize; checked before anything is
+            // padded with it.
+            alignment = usize::try_from(a).map_err(|_| format!("general.alignment is {a}"))?;
         }
-        if key.ends_with(".block_count") && ty == 4 {
-            block_count = Some(u32::from_le_bytes([value[0], value[1], value[2], value[3]]));
+        if key.ends_with(".block_count") {
+            block_count = decode_value(ty, value).as_ref().and_then(MetaValue::as_u64);
         }
         if matches!(
             key.as_str(),
@@ -328,6 +330,10 @@ pub fn quantize_bytes(
         let dims = (0..n_dims)
             .map(|_| c.u64())
             .collect::<Result<Vec<_>, _>>()?;
+        // Rows are counted by dividing by the first dimension.
+        if dims.contains(&0) {
+            return Err(format!("tensor {name}: a dimension is 0"));
+        }
         let ty_id = c.u32()?;
         let ty = QType::from_id(ty_id)
             .ok_or_else(|| format!("tensor {name}: ggml type {ty_id} is not supported"))?;
@@ -340,7 +346,9 @@ pub fn quantize_bytes(
         });
     }
     let data_start = pad(c.pos, alignment);
-    let n_layers = block_count.ok_or("no <arch>.block_count key")? as usize;
+    let n_layers = block_count
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or("no <arch>.block_count key")?;
     let tied = !tensors.iter().any(|t| t.name == "output.weight");
 
     // llama.cpp's loader keeps tensors in a map ordered by layer (non-layer tensors first),

@@ -10,11 +10,10 @@
 //! Determinism: every tensor row chunk draws from its own generator seeded by (seed, tensor,
 //! chunk), so the same spec gives the same bytes whatever the thread count. A file is written
 //! in one streaming pass (a 13B Q4_0 file is 7 GiB; nothing holds more than one batch of row
-//! chunks in memory) to `OUT.partial`, then renamed, so an interrupted run leaves no file that
+//! chunks in memory) to a temporary `OUT.partial.*`, then renamed, so an interrupted run leaves no file that
 //! looks complete.
 
 use std::fmt;
-use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -634,23 +633,19 @@ impl SynthModel {
         }
     }
 
-    /// Writes the whole file to `path` (through `path.partial`, renamed when complete).
+    /// Writes the whole file to `path` (through a temporary file, renamed when complete; see
+    /// [`crate::out_file`]).
     pub fn write_to(&self, path: &Path, progress: &mut dyn FnMut(u64)) -> Result<(), SynthError> {
-        let mut partial = path.as_os_str().to_owned();
-        partial.push(".partial");
-        let partial = PathBuf::from(partial);
-        let io_err = |p: &Path| {
-            let p = p.to_path_buf();
-            move |source| SynthError::Io { path: p, source }
-        };
-        let file = File::create(&partial).map_err(io_err(&partial))?;
-        let mut w = BufWriter::with_capacity(8 << 20, file);
-        self.write_header(&mut w)
-            .and_then(|()| self.write_data(&mut w, progress))
-            .and_then(|()| w.flush())
-            .map_err(io_err(&partial))?;
-        drop(w);
-        std::fs::rename(&partial, path).map_err(io_err(path))
+        crate::out_file::write_via_partial(path, |file| {
+            let mut w = BufWriter::with_capacity(8 << 20, file);
+            self.write_header(&mut w)?;
+            self.write_data(&mut w, progress)?;
+            w.flush()
+        })
+        .map_err(|source| SynthError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 }
 

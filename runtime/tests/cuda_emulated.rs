@@ -31,7 +31,7 @@ fn synth_model(shape: SynthShape, dtype: SynthDtype) -> (Arc<GgufFile>, ModelCon
     let dir = std::env::temp_dir().join(format!("kvgate-cuda-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     // A file per call: tests of the same shape and type run in parallel, and two writers of
-    // one path share its `.partial` file (one's rename then fails).
+    // one path would each write the whole file.
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, Ordering::Relaxed);
     let path: PathBuf = dir.join(format!("{shape}-{dtype}-{call}.gguf"));

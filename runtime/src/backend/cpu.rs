@@ -83,7 +83,12 @@ impl CpuBackend {
                     options.num_blocks, options.block_size
                 ))
             })?;
-        let ws = Workspace::new(&model.config, options.max_batched_tokens);
+        let ws = Workspace::new(&model.config, options.max_batched_tokens).ok_or_else(|| {
+            BackendError::OutOfMemory(format!(
+                "cannot allocate the activation workspace of {} tokens per step",
+                options.max_batched_tokens
+            ))
+        })?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kvgate-cpu-{i}"))
@@ -113,6 +118,12 @@ impl CpuBackend {
 }
 
 /// Cores this process may use (1 if unknown).
+/// Bytes of the activation workspace for `max_batched_tokens` tokens per step, or `None` where
+/// that overflows.
+pub fn workspace_bytes(config: &ModelConfig, max_batched_tokens: usize) -> Option<u64> {
+    Workspace::bytes_for(config, max_batched_tokens)
+}
+
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }

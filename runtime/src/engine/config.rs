@@ -40,6 +40,11 @@ pub struct EngineConfig {
     pub prefix_caching: bool,
 }
 
+/// Largest `command_queue`. The submit queue is a bounded channel that allocates its whole
+/// capacity up front (`--engine-queue 4294967295` asked for 137 GB and aborted); far more
+/// requests than any engine runs at once can still wait, in admission's queue.
+pub const MAX_COMMAND_QUEUE: usize = 65_536;
+
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
@@ -71,6 +76,12 @@ impl EngineConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(EngineError::InvalidConfig(format!(
                 "{name} must be at least 1"
+            )));
+        }
+        if self.command_queue > MAX_COMMAND_QUEUE {
+            return Err(EngineError::InvalidConfig(format!(
+                "command_queue must be at most {MAX_COMMAND_QUEUE} (got {})",
+                self.command_queue
             )));
         }
         let slots = self.num_blocks.checked_mul(self.block_size);

@@ -423,6 +423,16 @@ fn invalid_config_is_rejected() {
     let backend = FakeBackend::new(Mode::Hash, 4, 16);
     let err = Engine::spawn(Box::new(backend), Arc::new(FakeDecoder::letters()), cfg).unwrap_err();
     assert!(err.to_string().contains("max_num_seqs"));
+    // A queue that would be allocated whole at any size is refused past the cap, not aborted.
+    let mut cfg = config(4, 16, 32, 0);
+    cfg.command_queue = u32::MAX as usize;
+    let backend = FakeBackend::new(Mode::Hash, 4, 16);
+    let err = Engine::spawn(Box::new(backend), Arc::new(FakeDecoder::letters()), cfg).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("command_queue must be at most 65536 (got 4294967295)"),
+        "{err}"
+    );
 }
 
 #[test]

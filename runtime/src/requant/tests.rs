@@ -108,3 +108,100 @@ fn rejects_files_that_are_not_gguf() {
     let err = quantize_bytes(b"GGUF\x03\0\0\0\x01", QuantMix::Q4_K_M).unwrap_err();
     assert!(err.contains("truncated"), "{err}");
 }
+
+/// A two-layer file of F32 norms (kept as they are by Q4_K_M) with `extra` metadata.
+fn norms_file(
+    extra: impl FnOnce(crate::gguf::testutil::GgufBuilder) -> crate::gguf::testutil::GgufBuilder,
+    first_dim: u64,
+) -> Vec<u8> {
+    let values = |base: f32| -> Vec<u8> {
+        (0..first_dim)
+            .flat_map(|i| (base + i as f32).to_le_bytes())
+            .collect()
+    };
+    extra(crate::gguf::testutil::GgufBuilder::new())
+        .str("general.architecture", "llama")
+        .u32("llama.block_count", 2)
+        .tensor("blk.0.attn_norm.weight", &[first_dim], 0, values(1.0))
+        .tensor("blk.1.attn_norm.weight", &[first_dim], 0, values(100.0))
+        .build()
+}
+
+fn scratch_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvgate-requant-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).expect("write temp file");
+    path
+}
+
+#[test]
+fn an_alignment_of_any_integer_width_is_honoured_as_the_loader_does() {
+    // general.alignment = 64 as a UINT64: read as 32 before, which shifted every tensor.
+    let bytes = norms_file(|b| b.u64("general.alignment", 64).padded_to(64), 32);
+    let input = scratch_file("align-u64.gguf", &bytes);
+    let output = input.with_file_name("align-u64.q4km.gguf");
+    quantize_file(&input, &output, QuantMix::Q4_K_M).expect("quantizes");
+    let (before, after) = (
+        crate::gguf::GgufFile::open(&input).expect("input opens"),
+        crate::gguf::GgufFile::open(&output).expect("output opens"),
+    );
+    for name in ["blk.0.attn_norm.weight", "blk.1.attn_norm.weight"] {
+        let data = |g: &crate::gguf::GgufFile| g.tensor_data(g.tensor(name).expect(name)).to_vec();
+        assert_eq!(data(&after), data(&before), "{name}");
+    }
+}
+
+#[test]
+fn a_huge_alignment_is_refused_before_anything_is_padded_with_it() {
+    let bytes = norms_file(|b| b.u32("general.alignment", 1 << 31), 32);
+    let err = quantize_bytes(&bytes, QuantMix::Q4_K_M).unwrap_err();
+    assert_eq!(
+        err,
+        "general.alignment is 2147483648; at most 1048576 is accepted"
+    );
+}
+
+#[test]
+fn a_zero_dimension_is_an_error_not_a_division_by_zero() {
+    let bytes = norms_file(|b| b, 0);
+    let err = quantize_bytes(&bytes, QuantMix::Q4_K_M).unwrap_err();
+    assert_eq!(err, "tensor blk.0.attn_norm.weight: a dimension is 0");
+    // Through the file, the loader's checks refuse it first, naming the file.
+    let input = scratch_file("dim0.gguf", &bytes);
+    let err = quantize_file(&input, &input.with_extension("out"), QuantMix::Q4_K_M).unwrap_err();
+    assert!(
+        err.contains("dim0.gguf") && err.contains("a dimension of 0"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_input_or_output_that_is_not_a_regular_file_is_refused() {
+    let input = scratch_file("ok.gguf", &norms_file(|b| b, 32));
+    // /dev/zero was read without end.
+    let err = quantize_file(
+        Path::new("/dev/zero"),
+        &input.with_extension("out"),
+        QuantMix::Q4_K_M,
+    )
+    .unwrap_err();
+    assert_eq!(err, "/dev/zero: not a regular file");
+    let dir = input.with_file_name("out-dir");
+    std::fs::create_dir_all(&dir).expect("dir");
+    for out in [Path::new("/dev/null"), &dir] {
+        let err = quantize_file(&input, out, QuantMix::Q4_K_M).unwrap_err();
+        assert_eq!(
+            err,
+            format!(
+                "{}: exists and is not a regular file; name a file to write",
+                out.display()
+            )
+        );
+    }
+    assert_eq!(
+        std::fs::read_dir(&dir).expect("lists").count(),
+        0,
+        "no temporary file"
+    );
+}

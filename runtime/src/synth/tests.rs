@@ -322,7 +322,7 @@ fn header_only(shape: SynthShape, dtype: SynthDtype, name: &str) -> PathBuf {
         seed: 0,
     });
     let path = temp_path(name);
-    let mut file = File::create(&path).expect("create");
+    let mut file = std::fs::File::create(&path).expect("create");
     model.write_header(&mut file).expect("header");
     file.set_len(model.file_len()).expect("extend");
     path

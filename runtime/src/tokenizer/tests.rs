@@ -193,6 +193,42 @@ fn unsupported_models_and_pre_tokenizers_are_named() {
 }
 
 #[test]
+fn a_token_list_of_the_wrong_type_says_so_rather_than_missing() {
+    use crate::gguf::testutil::GgufBuilder;
+    let dir = std::env::temp_dir().join(format!("kvgate-tok-types-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let ints = &[1, 2];
+    for (key, builder) in [
+        (
+            "tokenizer.ggml.tokens",
+            GgufBuilder::new().i32_array("tokenizer.ggml.tokens", ints),
+        ),
+        (
+            "tokenizer.ggml.merges",
+            GgufBuilder::new()
+                .str_array("tokenizer.ggml.tokens", &["a", "b", "ab"])
+                .i32_array("tokenizer.ggml.merges", ints),
+        ),
+    ] {
+        let path = dir.join(format!("{key}.gguf"));
+        let bytes = builder
+            .str("tokenizer.ggml.model", "gpt2")
+            .str("tokenizer.ggml.pre", "gpt-2")
+            .build();
+        std::fs::write(&path, bytes).expect("write temp gguf");
+        let gguf = GgufFile::open(&path).expect("opens");
+        let err = Tokenizer::from_gguf(&gguf)
+            .err()
+            .unwrap_or_else(|| panic!("{key} of integers must be refused"))
+            .to_string();
+        assert_eq!(
+            err,
+            format!("invalid vocabulary: `{key}` is not an array of strings")
+        );
+    }
+}
+
+#[test]
 fn chat_template_falls_back_to_chatml() {
     let t = tiny(&[]);
     let out = t

@@ -121,6 +121,19 @@ pub(super) struct Vocab {
     pub(super) chat_template: Option<String>,
 }
 
+/// The string array at `key`: `None` where the file has no such key, an error naming the key
+/// where it holds something else (reported as missing, it sent users looking for a key that
+/// is there).
+fn string_array<'a>(gguf: &'a GgufFile, key: &str) -> Result<Option<Vec<&'a str>>, TokenizerError> {
+    match gguf.get(key) {
+        None => Ok(None),
+        Some(_) => gguf
+            .get_str_array(key)
+            .map(Some)
+            .ok_or_else(|| TokenizerError::Invalid(format!("`{key}` is not an array of strings"))),
+    }
+}
+
 impl Vocab {
     pub(super) fn from_gguf(gguf: &GgufFile) -> Result<Self, TokenizerError> {
         let model = gguf
@@ -132,8 +145,7 @@ impl Vocab {
             other => return Err(TokenizerError::UnsupportedModel(other.to_string())),
         };
         let spm = model == ModelKind::SentencePiece;
-        let texts: Vec<String> = gguf
-            .get_str_array("tokenizer.ggml.tokens")
+        let texts: Vec<String> = string_array(gguf, "tokenizer.ggml.tokens")?
             .ok_or(TokenizerError::Missing("tokenizer.ggml.tokens"))?
             .into_iter()
             .map(str::to_string)
@@ -164,7 +176,7 @@ impl Vocab {
                     ))
                 })?,
         };
-        let merges = match gguf.get_str_array("tokenizer.ggml.merges") {
+        let merges = match string_array(gguf, "tokenizer.ggml.merges")? {
             Some(lines) => Some(parse_merges(&lines)?),
             None => None,
         };
