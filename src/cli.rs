@@ -64,8 +64,9 @@ pub struct ModelArgs {
     /// gets the rest of it; --kv-memory applies to the CPU only).
     #[arg(long, value_name = "F", default_value_t = 0.90, value_parser = parse_utilization)]
     pub gpu_memory_utilization: f64,
-    /// Compute threads (default: all cores).
-    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    /// Compute threads (default: all cores; at most 1024, and more than the cores only slows
+    /// each step down).
+    #[arg(long, value_name = "N", value_parser = thread_count)]
     pub threads: Option<usize>,
     /// Memory budget of the paged KV cache, e.g. 256MiB or 2GiB.
     #[arg(long, value_name = "SIZE", default_value = "256MiB")]
@@ -145,6 +146,18 @@ fn parse_interval(text: &str) -> Result<f64, String> {
             "expected a number of seconds above 0 and at most {MAX_TOP_INTERVAL_SECS}, got `{text}`"
         )),
     }
+}
+
+/// Most compute threads `--threads` accepts: every step waits for its slowest thread, so a
+/// count far above the cores makes each token take seconds (a typo, never a setting).
+const MAX_THREADS: usize = 1024;
+
+fn thread_count(text: &str) -> Result<usize, String> {
+    let n = at_least_one(text)?;
+    if n > MAX_THREADS {
+        return Err(format!("must be at most {MAX_THREADS}"));
+    }
+    Ok(n)
 }
 
 fn at_least_one(text: &str) -> Result<usize, String> {
@@ -485,6 +498,14 @@ pub struct TopArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn threads_are_between_one_and_the_cap() {
+        assert_eq!(thread_count("2"), Ok(2));
+        assert_eq!(thread_count("1024"), Ok(MAX_THREADS));
+        assert_eq!(thread_count("1025"), Err("must be at most 1024".to_owned()));
+        assert!(thread_count("0").is_err());
+    }
 
     #[test]
     fn pre_drain_is_at_most_an_hour() {

@@ -89,6 +89,15 @@ impl CpuBackend {
                 options.max_batched_tokens
             ))
         })?;
+        if threads > default_threads() {
+            // Every step waits for its slowest thread: threads beyond the cores only queue for
+            // them (512 threads on 2 cores made one token take 34 s).
+            tracing::warn!(
+                threads,
+                cores = default_threads(),
+                "more compute threads than cores: steps will be slower, not faster"
+            );
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kvgate-cpu-{i}"))
@@ -117,13 +126,13 @@ impl CpuBackend {
     }
 }
 
-/// Cores this process may use (1 if unknown).
 /// Bytes of the activation workspace for `max_batched_tokens` tokens per step, or `None` where
 /// that overflows.
 pub fn workspace_bytes(config: &ModelConfig, max_batched_tokens: usize) -> Option<u64> {
     Workspace::bytes_for(config, max_batched_tokens)
 }
 
+/// Cores this process may use (1 if unknown).
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
