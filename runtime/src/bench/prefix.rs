@@ -107,6 +107,7 @@ pub fn run_prefix_bench(
                 .into(),
         ));
     }
+    let options = &fitted_to_context(options, runtime.engine.config().max_model_len)?;
     // Warm-up outside both passes: page in the weights, grow the scratch buffers.
     let warm = bench_prompt(5000, 64, runtime.config.vocab_size);
     run_one(&runtime.engine, warm, 2, None)?;
@@ -126,6 +127,40 @@ pub fn run_prefix_bench(
         kv_pool_tokens: runtime.num_blocks * runtime.block_size,
         off,
         on,
+    })
+}
+
+/// `options` with the system prompt shortened so that the longest request (the last turn of a
+/// multi-turn chat) fits the model's context of `max_context` tokens, said on stderr when it
+/// changes; an error when not even a 16-token system prompt fits.
+fn fitted_to_context(
+    options: &PrefixBenchOptions,
+    max_context: usize,
+) -> Result<PrefixBenchOptions, BenchError> {
+    let per_turn = options.user_tokens + options.output_tokens;
+    let rest = match options.workload {
+        PrefixWorkload::SharedPrompt => per_turn,
+        PrefixWorkload::MultiTurn => per_turn.saturating_mul(options.turns),
+    };
+    let room = max_context.saturating_sub(rest);
+    if room >= options.system_tokens {
+        return Ok(options.clone());
+    }
+    const MIN_SYSTEM_TOKENS: usize = 16;
+    if room < MIN_SYSTEM_TOKENS {
+        return Err(BenchError::InvalidOptions(format!(
+            "the model's context of {max_context} tokens cannot hold this workload's requests \
+             ({rest} tokens besides the system prompt)"
+        )));
+    }
+    eprintln!(
+        "system prompt shortened from {} to {room} tokens to fit the model's context of \
+         {max_context}",
+        options.system_tokens
+    );
+    Ok(PrefixBenchOptions {
+        system_tokens: room,
+        ..options.clone()
     })
 }
 
@@ -278,6 +313,19 @@ fn run_pass(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_workload_too_long_for_the_context_is_shortened_to_fit() {
+        let shared = PrefixBenchOptions::for_workload(PrefixWorkload::SharedPrompt);
+        // 1000 + 24 + 16 fits 2048 as it is, and needs a 984-token system prompt in 1024.
+        assert_eq!(fitted_to_context(&shared, 2048).unwrap(), shared);
+        assert_eq!(fitted_to_context(&shared, 1024).unwrap().system_tokens, 984);
+        // Multi-turn: 8 turns of 40 + 32 tokens leave 1024 - 576 = 448 for the system prompt.
+        let chat = PrefixBenchOptions::for_workload(PrefixWorkload::MultiTurn);
+        assert_eq!(fitted_to_context(&chat, 1024).unwrap(), chat);
+        assert_eq!(fitted_to_context(&chat, 700).unwrap().system_tokens, 124);
+        assert!(fitted_to_context(&chat, 590).is_err());
+    }
 
     #[test]
     fn the_documented_workloads_match_the_issue() {
