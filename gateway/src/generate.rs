@@ -550,6 +550,8 @@ fn respond(
     // Admission counts its own rejections; count the ones decided here.
     let reason = match &error {
         GatewayError::Rejected(_) => None,
+        // A server fault (500), like an internal error: no refusal of the request.
+        GatewayError::Invalid(ValidationError::BrokenTemplate(_)) => None,
         GatewayError::Invalid(invalid) if invalid.is_context_length() => Some(RejectReason::Length),
         GatewayError::Invalid(_) | GatewayError::BadBody { .. } => Some(RejectReason::BadRequest),
         GatewayError::PayloadTooLarge { .. }
