@@ -434,6 +434,7 @@ async fn admit(
         credential,
         prompt_tokens: valid.prompt_ids.len(),
         max_output_tokens: valid.max_tokens as usize,
+        prompt_param: valid.endpoint.prompt_param(),
         request_id,
         pool,
         prefix: prompt_prefix(state, tenant, valid, pool),

@@ -42,6 +42,16 @@ pub enum Endpoint {
     Completion,
 }
 
+impl Endpoint {
+    /// The request field that holds the prompt: what a length error names as `param`.
+    pub fn prompt_param(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completion => "prompt",
+        }
+    }
+}
+
 /// What will generate the answer. The embedded engine honours fewer options than an upstream
 /// engine, to which they are forwarded as the client wrote them (`upstream/proxy.rs`): only
 /// for the embedded engine are they refused ([`ValidationError::UnsupportedOption`]).
