@@ -385,3 +385,39 @@ async fn truncate_oldest_drops_old_turns_and_reject_refuses() {
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     assert_eq!(refused.error_code(), "context_length_exceeded");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_longer_than_the_pool_names_the_pool_and_the_routes_prompt_field() {
+    // 16 blocks of 16 tokens; `prompt` mode reserves only the prompt (plus headroom), so a
+    // short prompt with a large max_tokens fits the watermark but not the pool.
+    let options = Options {
+        num_blocks: 16,
+        ..Options::default()
+    };
+    let tail = "[kv]\nreservation = \"prompt\"\n";
+    let tenants = [TenantSpec {
+        name: "a",
+        key: "sk-a",
+        extra: "",
+    }];
+    let server = TestServer::start_with(&policy(&tenants, tail), options).await;
+    let client = server.client();
+    let body = serde_json::json!({
+        "model": common::MODEL,
+        "prompt": "Say hi.",
+        "max_tokens": 300,
+    });
+    let reply = client.post("/v1/completions", Some("sk-a"), &body).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{:?}", reply.body);
+    let error = &reply.json()["error"];
+    assert_eq!(error["code"], "context_length_exceeded", "{error}");
+    assert_eq!(error["param"], "prompt", "{error}");
+    let message = error["message"].as_str().expect("message");
+    assert!(message.contains("only 16 blocks"), "{message}");
+    assert!(!message.contains("can be reserved"), "{message}");
+
+    let reply = client.post(CHAT, Some("sk-a"), &chat("Say hi.", 300)).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{:?}", reply.body);
+    assert_eq!(reply.json()["error"]["param"], "messages");
+    server.shutdown().await;
+}

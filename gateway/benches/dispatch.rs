@@ -33,6 +33,7 @@ fn ticket(store: &PolicyStore, tenant: &str) -> AdmissionTicket {
         credential: Credential::NoKey,
         prompt_tokens: 16,
         max_output_tokens: 16,
+        prompt_param: "messages",
         request_id: String::new(),
         pool: PoolId::LOCAL,
         prefix: None,

@@ -41,7 +41,7 @@ use tokio::time::Instant;
 
 pub use crate::metrics::TenantQueueSnapshot;
 pub use capacity::PoolLimit;
-pub use rejection::{MAX_RETRY_AFTER, MIN_CAPACITY_RETRY_AFTER, Rejection};
+pub use rejection::{MAX_RETRY_AFTER, MIN_CAPACITY_RETRY_AFTER, NeverFitsLimit, Rejection};
 
 use crate::auth::{Credential, authenticate};
 use crate::metrics::QueueSource;
@@ -92,6 +92,9 @@ pub struct AdmissionTicket {
     pub credential: Credential,
     pub prompt_tokens: usize,
     pub max_output_tokens: usize,
+    /// The request field holding the prompt (`messages` or `prompt`, see
+    /// [`crate::validate::Endpoint::prompt_param`]): what a length refusal names as `param`.
+    pub prompt_param: &'static str,
     pub request_id: String,
     /// The pool to reserve from ([`PoolId::LOCAL`] for the embedded engine).
     pub pool: PoolId,
@@ -219,12 +222,7 @@ impl Admission {
             return Err(Rejection::Unavailable);
         };
         let occupancy = pool.snapshot();
-        let needed_blocks = match check_fit(
-            &policy.kv,
-            &occupancy,
-            ticket.prompt_tokens,
-            ticket.max_output_tokens,
-        ) {
+        let needed_blocks = match check_fit(&policy.kv, &occupancy, &ticket) {
             Ok(fit) => fit.needed_blocks,
             Err(rejection) => {
                 rejection.count(&tenant.name);
@@ -529,19 +527,30 @@ pub(crate) struct Fit {
 pub(crate) fn check_fit(
     kv: &KvPolicy,
     occupancy: &Occupancy,
-    prompt_tokens: usize,
-    max_output_tokens: usize,
+    ticket: &AdmissionTicket,
 ) -> Result<Fit, Rejection> {
+    let (prompt_tokens, max_output_tokens) = (ticket.prompt_tokens, ticket.max_output_tokens);
     let needed_blocks = blocks_needed(kv, occupancy.block_size, prompt_tokens, max_output_tokens);
     let limit_blocks = watermark_limit(occupancy.total_blocks, kv.high_watermark);
     let sequence_blocks = prompt_tokens
         .saturating_add(max_output_tokens)
         .div_ceil(occupancy.block_size.max(1));
-    if needed_blocks > limit_blocks || sequence_blocks > occupancy.total_blocks {
+    // Name the limit actually exceeded: in `prompt` mode the reservation may fit under the
+    // watermark while the whole sequence is over the pool itself.
+    let exceeded = if needed_blocks > limit_blocks {
+        Some((needed_blocks, NeverFitsLimit::Watermark))
+    } else if sequence_blocks > occupancy.total_blocks {
+        Some((sequence_blocks, NeverFitsLimit::Pool))
+    } else {
+        None
+    };
+    if let Some((needed_blocks, limit)) = exceeded {
         return Err(Rejection::NeverFits {
-            needed_blocks: needed_blocks.max(sequence_blocks),
+            needed_blocks,
             total_blocks: occupancy.total_blocks,
             limit_blocks,
+            limit,
+            param: ticket.prompt_param,
         });
     }
     Ok(Fit { needed_blocks })

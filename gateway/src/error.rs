@@ -113,6 +113,8 @@ impl GatewayError {
         use GatewayError::*;
         let code = match self {
             Invalid(ValidationError::ModelNotFound(_)) => 404,
+            // The operator's template is at fault, not the request.
+            Invalid(ValidationError::BrokenTemplate(_)) => 500,
             Invalid(_) | BadBody { .. } => 400,
             Auth(error) => error.status(),
             Rejected(rejection) => rejection.status(),
@@ -138,6 +140,7 @@ impl GatewayError {
         match self {
             Auth(error) => error.error_type(),
             Rejected(rejection) => rejection.error_type(),
+            Invalid(ValidationError::BrokenTemplate(_)) => "server_error",
             Invalid(_)
             | BadBody { .. }
             | PayloadTooLarge { .. }
@@ -231,7 +234,13 @@ impl GatewayError {
             apply_retry_after(headers, after);
         }
         // Tell openai-python not to retry client mistakes it would otherwise retry (408).
-        let retry = self.retry_after().is_some() || self.status().is_server_error();
+        // A broken chat template fails every request the same way until the operator fixes it.
+        let broken_template = matches!(
+            self,
+            GatewayError::Invalid(ValidationError::BrokenTemplate(_))
+        );
+        let retry =
+            self.retry_after().is_some() || (self.status().is_server_error() && !broken_template);
         let value = if retry { "true" } else { "false" };
         headers.insert("x-should-retry", HeaderValue::from_static(value));
     }
@@ -386,6 +395,22 @@ mod tests {
                 assert!(detail.contains_key(field), "{field} missing in {json}");
             }
         }
+    }
+
+    #[test]
+    fn a_broken_chat_template_is_a_logged_server_error_not_worth_retrying() {
+        let error = GatewayError::Invalid(ValidationError::BrokenTemplate(
+            "chat template ran past its budget".into(),
+        ));
+        let status = error.status();
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(error.error_type(), "server_error");
+        assert_eq!(error.code(), Some("chat_template_error"));
+        assert_eq!(error.param(), None);
+        assert_eq!(error.log_level(status), tracing::Level::ERROR);
+        let mut headers = HeaderMap::new();
+        error.apply_headers(&mut headers);
+        assert_eq!(headers["x-should-retry"], "false");
     }
 
     #[test]

@@ -434,6 +434,7 @@ async fn admit(
         credential,
         prompt_tokens: valid.prompt_ids.len(),
         max_output_tokens: valid.max_tokens as usize,
+        prompt_param: valid.endpoint.prompt_param(),
         request_id,
         pool,
         prefix: prompt_prefix(state, tenant, valid, pool),
@@ -550,6 +551,8 @@ fn respond(
     // Admission counts its own rejections; count the ones decided here.
     let reason = match &error {
         GatewayError::Rejected(_) => None,
+        // A server fault (500), like an internal error: no refusal of the request.
+        GatewayError::Invalid(ValidationError::BrokenTemplate(_)) => None,
         GatewayError::Invalid(invalid) if invalid.is_context_length() => Some(RejectReason::Length),
         GatewayError::Invalid(_) | GatewayError::BadBody { .. } => Some(RejectReason::BadRequest),
         GatewayError::PayloadTooLarge { .. }

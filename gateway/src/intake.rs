@@ -21,7 +21,9 @@
 //!    backlogged tenants of weights 3 and 1 get three validations to one.
 //!    A small body (at most [`INLINE_VALIDATION_BYTES`]) takes its worker the same way but is
 //!    validated on the request's own task ([`Intake::validate_inline`]): its few microseconds
-//!    of work cost less than the hand-off to a blocking thread and back.
+//!    of work cost less than the hand-off to a blocking thread and back. This relies on the
+//!    chat template's step budget (`kvgate_runtime::chat_template`, ~10 ms for a conversation
+//!    this small): without it, a template that never ends would hold an async worker for good.
 //!
 //! The request-rate debit that also runs before the body is admission's
 //! ([`crate::admission::Admission::reserve_request`]): the buckets are admission's.

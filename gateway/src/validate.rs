@@ -42,6 +42,16 @@ pub enum Endpoint {
     Completion,
 }
 
+impl Endpoint {
+    /// The request field that holds the prompt: what a length error names as `param`.
+    pub fn prompt_param(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completion => "prompt",
+        }
+    }
+}
+
 /// What will generate the answer. The embedded engine honours fewer options than an upstream
 /// engine, to which they are forwarded as the client wrote them (`upstream/proxy.rs`): only
 /// for the embedded engine are they refused ([`ValidationError::UnsupportedOption`]).
@@ -129,6 +139,10 @@ pub enum ValidationError {
     BadStop,
     #[error("the chat template could not render these messages: {0}")]
     Template(String),
+    /// The model's chat template is broken whatever the messages (it does not compile, or it
+    /// runs past its step budget): a server fault (500), logged, not the caller's mistake.
+    #[error("The model's chat template failed: {0}")]
+    BrokenTemplate(String),
     #[error(
         "This tenant's maximum input length is {limit} tokens. However, your prompt is \
          {prompt_tokens} tokens. Please reduce the length of the {what}."
@@ -174,6 +188,7 @@ impl ValidationError {
             TopP(_) => "top_p",
             TooManyStops(_) | BadStop => "stop",
             Template(_) => "messages",
+            BrokenTemplate(_) => return None,
             InputTooLong { what, .. } | ContextLengthExceeded { what, .. } => what,
         };
         Some(param.to_owned())
@@ -191,6 +206,7 @@ impl ValidationError {
             | UnsupportedContentPart { .. }
             | PromptCount(_) => "unsupported_value",
             Template(_) => "invalid_messages",
+            BrokenTemplate(_) => "chat_template_error",
             EmptyMessages | TooManyMessages { .. } | MissingPartText { .. } | EmptyPrompt => {
                 "invalid_value"
             }

@@ -142,6 +142,7 @@ fn ticket(store: &PolicyStore, n: usize, prompt: usize, max_output: usize) -> Ad
         credential: Credential::NoKey,
         prompt_tokens: prompt,
         max_output_tokens: max_output,
+        prompt_param: "messages",
         request_id: format!("req-{n}"),
         pool: PoolId::LOCAL,
         prefix: None,

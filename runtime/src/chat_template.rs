@@ -7,6 +7,8 @@
 //! `add_generation_prompt`, `bos_token` and `eos_token` in scope. Files without a template get
 //! ChatML, the format SmolLM2 and most small instruct models use.
 
+use std::sync::OnceLock;
+
 use minijinja::{Environment, ErrorKind, Value, context};
 
 /// ChatML, used when the GGUF file has no `tokenizer.chat_template`.
@@ -43,11 +45,63 @@ pub enum TemplateError {
     Rejected(String),
     #[error("chat template failed to render: {0}")]
     Render(String),
+    /// The template ran past its step budget ([`fuel_for`]): a template that loops without end
+    /// (or nearly so) on these messages. The template is at fault, not the request.
+    #[error(
+        "chat template ran past its budget of {budget} steps on {messages} messages (does it \
+         loop without end?); fix the model file's tokenizer.chat_template"
+    )]
+    OutOfFuel { budget: u64, messages: usize },
+}
+
+impl TemplateError {
+    /// True when the template itself is broken (it does not compile, or it does not finish),
+    /// whatever the messages: the operator's fault, not the caller's.
+    pub fn is_template_fault(&self) -> bool {
+        matches!(
+            self,
+            TemplateError::Syntax(_) | TemplateError::OutOfFuel { .. }
+        )
+    }
+}
+
+/// Fuel (minijinja's count of executed instructions) every render may use, whatever its size.
+/// Real templates need far less: the 65 llama.cpp ships (models/templates/*.jinja) and
+/// SmolLM2's use at most 550 steps on 2 messages and ~90 per message after that, except
+/// Gemma 4's, which is quadratic (~3.6 × messages²: 24,500 steps at 64 messages, 3.7 million
+/// at 1,000). At roughly 25 million steps a second (measured), this is ~10 ms of CPU.
+const FUEL_BASE: u64 = 250_000;
+/// Fuel per squared message count (rounded up to a tier, see [`fuel_for`]): 18 times what
+/// Gemma 4's template needs, thousands of times what the linear templates need.
+const FUEL_PER_MESSAGE_SQUARED: u64 = 64;
+/// No render gets more than this (~40 s of CPU), however long the conversation: the most a
+/// template that never ends can cost one request. Gemma 4's template fits ~16,000 messages.
+const FUEL_MAX: u64 = 1_000_000_000;
+/// Fuel tiers: conversations of up to 2^(4 + i) messages get tier i's budget.
+const FUEL_TIERS: usize = 16;
+
+/// The fuel a conversation of `messages` messages may use: its tier (messages rounded up to a
+/// power of two, at least 16) and that tier's budget. The budget grows with the conversation
+/// so that a long one renders with any real template, while a short one, which is validated
+/// on the async workers (see the gateway's intake), stops a runaway template within
+/// milliseconds.
+fn fuel_for(messages: usize) -> (usize, u64) {
+    let tier = match messages.max(16).checked_next_power_of_two() {
+        Some(rounded) => (rounded.trailing_zeros() as usize - 4).min(FUEL_TIERS - 1),
+        None => FUEL_TIERS - 1,
+    };
+    let n = 1u64 << (tier + 4);
+    let budget = FUEL_BASE.saturating_add(FUEL_PER_MESSAGE_SQUARED.saturating_mul(n * n));
+    (tier, budget.min(FUEL_MAX))
 }
 
 /// A compiled chat template. Cheap to share: `Send + Sync`, rendering takes `&self`.
 pub struct ChatTemplate {
+    /// The compiled template, without fuel; renders use a copy from `fueled`.
     env: Environment<'static>,
+    /// `env` with tier i's fuel (see [`fuel_for`]), made on first use: minijinja takes the
+    /// budget from the environment, and a clone shares the compiled template.
+    fueled: [OnceLock<Environment<'static>>; FUEL_TIERS],
     bos_token: String,
     eos_token: String,
 }
@@ -74,6 +128,7 @@ impl ChatTemplate {
             .map_err(|e| TemplateError::Syntax(describe(&e)))?;
         Ok(Self {
             env,
+            fueled: std::array::from_fn(|_| OnceLock::new()),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
@@ -86,8 +141,13 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
-        let template = self
-            .env
+        let (tier, budget) = fuel_for(messages.len());
+        let env = self.fueled[tier].get_or_init(|| {
+            let mut env = self.env.clone();
+            env.set_fuel(Some(budget));
+            env
+        });
+        let template = env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TemplateError::Syntax(describe(&e)))?;
         template
@@ -104,6 +164,10 @@ impl ChatTemplate {
                     let detail = e.detail().unwrap_or_default();
                     TemplateError::Rejected(one_line(detail.trim_start_matches(RAISED)))
                 }
+                ErrorKind::OutOfFuel => TemplateError::OutOfFuel {
+                    budget,
+                    messages: messages.len(),
+                },
                 _ => TemplateError::Render(describe(&e)),
             })
     }
@@ -203,6 +267,64 @@ mod tests {
     fn syntax_errors_are_reported_at_compile_time() {
         let err = ChatTemplate::new("{% for m in messages %}", "", "").expect_err("unclosed for");
         assert!(matches!(err, TemplateError::Syntax(_)), "{err:?}");
+    }
+
+    #[test]
+    fn a_template_that_never_ends_runs_out_of_fuel_within_milliseconds() {
+        // 10^10 loop steps: without fuel this render takes hours.
+        let src =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}ok";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        let started = std::time::Instant::now();
+        let err = t
+            .render(&msgs(&[("user", "hi")]), true)
+            .expect_err("stopped");
+        let spent = started.elapsed();
+        assert_eq!(
+            err,
+            TemplateError::OutOfFuel {
+                budget: fuel_for(1).1,
+                messages: 1
+            }
+        );
+        assert!(err.is_template_fault());
+        assert!(err.to_string().contains("tokenizer.chat_template"), "{err}");
+        // Debug builds are slower; the budget is ~10 ms in release.
+        assert!(spent < std::time::Duration::from_secs(2), "{spent:?}");
+        // The same template keeps failing the same way, and a good render is unaffected.
+        assert!(matches!(
+            t.render(&msgs(&[("user", "hi")]), true),
+            Err(TemplateError::OutOfFuel { .. })
+        ));
+    }
+
+    #[test]
+    fn a_quadratic_template_renders_long_conversations() {
+        // Gemma 4's template looks back over the conversation for every message (~3.6 steps per
+        // pair of messages); this one does ~3 per pair.
+        let src =
+            "{% for a in messages %}{% for b in messages %}{% endfor %}{{ a.content }}{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        for n in [1usize, 64, 1000, 2000] {
+            let messages = vec![ChatMessage::new("user", "x"); n];
+            let out = t.render(&messages, false).expect("within budget");
+            assert_eq!(out.len(), n);
+        }
+    }
+
+    #[test]
+    fn fuel_grows_with_the_conversation_by_tiers_up_to_a_cap() {
+        assert_eq!(fuel_for(0), (0, FUEL_BASE + 64 * 16 * 16));
+        assert_eq!(fuel_for(16), fuel_for(1));
+        assert_eq!(fuel_for(17), (1, FUEL_BASE + 64 * 32 * 32));
+        assert_eq!(fuel_for(1000), (6, FUEL_BASE + 64 * 1024 * 1024));
+        let mut last = 0;
+        for n in [1, 100, 10_000, 1 << 20, usize::MAX] {
+            let (tier, budget) = fuel_for(n);
+            assert!(tier < FUEL_TIERS && budget >= last && budget <= FUEL_MAX);
+            last = budget;
+        }
+        assert_eq!(fuel_for(usize::MAX).1, FUEL_MAX);
     }
 
     #[test]

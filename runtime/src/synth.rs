@@ -521,6 +521,18 @@ impl SynthModel {
         self.spec
     }
 
+    /// The same model with `template` as its `tokenizer.chat_template` (synthetic models have
+    /// none, so chats get ChatML): for tests of how a model file's own template is handled.
+    pub fn with_chat_template(mut self, template: &str) -> SynthModel {
+        const KEY: &str = "tokenizer.chat_template";
+        self.metadata.retain(|(key, _)| key != KEY);
+        self.metadata
+            .push((KEY.to_owned(), MetaValue::String(template.to_owned())));
+        // Tensor offsets count from the data section, so only the header's length changes.
+        self.header_len = self.header_bytes().len() as u64;
+        self
+    }
+
     /// Bytes of the whole file.
     pub fn file_len(&self) -> u64 {
         self.header_len + self.data_len

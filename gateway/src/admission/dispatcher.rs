@@ -1170,8 +1170,8 @@ fn requeue(
         pending.ticket.prompt_tokens,
         pending.ticket.max_output_tokens,
     );
-    check_tenant_lengths(&tenant, prompt, output)?;
-    let fit = super::check_fit(&policy.kv, &occupancy, prompt, output)?;
+    check_tenant_lengths(&tenant, prompt, output, pending.ticket.prompt_param)?;
+    let fit = super::check_fit(&policy.kv, &occupancy, &pending.ticket)?;
     pending.full_blocks = fit.needed_blocks;
     pending.needed_blocks = super::expected_new_blocks(pool, &pending.ticket, fit.needed_blocks);
     pending.reserved_tokens = (pending.needed_blocks * occupancy.block_size) as u64;
@@ -1181,12 +1181,13 @@ fn requeue(
 }
 
 /// The tenant's input, output and total length limits, as validation applies them (a reload
-/// may have lowered them below a queued request). The ticket does not say which endpoint it came from,
-/// so the error names the prompt.
+/// may have lowered them below a queued request). The error names the ticket's prompt field
+/// (`what`), as validation would.
 fn check_tenant_lengths(
     tenant: &TenantPolicy,
     prompt: usize,
     output: usize,
+    what: &'static str,
 ) -> Result<(), Rejection> {
     let clip = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     let (prompt_tokens, max_tokens) = (clip(prompt), clip(output));
@@ -1194,7 +1195,7 @@ fn check_tenant_lengths(
         ValidationError::InputTooLong {
             prompt_tokens,
             limit: clip(tenant.max_input_tokens),
-            what: "prompt",
+            what,
         }
     } else if max_tokens > clip(tenant.max_output_tokens) {
         // Validation would refuse the same budget now; a request that took the old default is
@@ -1211,7 +1212,7 @@ fn check_tenant_lengths(
             max_tokens,
             limit: clip(tenant.max_total_tokens),
             limit_name: "tenant's maximum total length",
-            what: "prompt",
+            what,
         }
     } else {
         return Ok(());

@@ -66,11 +66,17 @@ pub enum Rejection {
         retry_after: Duration,
         headers: RateLimitHeaders,
     },
-    /// Needs more KV blocks than admission may ever reserve.
+    /// Needs more KV blocks than admission may ever reserve (`limit` says which bound).
     NeverFits {
+        /// The blocks counted against `limit`: the reservation against the watermark, the
+        /// whole sequence against the pool.
         needed_blocks: usize,
         total_blocks: usize,
+        /// Blocks under the high watermark: the most that can be reserved.
         limit_blocks: usize,
+        limit: NeverFitsLimit,
+        /// The request field holding the prompt (`messages` or `prompt`).
+        param: &'static str,
     },
     /// The tenant's key was removed by a policy reload while the request was queued.
     KeyRevoked { tenant: String },
@@ -84,6 +90,16 @@ pub enum Rejection {
     StoreUnavailable { tenant: String },
     /// The admission dispatcher is gone (shutting down).
     Unavailable,
+}
+
+/// Which bound a [`Rejection::NeverFits`] request is over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NeverFitsLimit {
+    /// Its reservation is over the blocks that may be reserved (the high watermark).
+    Watermark,
+    /// Its whole sequence (prompt + max_tokens) is over the pool, though its reservation (in
+    /// `reservation = "prompt"` mode, the prompt alone) fits: it could never finish.
+    Pool,
 }
 
 impl Rejection {
@@ -143,7 +159,7 @@ impl Rejection {
     /// OpenAI `error.param`.
     pub fn param(&self) -> Option<&'static str> {
         match self {
-            Rejection::NeverFits { .. } => Some("messages"),
+            Rejection::NeverFits { param, .. } => Some(param),
             Rejection::OverTenantLimit {
                 error:
                     ValidationError::InputTooLong { what: param, .. }
@@ -230,8 +246,18 @@ impl Rejection {
                 needed_blocks,
                 total_blocks,
                 limit_blocks,
+                limit: NeverFitsLimit::Watermark,
+                ..
             } => format!(
                 "This request needs {needed_blocks} KV cache blocks (prompt + max_tokens), but at most {limit_blocks} of the cache's {total_blocks} blocks can be reserved for requests. Reduce the prompt or max_tokens."
+            ),
+            Rejection::NeverFits {
+                needed_blocks,
+                total_blocks,
+                limit: NeverFitsLimit::Pool,
+                ..
+            } => format!(
+                "This request needs {needed_blocks} KV cache blocks for its whole sequence (prompt + max_tokens), but the cache has only {total_blocks} blocks, so it could never finish. Reduce the prompt or max_tokens."
             ),
             Rejection::KeyRevoked { .. } => {
                 "The API key was revoked while the request was queued.".to_string()
@@ -366,6 +392,8 @@ mod tests {
             needed_blocks: 600,
             total_blocks: 512,
             limit_blocks: 460,
+            limit: NeverFitsLimit::Watermark,
+            param: "messages",
         };
         assert_eq!(
             (never.status(), never.code(), never.param()),
@@ -393,6 +421,8 @@ mod tests {
             needed_blocks: 9,
             total_blocks: 4,
             limit_blocks: 3,
+            limit: NeverFitsLimit::Pool,
+            param: "prompt",
         };
         assert_eq!(never.reason().as_str(), "length");
         let revoked = Rejection::KeyRevoked { tenant: "a".into() };

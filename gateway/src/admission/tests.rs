@@ -57,6 +57,7 @@ fn ticket(
         credential: credential_of(tenant),
         prompt_tokens,
         max_output_tokens,
+        prompt_param: "messages",
         request_id: format!("req-{tenant}-{prompt_tokens}"),
         pool: PoolId::LOCAL,
         prefix: None,
@@ -133,7 +134,9 @@ async fn requests_that_can_never_fit_are_refused_at_once() {
         Rejection::NeverFits {
             needed_blocks: 10,
             total_blocks: 10,
-            limit_blocks: 9
+            limit_blocks: 9,
+            limit: NeverFitsLimit::Watermark,
+            param: "messages",
         }
     );
     assert_eq!(
@@ -152,21 +155,32 @@ async fn prompt_mode_reserves_prompt_plus_headroom_but_refuses_sequences_longer_
     assert_eq!(pool.snapshot().reserved_blocks, 5);
     drop(admitted);
     // 16 + 160 tokens = 11 blocks: more than the whole pool, whatever is reserved up front.
+    // Its reservation (1 + 2 blocks) is well under the watermark's 9, so the message names the
+    // pool, and the param names a completion's field.
     let rejection = admission
-        .admit(ticket(&store, "a", 16, 160))
+        .admit(AdmissionTicket {
+            prompt_param: "prompt",
+            ..ticket(&store, "a", 16, 160)
+        })
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            rejection,
-            Rejection::NeverFits {
-                needed_blocks: 11,
-                total_blocks: 10,
-                ..
-            }
-        ),
-        "{rejection:?}"
+    assert_eq!(
+        rejection,
+        Rejection::NeverFits {
+            needed_blocks: 11,
+            total_blocks: 10,
+            limit_blocks: 9,
+            limit: NeverFitsLimit::Pool,
+            param: "prompt",
+        }
     );
+    assert_eq!(rejection.param(), Some("prompt"));
+    let message = rejection.message();
+    assert!(
+        message.contains("11 KV cache blocks") && message.contains("only 10 blocks"),
+        "{message}"
+    );
+    assert!(!message.contains("can be reserved"), "{message}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -1018,7 +1032,9 @@ async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_long
         Rejection::NeverFits {
             needed_blocks: 8,
             total_blocks: 10,
-            limit_blocks: 5
+            limit_blocks: 5,
+            limit: NeverFitsLimit::Watermark,
+            param: "messages",
         }
     );
     // The request behind it is no longer stuck behind a request that can never start.
@@ -1111,11 +1127,12 @@ async fn a_reload_that_lowers_queue_and_length_limits_refuses_the_queued_request
         &store,
         "[tenants.a]\nqueue_depth = 2\nmax_input_tokens = 32\n",
     );
-    // Over the new input limit: validation's own error.
+    // Over the new input limit: validation's own error, naming the ticket's prompt field (a
+    // chat request's `messages`).
     let rejection = long_prompt.await.unwrap().unwrap_err();
     assert_eq!(
         (rejection.status(), rejection.code(), rejection.param()),
-        (400, "context_length_exceeded", Some("prompt"))
+        (400, "context_length_exceeded", Some("messages"))
     );
     assert!(
         rejection.message().contains("maximum input length is 32"),

@@ -11,6 +11,7 @@
 //! [`TOKENS_PER_MESSAGE`] for the framing the chat format wraps around it, and the whole prompt
 //! [`REPLY_PRIMING`] more for the start of the assistant's reply.
 
+use kvgate_runtime::chat_template::TemplateError;
 use tiktoken_rs::CoreBPE;
 use tiktoken_rs::tokenizer::{Tokenizer, get_tokenizer};
 
@@ -80,7 +81,7 @@ impl TiktokenCounter {
 impl PromptCodec for TiktokenCounter {
     /// [`TiktokenCounter::count_chat`] tokens: the role and content ids in this encoding, with
     /// [`FRAMING_TOKEN`] for the framing and the reply priming.
-    fn encode_chat(&self, turns: &[TemplateTurn]) -> Result<Vec<u32>, String> {
+    fn encode_chat(&self, turns: &[TemplateTurn]) -> Result<Vec<u32>, TemplateError> {
         let mut ids = Vec::new();
         for turn in turns {
             ids.extend(std::iter::repeat_n(FRAMING_TOKEN, TOKENS_PER_MESSAGE));

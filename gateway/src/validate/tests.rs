@@ -1,13 +1,14 @@
 //! Validation rules against a one-token-per-byte fake tokenizer.
 
 use super::*;
+use kvgate_runtime::chat_template::TemplateError;
 use serde_json::json;
 
 /// One token per byte of the rendered text; the template wraps each turn in `[role]…`.
 struct ByteCodec;
 
 impl PromptCodec for ByteCodec {
-    fn encode_chat(&self, turns: &[TemplateTurn]) -> Result<Vec<u32>, String> {
+    fn encode_chat(&self, turns: &[TemplateTurn]) -> Result<Vec<u32>, TemplateError> {
         let mut out = String::new();
         for turn in turns {
             out.push_str(&format!("[{}]{}", turn.role, turn.content));
@@ -516,4 +517,47 @@ fn an_upstream_engine_gets_the_options_the_embedded_one_refuses() {
     )
     .unwrap_err();
     assert_eq!(err, ValidationError::ModelNotFound("other".into()));
+}
+
+/// A codec whose template always fails with `error`.
+struct FailingCodec(TemplateError);
+
+impl PromptCodec for FailingCodec {
+    fn encode_chat(&self, _turns: &[TemplateTurn]) -> Result<Vec<u32>, TemplateError> {
+        Err(self.0.clone())
+    }
+    fn encode(&self, text: &str) -> Vec<u32> {
+        ByteCodec.encode(text)
+    }
+}
+
+#[test]
+fn a_broken_template_is_the_servers_fault_and_a_refusal_the_callers() {
+    let req: ChatCompletionRequest =
+        serde_json::from_value(json!({"model": "m", "messages": [user("hi")]})).unwrap();
+    let validate = |error: TemplateError| {
+        validate_chat(&req, "m", &limits(), &FailingCodec(error), Engine::Embedded).unwrap_err()
+    };
+    let out_of_fuel = validate(TemplateError::OutOfFuel {
+        budget: 10,
+        messages: 1,
+    });
+    assert!(
+        matches!(out_of_fuel, ValidationError::BrokenTemplate(_)),
+        "{out_of_fuel:?}"
+    );
+    assert_eq!(out_of_fuel.code(), "chat_template_error");
+    assert_eq!(out_of_fuel.param(), None);
+    let syntax = validate(TemplateError::Syntax("unclosed".into()));
+    assert!(
+        matches!(syntax, ValidationError::BrokenTemplate(_)),
+        "{syntax:?}"
+    );
+    // The template refusing these messages (roles out of order) stays the caller's 400.
+    let rejected = validate(TemplateError::Rejected("roles must alternate".into()));
+    assert!(
+        matches!(rejected, ValidationError::Template(_)),
+        "{rejected:?}"
+    );
+    assert_eq!(rejected.code(), "invalid_messages");
 }

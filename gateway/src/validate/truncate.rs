@@ -84,5 +84,11 @@ fn tokenize_turns(
     turns: &[TemplateTurn],
     codec: &dyn PromptCodec,
 ) -> Result<Vec<u32>, ValidationError> {
-    codec.encode_chat(turns).map_err(ValidationError::Template)
+    codec.encode_chat(turns).map_err(|error| {
+        if error.is_template_fault() {
+            ValidationError::BrokenTemplate(error.to_string())
+        } else {
+            ValidationError::Template(error.to_string())
+        }
+    })
 }
