@@ -601,3 +601,58 @@ async fn promtool_accepts_a_real_scrape_with_vllm_compat_filtered() {
     let _serial = SERIAL.lock().await;
     assert_promtool_accepts(Compat::Vllm).await;
 }
+
+/// A client that leaves while its request is queued ends that request as `abandoned`: it is
+/// neither admitted nor rejected, but it is counted (it used to be in no outcome at all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_leaves_while_queued_is_counted_as_abandoned() {
+    let _serial = SERIAL.lock().await;
+    let tenants = [TenantSpec {
+        name: "m-gone",
+        key: "sk-gone",
+        extra: "max_concurrency = 1\nqueue_depth = 4",
+    }];
+    let server = TestServer::start(&policy(&tenants, "")).await;
+    let client = server.client();
+    let outcome = |s: &Scrape, outcome: &str| {
+        s.sum(
+            REQUESTS_TOTAL,
+            &[("tenant", "m-gone"), ("outcome", outcome)],
+        )
+    };
+    let before = scrape(&server).await;
+
+    let running = hold_slot(&client, "sk-gone", 250).await;
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { client.post(CHAT, Some("sk-gone"), &chat("hi", 1)).await }
+    });
+    wait_until("a request queues behind the running one", WAIT, || {
+        queued(&server, "m-gone") == 1
+    })
+    .await;
+    waiting.abort();
+    let _ = waiting.await;
+    wait_until("the queued request is abandoned", WAIT, || {
+        queued(&server, "m-gone") == 0
+    })
+    .await;
+    drop(running);
+    server.wait_for_idle_kv(WAIT).await;
+
+    let after = scrape(&server).await;
+    assert_eq!(
+        outcome(&after, "abandoned") - outcome(&before, "abandoned"),
+        1.0
+    );
+    assert_eq!(
+        outcome(&after, "rejected") - outcome(&before, "rejected"),
+        0.0
+    );
+    // The slot holder was admitted; the one that left was not.
+    assert_eq!(
+        outcome(&after, "admitted") - outcome(&before, "admitted"),
+        1.0
+    );
+    server.shutdown().await;
+}

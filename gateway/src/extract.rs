@@ -20,7 +20,7 @@ use crate::auth::{Credential, credential, tenant_for};
 use crate::error::GatewayError;
 use crate::error::concise;
 use crate::intake::IntakePermit;
-use crate::metrics::{RejectReason, record_rejection, record_request};
+use crate::metrics::{RejectReason, RequestOutcome, record_rejection, record_request};
 use crate::policy::TenantPolicy;
 use crate::ratelimit::RequestCell;
 use crate::state::AppState;
@@ -317,7 +317,11 @@ impl FromRequestParts<AppState> for TenantIntake {
         let (tenant, credential) = authenticated(parts, state)?;
         // A refusal here is the request's outcome: counted as the handler counts its own.
         let refused = |reason: Option<RejectReason>| {
-            record_request(&tenant.name, route_name(parts.uri.path()), false);
+            record_request(
+                &tenant.name,
+                route_name(parts.uri.path()),
+                RequestOutcome::Rejected,
+            );
             if let Some(reason) = reason {
                 record_rejection(&tenant.name, reason);
             }

@@ -22,8 +22,8 @@ use crate::error::GatewayError;
 use crate::extract::{OpenAiBody, RequestId, TenantIntake};
 use crate::intake::{INLINE_VALIDATION_BYTES, IntakePermit};
 use crate::metrics::{
-    RejectReason, UpstreamResult, record_queue_wait, record_rejection, record_request,
-    record_upstream_attempt,
+    RejectReason, RequestOutcome, UpstreamResult, record_queue_wait, record_rejection,
+    record_request, record_upstream_attempt,
 };
 use crate::openai::{ChatCompletionRequest, CompletionRequest};
 use crate::policy::TenantPolicy;
@@ -63,6 +63,7 @@ pub async fn chat_completions(
     body: Result<OpenAiBody<ChatCompletionRequest>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
+    let count = RequestCount::new(&tenant.name, "chat");
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
             let upstream = state.upstream(&request.model);
@@ -86,7 +87,7 @@ pub async fn chat_completions(
         }
         Err(error) => Err(error),
     };
-    respond(&tenant, "chat", outcome)
+    respond(count, &tenant, outcome)
 }
 
 /// `POST /v1/completions`.
@@ -102,6 +103,7 @@ pub async fn completions(
     body: Result<OpenAiBody<CompletionRequest>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
+    let count = RequestCount::new(&tenant.name, "completions");
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
             let upstream = state.upstream(&request.model);
@@ -125,7 +127,7 @@ pub async fn completions(
         }
         Err(error) => Err(error),
     };
-    respond(&tenant, "completions", outcome)
+    respond(count, &tenant, outcome)
 }
 
 /// Who answers a request for a model with this route: options the embedded engine cannot
@@ -532,22 +534,55 @@ fn submit_error(error: SubmitError) -> GatewayError {
     }
 }
 
+/// Counts a request in `kvgate_requests_total` exactly once: with its outcome when the handler
+/// answers ([`respond`]), or as `abandoned` when the handler is dropped before that (the
+/// client went away while its request was read, validated or queued, or the request timeout
+/// cut it). Without it such requests were in no outcome at all.
+struct RequestCount<'a> {
+    tenant: &'a str,
+    route: &'static str,
+    counted: bool,
+}
+
+impl<'a> RequestCount<'a> {
+    fn new(tenant: &'a str, route: &'static str) -> Self {
+        RequestCount {
+            tenant,
+            route,
+            counted: false,
+        }
+    }
+
+    fn record(mut self, outcome: RequestOutcome) {
+        record_request(self.tenant, self.route, outcome);
+        self.counted = true;
+    }
+}
+
+impl Drop for RequestCount<'_> {
+    fn drop(&mut self) {
+        if !self.counted {
+            record_request(self.tenant, self.route, RequestOutcome::Abandoned);
+        }
+    }
+}
+
 /// Turns the outcome into a response and counts it. A rejection by the rate limits or the
 /// queues carries that moment's `x-ratelimit-*` headers; every other error gets the tenant's
 /// live state from the stack's rate-limit layer.
 fn respond(
+    count: RequestCount<'_>,
     tenant: &TenantPolicy,
-    route: &'static str,
     outcome: Result<Response, GatewayError>,
 ) -> Response {
     let error = match outcome {
         Ok(response) => {
-            record_request(&tenant.name, route, true);
+            count.record(RequestOutcome::Admitted);
             return response;
         }
         Err(error) => error,
     };
-    record_request(&tenant.name, route, false);
+    count.record(RequestOutcome::Rejected);
     // Admission counts its own rejections; count the ones decided here.
     let reason = match &error {
         GatewayError::Rejected(_) => None,

@@ -222,11 +222,34 @@ pub fn record_shared_compensation(tenant: &str, outcome: &'static str) {
     handles::counter(SHARED_COMPENSATIONS_TOTAL, &labels).increment(1);
 }
 
-/// Counts one request in [`REQUESTS_TOTAL`] with its final admission outcome. Call it exactly
-/// once per request that reached a handler; `route` is a static route name ("chat", ...).
-pub fn record_request(tenant: &str, route: &'static str, admitted: bool) {
-    let outcome = if admitted { "admitted" } else { "rejected" };
-    let labels = [("tenant", tenant), ("route", route), ("outcome", outcome)];
+/// How a request that reached a handler ended, for [`REQUESTS_TOTAL`]'s `outcome` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestOutcome {
+    Admitted,
+    Rejected,
+    /// The handler never answered: the client went away (while the request was read,
+    /// validated or queued), or the request timeout cut it (a 504).
+    Abandoned,
+}
+
+impl RequestOutcome {
+    pub fn label(self) -> &'static str {
+        match self {
+            RequestOutcome::Admitted => "admitted",
+            RequestOutcome::Rejected => "rejected",
+            RequestOutcome::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// Counts one request in [`REQUESTS_TOTAL`] with its final outcome. Call it exactly once per
+/// request that reached a handler; `route` is a static route name ("chat", ...).
+pub fn record_request(tenant: &str, route: &'static str, outcome: RequestOutcome) {
+    let labels = [
+        ("tenant", tenant),
+        ("route", route),
+        ("outcome", outcome.label()),
+    ];
     handles::counter(REQUESTS_TOTAL, &labels).increment(1);
 }
 

@@ -242,7 +242,7 @@ fn recorded_events_render_with_their_buckets_and_help() {
         "installing twice reuses the recorder"
     );
     let tenant = "recorded-events-tenant";
-    record_request(tenant, "chat", false);
+    record_request(tenant, "chat", RequestOutcome::Rejected);
     record_rejection(tenant, RejectReason::KvSaturation);
     record_queue_wait(tenant, Duration::from_millis(30));
     let model = "recorded-events-model";
