@@ -278,6 +278,70 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
     server.wait_for_idle_kv(WAIT).await;
 }
 
+/// A tenant at its `max_concurrency` with KV to spare: a request that would not get a slot
+/// within its `max_queue_wait` is refused at once as `concurrency_saturated`, naming the cap,
+/// not `kv_cache_saturated` and not after waiting for a 503 (QA D3). The forecast uses how long
+/// the tenant's requests hold a slot: here the test holds each stream about 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_concurrency_cap_gets_429_concurrency_saturated_at_once() {
+    // Streams long enough to be held for seconds on any machine (the model writes past 2,000
+    // tokens on this prompt; the pool of 512 blocks holds 8,192 tokens).
+    let extra = "max_concurrency = 1\nmax_queue_wait = \"2s\"\n\
+                 max_output_tokens = 1900\nmax_total_tokens = 2000";
+    let server = TestServer::start(&policy(
+        &[TenantSpec {
+            name: "a",
+            key: "sk-a",
+            extra,
+        }],
+        "",
+    ))
+    .await;
+    let client = server.client();
+    let in_flight = |server: &TestServer| {
+        let rows = server.admission.queue_snapshot();
+        rows.iter().map(|row| row.in_flight).sum::<usize>()
+    };
+
+    // Teach the tenant's slot hold time: one stream held for 3 s.
+    let first = hold_slot(&client, "sk-a", 1500).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    drop(first);
+    wait_until("the first stream's slot is back", WAIT, || {
+        in_flight(&server) == 0
+    })
+    .await;
+
+    // Another takes the only slot; the next request would wait about 3 s for it, more than
+    // 90% of its 2 s.
+    let running = hold_slot(&client, "sk-a", 1500).await;
+    let asked = tokio::time::Instant::now();
+    let refused = client.post(CHAT, Some("sk-a"), &chat("hi", 5)).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{:?}",
+        refused.json()
+    );
+    assert_eq!(refused.error_code(), "concurrency_saturated");
+    assert_eq!(refused.json()["error"]["type"], "requests");
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "answered at once, not at the deadline: {:?}",
+        asked.elapsed()
+    );
+    let message = refused.json()["error"]["message"].to_string();
+    assert!(message.contains("at most 1 at once"), "{message}");
+    assert_retry_after(&refused);
+    let kv = server.kv();
+    assert!(
+        kv.used_blocks + kv.reserved_blocks < kv.total_blocks / 2,
+        "KV was not the bottleneck: {kv:?}"
+    );
+    drop(running);
+    server.wait_for_idle_kv(WAIT).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_tenant_does_not_starve_a_quiet_one() {
     // KV is the shared bottleneck: 16 blocks (14 admissible), 4 blocks per request, so about

@@ -54,7 +54,7 @@ use crate::reload::PolicyStore;
 #[cfg(test)]
 use dispatcher::REFORECAST_EVERY;
 use dispatcher::{Core, Dispatcher, Pending};
-use ledger::{Footprint, Ledger};
+use ledger::{Footprint, Ledger, SlotUse};
 
 /// Which block pool a request reserves its capacity from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -683,6 +683,8 @@ pub struct Admitted {
     reserved_blocks: usize,
     reserved_tokens: u64,
     queue_wait: Duration,
+    /// When it took its concurrency slot.
+    started_at: Instant,
     headers: RateLimitHeaders,
     stage: Stage,
     /// Output tokens reported to the ledger through [`Admitted::record_generated`].
@@ -832,6 +834,10 @@ impl Drop for Admitted {
                 (self.max_output_tokens - self.reported_output) as u64,
                 unprefilled,
             ),
+            SlotUse {
+                started_at: self.started_at,
+                ran: used.is_some(),
+            },
         );
     }
 }

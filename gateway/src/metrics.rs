@@ -165,6 +165,9 @@ pub enum RejectReason {
     QueueTimeout,
     /// KV blocks are the bottleneck and the backlog will not drain in time (429).
     KvSaturation,
+    /// The tenant's concurrency cap is the bottleneck and its queued requests will not get a
+    /// slot in time (429).
+    ConcurrencySaturation,
     /// Malformed or invalid request (400/404/422).
     BadRequest,
     /// Shutting down or the engine is gone (503).
@@ -172,7 +175,7 @@ pub enum RejectReason {
 }
 
 impl RejectReason {
-    pub const ALL: [RejectReason; 9] = [
+    pub const ALL: [RejectReason; 10] = [
         RejectReason::Auth,
         RejectReason::Length,
         RejectReason::Rate,
@@ -180,6 +183,7 @@ impl RejectReason {
         RejectReason::QueueFull,
         RejectReason::QueueTimeout,
         RejectReason::KvSaturation,
+        RejectReason::ConcurrencySaturation,
         RejectReason::BadRequest,
         RejectReason::Unavailable,
     ];
@@ -193,6 +197,7 @@ impl RejectReason {
             RejectReason::QueueFull => "queue_full",
             RejectReason::QueueTimeout => "queue_timeout",
             RejectReason::KvSaturation => "kv_saturation",
+            RejectReason::ConcurrencySaturation => "concurrency_saturation",
             RejectReason::BadRequest => "bad_request",
             RejectReason::Unavailable => "unavailable",
         }

@@ -311,6 +311,11 @@ impl<T> FairQueue<T> {
         })
     }
 
+    /// How many of the tenant's requests are queued (either lane).
+    pub fn queued_requests(&self, tenant: &str) -> usize {
+        self.flows.get(tenant).map_or(0, |flow| flow.len())
+    }
+
     /// Sets a backlogged tenant's weight (a policy reload changed it); a tenant that is not
     /// backlogged takes its weight from its next push.
     pub fn set_weight(&mut self, tenant: &str, weight: NonZeroU32) {

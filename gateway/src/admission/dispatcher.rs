@@ -30,8 +30,12 @@
 //! pool and, because the queue shares service by weight, for the part of every other tenant's
 //! backlog that is served meanwhile: min(their backlog, own backlog × their weight / own
 //! weight). Not everyone's sum: a flooding tenant cannot make a newcomer's forecast exceed its
-//! `max_queue_wait`. When the forecast says a request cannot start before its deadline it is
-//! refused at once with 429 `kv_cache_saturated` and the forecast as Retry-After — at enqueue
+//! `max_queue_wait`. A request also waits for one of its tenant's concurrency slots, which may
+//! be the tighter limit while KV is free: that forecast ([`Ledger::slot_wait`]) counts only the
+//! tenant's own queue, and the longer of the two binds ([`Forecast`]). When the forecast says a
+//! request cannot start before its deadline it is refused at once with 429
+//! `kv_cache_saturated` (or `concurrency_saturated` when the slots bind) and the forecast as
+//! Retry-After — at enqueue
 //! (with a margin for the forecast's error: [`ENQUEUE_FORECAST_MARGIN`]),
 //! and again whenever a step runs (the drain rate and the backlog change), youngest
 //! entry of each tenant first, so nobody holds a client for its whole deadline only to answer
@@ -83,6 +87,46 @@ pub(super) const REFORECAST_EVERY: Duration = Duration::from_millis(250);
 /// start just inside its deadline is queued, and refused a few seconds later when the running
 /// requests prove slightly slower than predicted, instead of at once (issue 16's 48 MiB burst).
 pub(super) const ENQUEUE_FORECAST_MARGIN: f64 = 0.9;
+
+/// Which limit a queued request is forecast to wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Bottleneck {
+    /// KV blocks coming back to its pool.
+    Kv,
+    /// One of its tenant's concurrency slots coming free.
+    Concurrency,
+}
+
+/// A queued request's forecast wait and the limit that sets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Forecast {
+    pub wait: Duration,
+    pub bottleneck: Bottleneck,
+}
+
+impl Forecast {
+    /// The request starts once both limits allow it: the longer wait is the forecast. `None`
+    /// when neither can be forecast yet; one alone is used as it is.
+    ///
+    /// The bottleneck is the tenant's slots when theirs is the longer wait, and also when
+    /// `held_by_slots` (the tenant has no free slot while its pool has the blocks for this
+    /// request now): the KV forecast prices capacity at the pace of the requests running, and
+    /// when a concurrency cap keeps them few, that pace is the cap's, not the cache's. Naming
+    /// KV then sent operators to add memory while a quarter of it sat unused (QA D3).
+    fn binding(kv: Option<Duration>, slot: Option<Duration>, held_by_slots: bool) -> Option<Self> {
+        let wait = match (kv, slot) {
+            (Some(kv), Some(slot)) => kv.max(slot),
+            (kv, slot) => kv.or(slot)?,
+        };
+        let slots_longer = slot.is_some_and(|slot| kv.is_none_or(|kv| slot > kv));
+        let bottleneck = if slots_longer || held_by_slots {
+            Bottleneck::Concurrency
+        } else {
+            Bottleneck::Kv
+        };
+        Some(Forecast { wait, bottleneck })
+    }
+}
 
 /// What the handles and the upkeep task share: the dispatcher behind its lock, and the
 /// upkeep task's wake-up for changes made by callers.
@@ -468,21 +512,26 @@ impl Dispatcher {
         }
         let pool = pending.ticket.pool;
         let max_wait = self.ledger.max_queue_wait(tenant.max_queue_wait);
-        let forecast = |this: &Self| {
+        let position = self.queue.queued_requests(&tenant.name) + 1;
+        let forecast = |this: &Self, now: Instant| {
             let own_blocks = this.backlog[pool.0].of(&tenant.name) + pending.needed_blocks;
-            this.kv_wait(pool, &tenant.name, tenant.weight, own_blocks)
+            let position = (position, pending.needed_blocks);
+            this.forecast(pool, &tenant, own_blocks, position, now)
         };
-        let too_late = |wait: Duration| wait > max_wait.mul_f64(ENQUEUE_FORECAST_MARGIN);
-        let mut estimate = forecast(self);
-        if estimate.is_some_and(too_late) && self.refresh_estimates(pool, Instant::now()) {
-            estimate = forecast(self);
-        }
-        if let Some(estimated_wait) = estimate
-            && too_late(estimated_wait)
+        let too_late = |f: &Forecast| f.wait > max_wait.mul_f64(ENQUEUE_FORECAST_MARGIN);
+        let now = Instant::now();
+        let mut estimate = forecast(self, now);
+        if estimate
+            .as_ref()
+            .is_some_and(|f| too_late(f) && f.bottleneck == Bottleneck::Kv)
+            && self.refresh_estimates(pool, now)
         {
+            estimate = forecast(self, now);
+        }
+        if let Some(late) = estimate.filter(too_late) {
             let needed_blocks = pending.needed_blocks;
             drop(pending.debit);
-            let rejection = self.saturated(&tenant, needed_blocks, estimated_wait);
+            let rejection = self.saturated(&tenant, needed_blocks, position, late);
             return self.reject(pending.reply, rejection, &tenant);
         }
         let now = pending.enqueued_at.into_std();
@@ -614,18 +663,30 @@ impl Dispatcher {
             while let Some(entry) = self.queue.youngest(&tenant) {
                 let (id, pool) = (entry.id, entry.payload.ticket.pool);
                 let left = Instant::from_std(entry.deadline).saturating_duration_since(now);
-                let own_blocks = self.backlog[pool.0].of(&tenant);
-                let Some(mut wait) = self.kv_wait(pool, &tenant, weight, own_blocks) else {
+                // The weight the queue has now, the limits the entry's (reloaded) policy has.
+                let policy = Arc::clone(&entry.payload.ticket.tenant);
+                let position = self.queue.queued_requests(&tenant);
+                let needed_blocks = entry.payload.needed_blocks;
+                let forecast = |this: &Self| {
+                    let own_blocks = this.backlog[pool.0].of(&tenant);
+                    let kv = this.kv_wait(pool, &tenant, weight, own_blocks);
+                    let slot = this.slot_wait(&policy, position, now);
+                    let held = this.held_by_slots(pool, &policy, needed_blocks);
+                    Forecast::binding(kv, slot, held)
+                };
+                let Some(mut late) = forecast(self) else {
                     break;
                 };
-                if wait > left && self.refresh_estimates(pool, now) {
-                    let own_blocks = self.backlog[pool.0].of(&tenant);
-                    let Some(refreshed) = self.kv_wait(pool, &tenant, weight, own_blocks) else {
+                if late.wait > left
+                    && late.bottleneck == Bottleneck::Kv
+                    && self.refresh_estimates(pool, now)
+                {
+                    let Some(refreshed) = forecast(self) else {
                         break;
                     };
-                    wait = refreshed;
+                    late = refreshed;
                 }
-                if wait <= left {
+                if late.wait <= left {
                     break;
                 }
                 let Some(entry) = self.unqueue(id) else { break };
@@ -641,7 +702,7 @@ impl Dispatcher {
                     count_abandoned(&tenant);
                     continue;
                 }
-                let rejection = self.saturated(&ticket.tenant, needed_blocks, wait);
+                let rejection = self.saturated(&ticket.tenant, needed_blocks, position, late);
                 self.reject(reply, rejection, &ticket.tenant);
             }
         }
@@ -690,18 +751,34 @@ impl Dispatcher {
         changed
     }
 
+    /// The refusal of a request that cannot start before its deadline, naming the limit that
+    /// binds; `position`: where it is among the tenant's queued requests (1: the oldest).
     fn saturated(
         &self,
         tenant: &TenantPolicy,
         needed_blocks: usize,
-        estimated_wait: Duration,
+        position: usize,
+        late: Forecast,
     ) -> Rejection {
-        Rejection::KvSaturated {
-            tenant: tenant.name.clone(),
-            needed_blocks,
-            estimated_wait,
-            retry_after: clamp_retry_after(estimated_wait),
-            headers: self.limits.headers(tenant),
+        let headers = self.limits.headers(tenant);
+        let (tenant_name, estimated_wait) = (tenant.name.clone(), late.wait);
+        let retry_after = clamp_retry_after(estimated_wait);
+        match late.bottleneck {
+            Bottleneck::Kv => Rejection::KvSaturated {
+                tenant: tenant_name,
+                needed_blocks,
+                estimated_wait,
+                retry_after,
+                headers,
+            },
+            Bottleneck::Concurrency => Rejection::ConcurrencySaturated {
+                tenant: tenant_name,
+                max_concurrency: u32::try_from(tenant.max_concurrency).unwrap_or(u32::MAX),
+                queued_ahead: u32::try_from(position.saturating_sub(1)).unwrap_or(u32::MAX),
+                estimated_wait,
+                retry_after,
+                headers,
+            },
         }
     }
 
@@ -792,6 +869,7 @@ impl Dispatcher {
             reserved_blocks,
             reserved_tokens,
             queue_wait: now.saturating_duration_since(enqueued_at),
+            started_at: now,
             stage: Stage::Admitted,
             reported_output: 0,
             reservation: Some(reservation),
@@ -803,6 +881,7 @@ impl Dispatcher {
             admitted.pool,
             lane,
             admitted.footprint(),
+            now,
         );
         // If the client left since the last purge, the guard comes back and drops here: it still
         // holds its reservation, so slot, blocks and the whole debit are returned, once.
@@ -819,6 +898,40 @@ impl Dispatcher {
         let _ = reply.send(Err(rejection));
     }
 
+    /// The forecast wait of the `position`-th of `tenant`'s queued requests (1: its oldest),
+    /// in `pool` with `own_blocks` of the tenant's queued blocks up to and including it: the
+    /// longer of what KV ([`Dispatcher::kv_wait`]) and the tenant's concurrency cap
+    /// ([`Dispatcher::slot_wait`]) make it wait, and which of the two that is. `None` while
+    /// neither can be forecast.
+    fn forecast(
+        &self,
+        pool: PoolId,
+        tenant: &TenantPolicy,
+        own_blocks: usize,
+        (position, needed_blocks): (usize, usize),
+        now: Instant,
+    ) -> Option<Forecast> {
+        let kv = self.kv_wait(pool, &tenant.name, tenant.weight, own_blocks);
+        let slot = self.slot_wait(tenant, position, now);
+        let held = self.held_by_slots(pool, tenant, needed_blocks);
+        Forecast::binding(kv, slot, held)
+    }
+
+    /// Whether `tenant`'s concurrency cap is what keeps a request needing `needed_blocks`
+    /// from starting now: the tenant has no free slot, and `pool` has the blocks.
+    fn held_by_slots(&self, pool: PoolId, tenant: &TenantPolicy, needed_blocks: usize) -> bool {
+        let running = self.ledger.in_flight().running(&tenant.name);
+        running >= tenant.max_concurrency && self.available_blocks(pool) >= needed_blocks
+    }
+
+    /// How long the `position`-th of `tenant`'s queued requests waits for one of the tenant's
+    /// concurrency slots ([`Ledger::slot_wait`]). The fair queue serves a tenant's own
+    /// requests oldest first, so only its own queue is ahead of it for its own slots.
+    fn slot_wait(&self, tenant: &TenantPolicy, position: usize, now: Instant) -> Option<Duration> {
+        self.ledger
+            .slot_wait(&tenant.name, tenant.max_concurrency, position, now)
+    }
+
     /// The forecast wait of a request of `tenant` in `pool` with `own_blocks` of the tenant's
     /// queued blocks up to and including it: the capacity that must come back before the fair
     /// queue reaches it — its own backlog plus the others' fair share of the same time (see
@@ -831,11 +944,8 @@ impl Dispatcher {
         weight: NonZeroU32,
         own_blocks: usize,
     ) -> Option<Duration> {
-        let policy = self.store.current();
         let occupancy = self.pools.get(pool.0)?.snapshot();
-        let limit = watermark_limit(self.usable_blocks(pool), policy.kv.high_watermark);
-        let committed = occupancy.used_blocks + occupancy.reserved_blocks;
-        let available = limit.saturating_sub(committed).min(occupancy.free_blocks);
+        let available = self.available_blocks(pool);
         let backlog = &self.backlog[pool.0];
         let mut demand = own_blocks;
         if backlog.blocks > backlog.of(tenant) {
@@ -854,6 +964,18 @@ impl Dispatcher {
         }
         let deficit_tokens = (demand - available).saturating_mul(occupancy.block_size);
         self.ledger.kv_drain_time(pool, deficit_tokens as u64)
+    }
+
+    /// The blocks of `pool` a request could reserve now: free, and under the watermark.
+    fn available_blocks(&self, pool: PoolId) -> usize {
+        let Some(block_pool) = self.pools.get(pool.0) else {
+            return 0;
+        };
+        let occupancy = block_pool.snapshot();
+        let policy = self.store.current();
+        let limit = watermark_limit(self.usable_blocks(pool), policy.kv.high_watermark);
+        let committed = occupancy.used_blocks + occupancy.reserved_blocks;
+        limit.saturating_sub(committed).min(occupancy.free_blocks)
     }
 
     /// The blocks of `pool` admission may fill now (an upstream's ejected replicas' share is

@@ -34,6 +34,10 @@ pub(super) struct Ledger {
     pub released: Notify,
 }
 
+/// Weight of the newest request in a tenant's average slot hold time: about the last ten
+/// requests dominate.
+const HOLD_TIME_ALPHA: f64 = 0.2;
+
 /// Reads how fast the engine serves (see [`ServiceTime`]); `None` while it cannot say.
 pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<ServiceTime> + Send + Sync>;
 
@@ -68,12 +72,26 @@ pub(super) struct Footprint {
     pub output_tokens: u64,
 }
 
+/// How a running request gives its tenant's concurrency slot back, for [`Ledger::finish`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SlotUse {
+    /// When it took the slot (what [`Ledger::start`] was given).
+    pub started_at: Instant,
+    /// Whether the request ran: one the engine refused before it started says nothing about
+    /// how long the tenant's requests hold a slot.
+    pub ran: bool,
+}
+
 /// Running requests. A tenant's concurrency counts its requests in every pool; the long lane
 /// is per pool, because it protects one engine's steps from long prefills.
 #[derive(Debug, Default)]
 pub(super) struct InFlight {
-    per_tenant: HashMap<String, usize>,
+    /// Per tenant, when each of its running requests took its slot (one entry per request).
+    per_tenant: HashMap<String, Vec<Instant>>,
     per_pool: HashMap<PoolId, PoolInFlight>,
+    /// Per tenant, how long its requests hold a concurrency slot: an average over those that
+    /// ran, from the slot taken to the slot given back (see [`Ledger::slot_wait`]).
+    hold_time: HashMap<String, Duration>,
 }
 
 /// Running requests of one pool.
@@ -107,11 +125,16 @@ impl InFlight {
         lane: Lane,
         long_max_concurrency: usize,
     ) -> bool {
-        let running = self.per_tenant.get(tenant).copied().unwrap_or(0);
+        let running = self.per_tenant.get(tenant).map_or(0, Vec::len);
         let pool = self.per_pool.get(&pool).copied().unwrap_or_default();
         running < max_concurrency
             && pool.max_requests.is_none_or(|max| pool.requests < max)
             && (lane == Lane::Short || pool.long_lane < long_max_concurrency)
+    }
+
+    /// Requests of `tenant` running now (its concurrency slots taken).
+    pub fn running(&self, tenant: &str) -> usize {
+        self.per_tenant.get(tenant).map_or(0, Vec::len)
     }
 
     /// KV capacity (in tokens) that running requests hold in `pool`.
@@ -126,9 +149,22 @@ impl Ledger {
         self.in_flight.lock()
     }
 
-    pub fn start(&self, tenant: &str, pool_id: PoolId, lane: Lane, footprint: Footprint) {
+    /// A request of `tenant` takes a concurrency slot at `now` (give the same instant to
+    /// [`Ledger::finish`] in its [`SlotUse`]).
+    pub fn start(
+        &self,
+        tenant: &str,
+        pool_id: PoolId,
+        lane: Lane,
+        footprint: Footprint,
+        now: Instant,
+    ) {
         let mut in_flight = self.in_flight.lock();
-        *in_flight.per_tenant.entry(tenant.to_string()).or_default() += 1;
+        in_flight
+            .per_tenant
+            .entry(tenant.to_string())
+            .or_default()
+            .push(now);
         let pool = in_flight.per_pool.entry(pool_id).or_default();
         if lane == Lane::Long {
             pool.long_lane += 1;
@@ -175,14 +211,27 @@ impl Ledger {
         lane: Lane,
         footprint: Footprint,
         (unreported_output, unprefilled_prompt): (u64, u64),
+        slot: SlotUse,
     ) {
         {
             let mut in_flight = self.in_flight.lock();
             if let Some(running) = in_flight.per_tenant.get_mut(tenant) {
-                *running = running.saturating_sub(1);
-                if *running == 0 {
+                // Its own start instant; any one if it is not there (it always is).
+                let at = running.iter().position(|&at| at == slot.started_at);
+                if let Some(index) = at.or(running.len().checked_sub(1)) {
+                    running.swap_remove(index);
+                }
+                if running.is_empty() {
                     in_flight.per_tenant.remove(tenant);
                 }
+            }
+            if slot.ran {
+                let held = Instant::now().saturating_duration_since(slot.started_at);
+                let average = in_flight
+                    .hold_time
+                    .entry(tenant.to_string())
+                    .or_insert(held);
+                *average = average.mul_f64(1.0 - HOLD_TIME_ALPHA) + held.mul_f64(HOLD_TIME_ALPHA);
             }
             if let Some(pool) = in_flight.per_pool.get_mut(&pool_id) {
                 if lane == Lane::Long {
@@ -210,6 +259,51 @@ impl Ledger {
             }
         }
         self.released.notify_one();
+    }
+
+    /// How long until the `position`-th of `tenant`'s queued requests (1: its oldest) can take
+    /// one of the tenant's `max_concurrency` slots, as far as that cap is concerned (KV is
+    /// [`Ledger::kv_drain_time`]'s part). Zero when a slot is free for it now; `None` before
+    /// any of the tenant's requests has finished (no hold time to forecast with).
+    ///
+    /// The tenant's slots free up in order: a running request is expected to hold its slot
+    /// for the tenant's average hold time D (less what it has run; zero once overdue), a free
+    /// slot is taken at once by a request ahead and held for D. So the slots come free at the
+    /// times b₁ ≤ … ≤ b_C (each at most D), then again each D later, and the j-th request
+    /// that must wait for a slot starts at b_((j−1) mod C) + ⌊(j−1)/C⌋·D. Running requests
+    /// beyond a cap that a reload lowered free no slot: the first of them to end are skipped.
+    pub fn slot_wait(
+        &self,
+        tenant: &str,
+        max_concurrency: usize,
+        position: usize,
+        now: Instant,
+    ) -> Option<Duration> {
+        let in_flight = self.in_flight.lock();
+        let started = in_flight
+            .per_tenant
+            .get(tenant)
+            .map_or(&[][..], Vec::as_slice);
+        let running = started.len();
+        let free = max_concurrency.saturating_sub(running);
+        if position <= free {
+            return Some(Duration::ZERO);
+        }
+        let hold = *in_flight.hold_time.get(tenant)?;
+        let cap = max_concurrency.max(1);
+        let waiting = position - free - 1;
+        let rounds = u32::try_from(waiting / cap).unwrap_or(u32::MAX);
+        let slot = waiting % cap + running.saturating_sub(cap);
+        let first_free = if slot < running {
+            let mut remaining: Vec<Duration> = started
+                .iter()
+                .map(|at| hold.saturating_sub(now.saturating_duration_since(*at)))
+                .collect();
+            *remaining.select_nth_unstable(slot).1
+        } else {
+            hold
+        };
+        Some(first_free.saturating_add(hold.saturating_mul(rounds)))
     }
 
     pub fn record_drained(&self, pool: PoolId, tokens: u64, now: Instant) {
@@ -344,12 +438,12 @@ impl Ledger {
             .collect();
         for (tenant, running) in &self.in_flight.lock().per_tenant {
             match rows.iter_mut().find(|row| row.tenant == *tenant) {
-                Some(row) => row.in_flight = *running,
+                Some(row) => row.in_flight = running.len(),
                 None => rows.push(TenantQueueSnapshot {
                     tenant: tenant.clone(),
                     queued_requests: 0,
                     queued_tokens: 0,
-                    in_flight: *running,
+                    in_flight: running.len(),
                 }),
             }
         }
@@ -493,10 +587,15 @@ mod tests {
         };
         // One request after another, each 1 s long with 10 s of idle between them.
         for _ in 0..4 {
-            ledger.start("a", pool, Lane::Short, footprint);
+            let started_at = Instant::now();
+            ledger.start("a", pool, Lane::Short, footprint, started_at);
             tokio::time::advance(Duration::from_secs(1)).await;
             ledger.record_drained(pool, 100, Instant::now());
-            ledger.finish("a", pool, Lane::Short, footprint, (0, 0));
+            let slot = SlotUse {
+                started_at,
+                ran: true,
+            };
+            ledger.finish("a", pool, Lane::Short, footprint, (0, 0), slot);
             tokio::time::advance(Duration::from_secs(10)).await;
         }
         // 100 tokens per busy second (a wall clock would read ~9 per second).
@@ -504,6 +603,69 @@ mod tests {
             ledger.time_to_drain(pool, 200),
             Some(Duration::from_secs(2))
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tenants_queued_requests_get_its_slots_as_its_running_ones_end() {
+        let ledger = Ledger::default();
+        let pool = PoolId::LOCAL;
+        let footprint = Footprint::default();
+        let secs = |s: u64| Some(Duration::from_secs(s));
+        let wait = |cap, position| ledger.slot_wait("a", cap, position, Instant::now());
+        let run = |started_at: Instant, ran: bool| {
+            ledger.start("a", pool, Lane::Short, footprint, started_at);
+            move |ledger: &Ledger| {
+                let slot = SlotUse { started_at, ran };
+                ledger.finish("a", pool, Lane::Short, footprint, (0, 0), slot);
+            }
+        };
+        assert_eq!(wait(2, 2), secs(0), "free slots need no history");
+        assert_eq!(
+            wait(2, 3),
+            None,
+            "no request has finished: no hold time yet"
+        );
+
+        // One that the engine refused says nothing; one that ran 4 s teaches the hold time.
+        let refused = run(Instant::now(), false);
+        let first = run(Instant::now(), true);
+        tokio::time::advance(Duration::from_secs(4)).await;
+        refused(&ledger);
+        first(&ledger);
+        assert_eq!(
+            wait(2, 3),
+            secs(4),
+            "two take the free slots, the third waits for one"
+        );
+
+        // Two running for 1 s of their 4: their slots come free in 3 s, then every 4 s.
+        let ends: Vec<_> = (0..2).map(|_| run(Instant::now(), true)).collect();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(wait(2, 1), secs(3));
+        assert_eq!(wait(2, 2), secs(3));
+        assert_eq!(wait(2, 3), secs(7));
+        assert_eq!(wait(2, 5), secs(11));
+        assert_eq!(wait(3, 1), secs(0), "a cap of 3 leaves one slot free");
+        assert_eq!(wait(3, 2), secs(3));
+        assert_eq!(
+            wait(3, 4),
+            secs(4),
+            "the slot taken now frees after a whole hold"
+        );
+        assert_eq!(wait(3, 5), secs(7));
+        // A reload lowered the cap to 1: the first of the two to end frees no slot.
+        assert_eq!(wait(1, 1), secs(3));
+        assert_eq!(wait(1, 2), secs(7));
+        // Overdue requests are expected to end any moment, not never.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(wait(2, 1), secs(0));
+        assert_eq!(wait(2, 3), secs(4));
+        for end in ends {
+            end(&ledger);
+        }
+        // Each held 11 s: the average moves a fifth of the way each time, 4 → 5.4 → 6.52 s.
+        let hold = wait(1, 2).expect("a hold time").as_secs_f64();
+        assert!((hold - 6.52).abs() < 1e-6, "{hold}");
     }
 
     #[test]
@@ -515,7 +677,8 @@ mod tests {
             prompt_tokens: 5,
             output_tokens: 5,
         };
-        ledger.start("a", local, Lane::Long, footprint);
+        let started_at = Instant::now();
+        ledger.start("a", local, Lane::Long, footprint, started_at);
         assert!(!ledger.in_flight().may_start("a", 1, local, Lane::Short, 5));
         assert!(
             !ledger
@@ -533,7 +696,11 @@ mod tests {
         );
         assert_eq!(ledger.in_flight().reserved_tokens(local), 10);
         assert_eq!(ledger.in_flight().reserved_tokens(upstream), 0);
-        ledger.finish("a", local, Lane::Long, footprint, (5, 5));
+        let slot = SlotUse {
+            started_at,
+            ran: true,
+        };
+        ledger.finish("a", local, Lane::Long, footprint, (5, 5), slot);
         assert!(ledger.in_flight().may_start("a", 1, local, Lane::Long, 1));
         assert_eq!(ledger.in_flight().reserved_tokens(local), 0);
         assert!(ledger.snapshot().is_empty());

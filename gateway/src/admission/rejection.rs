@@ -66,6 +66,18 @@ pub enum Rejection {
         retry_after: Duration,
         headers: RateLimitHeaders,
     },
+    /// The tenant's concurrency cap is the bottleneck: with its requests queued ahead, this
+    /// one would not get one of the tenant's slots within its max wait.
+    ConcurrencySaturated {
+        tenant: String,
+        /// u32s (saturated): the variant stays as small as [`Rejection::KvSaturated`].
+        max_concurrency: u32,
+        /// The tenant's requests queued ahead of this one.
+        queued_ahead: u32,
+        estimated_wait: Duration,
+        retry_after: Duration,
+        headers: RateLimitHeaders,
+    },
     /// Needs more KV blocks than admission may ever reserve (`limit` says which bound).
     NeverFits {
         /// The blocks counted against `limit`: the reservation against the watermark, the
@@ -110,7 +122,8 @@ impl Rejection {
             | Rejection::InsufficientQuota { .. }
             | Rejection::QueueNeverFits { .. }
             | Rejection::QueueFull { .. }
-            | Rejection::KvSaturated { .. } => 429,
+            | Rejection::KvSaturated { .. }
+            | Rejection::ConcurrencySaturated { .. } => 429,
             Rejection::QueueTimeout { .. }
             | Rejection::StoreUnavailable { .. }
             | Rejection::Unavailable => 503,
@@ -129,6 +142,7 @@ impl Rejection {
             Rejection::QueueFull { .. } => "queue_full",
             Rejection::QueueTimeout { .. } => "queue_timeout",
             Rejection::KvSaturated { .. } => "kv_cache_saturated",
+            Rejection::ConcurrencySaturated { .. } => "concurrency_saturated",
             Rejection::NeverFits { .. } => "context_length_exceeded",
             // The code validation gives the same limit.
             Rejection::OverTenantLimit { error, .. } => error.code(),
@@ -145,7 +159,7 @@ impl Rejection {
             Rejection::InsufficientQuota { .. } | Rejection::QueueNeverFits { .. } => {
                 "insufficient_quota"
             }
-            Rejection::QueueFull { .. } => "requests",
+            Rejection::QueueFull { .. } | Rejection::ConcurrencySaturated { .. } => "requests",
             Rejection::KvSaturated { .. } => "tokens",
             Rejection::QueueTimeout { .. }
             | Rejection::StoreUnavailable { .. }
@@ -242,6 +256,18 @@ impl Rejection {
                 format_reset(*estimated_wait),
                 retry(retry_after)
             ),
+            Rejection::ConcurrencySaturated {
+                tenant,
+                max_concurrency,
+                queued_ahead,
+                estimated_wait,
+                retry_after,
+                ..
+            } => format!(
+                "Tenant {tenant} runs at most {max_concurrency} at once (max_concurrency), and with {queued_ahead} of its requests queued ahead of this one this request would start in about {}, later than the queue may wait. {}",
+                format_reset(*estimated_wait),
+                retry(retry_after)
+            ),
             Rejection::NeverFits {
                 needed_blocks,
                 total_blocks,
@@ -276,7 +302,8 @@ impl Rejection {
             Rejection::RateLimited { retry_after, .. }
             | Rejection::QueueFull { retry_after, .. }
             | Rejection::QueueTimeout { retry_after, .. }
-            | Rejection::KvSaturated { retry_after, .. } => *retry_after,
+            | Rejection::KvSaturated { retry_after, .. }
+            | Rejection::ConcurrencySaturated { retry_after, .. } => *retry_after,
             Rejection::Unavailable | Rejection::StoreUnavailable { .. } => MIN_CAPACITY_RETRY_AFTER,
             Rejection::InsufficientQuota { .. }
             | Rejection::QueueNeverFits { .. }
@@ -302,7 +329,8 @@ impl Rejection {
             | Rejection::QueueNeverFits { headers, .. }
             | Rejection::QueueFull { headers, .. }
             | Rejection::QueueTimeout { headers, .. }
-            | Rejection::KvSaturated { headers, .. } => Some(headers.clone()),
+            | Rejection::KvSaturated { headers, .. }
+            | Rejection::ConcurrencySaturated { headers, .. } => Some(headers.clone()),
             Rejection::NeverFits { .. }
             | Rejection::OverTenantLimit { .. }
             | Rejection::KeyRevoked { .. }
@@ -339,6 +367,7 @@ impl Rejection {
             Rejection::QueueFull { .. } => RejectReason::QueueFull,
             Rejection::QueueTimeout { .. } => RejectReason::QueueTimeout,
             Rejection::KvSaturated { .. } => RejectReason::KvSaturation,
+            Rejection::ConcurrencySaturated { .. } => RejectReason::ConcurrencySaturation,
             Rejection::NeverFits { .. } | Rejection::OverTenantLimit { .. } => RejectReason::Length,
             Rejection::KeyRevoked { .. } => RejectReason::Auth,
             Rejection::Unavailable | Rejection::StoreUnavailable { .. } => {

@@ -329,10 +329,14 @@ async fn a_request_bigger_than_the_queue_token_bound_is_refused_as_final() {
 
 #[tokio::test(start_paused = true)]
 async fn a_queue_timeout_says_when_its_turn_would_come_not_when_the_pool_empties() {
-    let policy = "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"3s\"\n";
+    let policy = "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"3s\"\n[tenants.b]\n";
     // KV to spare: the tenant's concurrency is what holds the queue.
     let (admission, _pool, store) = setup(400, policy);
-    teach_drain_rate(&admission, &store, "a").await; // 160 tokens per second
+    // 160 tokens per second, taught by another tenant: `a` has no hold time yet, so its slot
+    // forecast cannot refuse the two below before their deadline (a queue timeout is the
+    // subject here; `a_queue_held_back_by_the_tenants_concurrency_cap_is_refused_as_such` is
+    // the forecast's).
+    teach_drain_rate(&admission, &store, "b").await;
     // A long request runs (its reservation counts for nothing below: it drains for everyone).
     let _running = admission
         .admit(ticket(&store, "a", 500, 500))
@@ -470,8 +474,9 @@ fn the_step_cost_model_prices_the_running_requests_prefill_and_decodes() {
         Some(Duration::from_millis(15)),
         "nothing runs: one sequence's step, 10 + 5 ms"
     );
-    ledger.start("a", PoolId::LOCAL, Lane::Short, footprint);
-    ledger.start("a", PoolId::LOCAL, Lane::Short, footprint);
+    let started_at = tokio::time::Instant::now();
+    ledger.start("a", PoolId::LOCAL, Lane::Short, footprint, started_at);
+    ledger.start("a", PoolId::LOCAL, Lane::Short, footprint, started_at);
     let millis = |tokens| {
         ledger
             .kv_drain_time(PoolId::LOCAL, tokens)
@@ -492,7 +497,11 @@ fn the_step_cost_model_prices_the_running_requests_prefill_and_decodes() {
     ledger.generated(PoolId::LOCAL, 100);
     assert_eq!(millis(320), Some(1180.0));
     // One ends without reporting (an opaque stream): the totals lose exactly its share.
-    ledger.finish("a", PoolId::LOCAL, Lane::Short, footprint, (59, 0));
+    let slot = ledger::SlotUse {
+        started_at,
+        ran: true,
+    };
+    ledger.finish("a", PoolId::LOCAL, Lane::Short, footprint, (59, 0), slot);
     // One running, 59 tokens left at 15 ms.
     assert_eq!(millis(160), Some(885.0));
     let stats = kvgate_runtime::engine::EngineStats {
@@ -1764,4 +1773,144 @@ async fn closing_refuses_the_queued_requests_and_every_later_one_with_503() {
         matches!(late, Err(Rejection::Unavailable)),
         "refused at once"
     );
+}
+
+/// QA's D3 in miniature: a tenant limited to 2 requests at once, with KV to spare. What keeps
+/// its queue waiting is its own concurrency cap, so a request whose turn would come after its
+/// deadline is refused at once as `concurrency_saturated` (not `kv_cache_saturated`, and not
+/// left to wait its whole `max_queue_wait` for a 503).
+#[tokio::test(start_paused = true)]
+async fn a_queue_held_back_by_the_tenants_concurrency_cap_is_refused_as_such() {
+    let policy = |cap: usize| {
+        format!(
+            "[tenants.a]\nmax_concurrency = {cap}\nmax_queue_wait = \"10s\"\n[kv]\nhigh_watermark = 1.0\n"
+        )
+    };
+    let (admission, pool, store) = setup_reloadable(1000, &policy(2));
+    // Teach the tenant's hold time: a request that runs 4 s.
+    let mut first = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+    first.mark_started();
+    tokio::time::advance(Duration::from_secs(4)).await;
+    first.record_completion(16);
+    drop(first);
+
+    let mut running = Vec::new();
+    for _ in 0..2 {
+        let mut admitted = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+        admitted.mark_started();
+        running.push(admitted);
+    }
+    // Both slots come free in 4 s, then again 4 s later: the queued requests' turns come at
+    // 4, 4, 8 and 8 s (within 90% of 10 s), the fifth's at 12 s.
+    let queued_ones: Vec<_> = (0..4)
+        .map(|_| spawn_admit(&admission, ticket(&store, "a", 16, 16)))
+        .collect();
+    until(|| queued(&admission) == 4).await;
+    let rejection = admission
+        .admit(ticket(&store, "a", 16, 16))
+        .await
+        .unwrap_err();
+    match &rejection {
+        Rejection::ConcurrencySaturated {
+            max_concurrency: 2,
+            queued_ahead: 4,
+            estimated_wait,
+            retry_after,
+            ..
+        } => {
+            assert_eq!(*estimated_wait, Duration::from_secs(12));
+            assert_eq!(*retry_after, Duration::from_secs(12));
+        }
+        other => panic!("expected ConcurrencySaturated, got {other:?}"),
+    }
+    assert_eq!(
+        (rejection.status(), rejection.code(), rejection.reason()),
+        (
+            429,
+            "concurrency_saturated",
+            crate::metrics::RejectReason::ConcurrencySaturation
+        )
+    );
+    assert!(rejection.message().contains("at most 2 at once"));
+    assert!(pool.snapshot().reserved_blocks <= 6, "KV was never short");
+
+    // A reload lowers the cap to 1: one slot every 4 s, so only the first two queued start
+    // within their 10 s; the re-forecast refuses the other two now, youngest first.
+    reload(&store, &policy(1));
+    let mut queued_ones = queued_ones.into_iter();
+    let (kept, refused): (Vec<_>, Vec<_>) = (
+        queued_ones.by_ref().take(2).collect(),
+        queued_ones.collect(),
+    );
+    for handle in refused {
+        match handle.await.unwrap() {
+            Err(Rejection::ConcurrencySaturated { estimated_wait, .. }) => {
+                assert!(
+                    estimated_wait > Duration::from_secs(10),
+                    "{estimated_wait:?}"
+                );
+            }
+            other => panic!("expected ConcurrencySaturated, got {other:?}"),
+        }
+    }
+    assert_eq!(queued(&admission), 2);
+    drop(running);
+    for handle in kept {
+        let mut admitted = admitted(handle).await;
+        admitted.mark_started();
+        drop(admitted);
+    }
+}
+
+/// Before any request of the tenant has finished there is no slot forecast, and the KV
+/// forecast (priced at the pace of the few requests the cap lets run) may be what refuses a
+/// request. While the tenant is at its cap and the pool has the blocks, the refusal still names
+/// the cap: KV was not what held the request (QA D3's first burst on a fresh server).
+#[tokio::test(start_paused = true)]
+async fn a_refusal_names_the_concurrency_cap_while_it_holds_the_queue_and_kv_is_free() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"1500ms\"\n\
+                  [kv]\nhigh_watermark = 1.0\n";
+    let (admission, pool, store) = setup(60, policy);
+    let cost = StepCost {
+        per_step_us: 25_000.0,
+        per_prefill_token_us: 0.0,
+        per_decode_seq_us: 0.0,
+        per_attended_token_ns: 0.0,
+    };
+    admission.set_service_time_probe(move || Some(ServiceTime::Model(cost)));
+    let holder = admission.admit(ticket(&store, "a", 240, 80)).await.unwrap(); // 20 blocks
+    // 40 blocks free: four 10-block requests fit them (no KV wait), the fifth's backlog needs
+    // 10 blocks back, 80 tokens at 25 ms = 2 s: later than 90% of 1.5 s.
+    let queued_ones: Vec<_> = (0..4)
+        .map(|_| spawn_admit(&admission, ticket(&store, "a", 80, 80)))
+        .collect();
+    until(|| queued(&admission) == 4).await;
+    match admission.admit(ticket(&store, "a", 80, 80)).await {
+        Err(Rejection::ConcurrencySaturated {
+            max_concurrency: 1,
+            queued_ahead: 4,
+            estimated_wait,
+            ..
+        }) => assert_eq!(estimated_wait, Duration::from_secs(2)),
+        other => panic!("expected ConcurrencySaturated, got {other:?}"),
+    }
+    assert_eq!(
+        pool.snapshot().reserved_blocks,
+        20,
+        "the pool had 40 blocks free"
+    );
+
+    // Once the pool cannot hold the next request, the same 2 s forecast names KV.
+    for handle in queued_ones {
+        handle.abort();
+    }
+    until(|| queued(&admission) == 0).await;
+    let full = pool.try_reserve(40).unwrap();
+    match admission.admit(ticket(&store, "a", 80, 80)).await {
+        Err(Rejection::KvSaturated { estimated_wait, .. }) => {
+            assert_eq!(estimated_wait, Duration::from_secs(2));
+        }
+        other => panic!("expected KvSaturated, got {other:?}"),
+    }
+    drop((full, holder));
 }

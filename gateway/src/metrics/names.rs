@@ -108,7 +108,7 @@ pub const RECORDED: &[Family] = &[
         REQUESTS_REJECTED_TOTAL,
         Counter,
         &["tenant", "reason"],
-        "Refused requests by reason: auth, length, rate, quota, queue_full, queue_timeout, kv_saturation, bad_request, unavailable.",
+        "Refused requests by reason: auth, length, rate, quota, queue_full, queue_timeout, kv_saturation, concurrency_saturation, bad_request, unavailable.",
     ),
     family(
         SHARED_STORE_ERRORS_TOTAL,
