@@ -366,7 +366,8 @@ fn start_cuda(
         device_free: free,
         utilization: cuda.gpu_memory_utilization,
         weights_bytes: gguf.tensor_bytes(),
-        workspace_bytes: workspace_bytes(config, &options) as u64,
+        workspace_bytes: workspace_bytes(config, &options)
+            .ok_or(LoadError::WorkspaceOverflow(opts.max_batched_tokens))?,
         kv_shape: config.kv_shape(),
         block_size: KV_BLOCK,
         context_length: config.context_length,

@@ -14,7 +14,9 @@ use kvgate_kernels::cuda::device::{
 use kvgate_kernels::cuda::emu_device::EmuDevice;
 
 use kvgate_runtime::backend::cpu::{CpuBackend, CpuBackendOptions};
-use kvgate_runtime::backend::cuda::{CudaBackend, CudaBackendOptions, MMQ_MIN_EXCLUSIVE_BATCH};
+use kvgate_runtime::backend::cuda::{
+    CudaBackend, CudaBackendOptions, MMQ_MIN_EXCLUSIVE_BATCH, workspace_bytes,
+};
 use kvgate_runtime::backend::{Backend, BackendError, BatchInputs, SeqInputs};
 use kvgate_runtime::gguf::GgufFile;
 use kvgate_runtime::model::ModelConfig;
@@ -518,6 +520,23 @@ fn refuses_what_the_kernels_cannot_run_and_invalid_steps() {
     .err()
     .expect("refused");
     assert!(err.to_string().contains("RoPE"), "{err}");
+    // A step size whose workspace overflows a 64-bit size is refused with the flag to lower,
+    // in the memory plan's size and at allocation alike (it panicked, or wrapped in release).
+    let huge = CudaBackendOptions {
+        max_batched_tokens: usize::MAX / 64,
+        ..options()
+    };
+    assert_eq!(workspace_bytes(&config, &huge), None);
+    assert!(workspace_bytes(&config, &options()).is_some_and(|bytes| bytes > 0));
+    let err = CudaBackend::new(
+        EmuDevice::new().expect("emulator"),
+        Arc::clone(&gguf),
+        config.clone(),
+        huge,
+    )
+    .err()
+    .expect("refused");
+    assert!(err.to_string().contains("--max-batched-tokens"), "{err}");
 
     let mut gpu = emulated(&gguf, &config);
     let a = tokens(3, 4);

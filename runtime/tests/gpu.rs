@@ -419,7 +419,7 @@ fn memory_plan_is_honoured_and_reported() {
         device_free: free,
         utilization: 0.9,
         weights_bytes: gguf.tensor_bytes(),
-        workspace_bytes: workspace_bytes(&config, &options) as u64,
+        workspace_bytes: workspace_bytes(&config, &options).expect("a workspace size"),
         kv_shape: config.kv_shape(),
         block_size: KV_BLOCK,
         context_length: config.context_length,

@@ -70,9 +70,10 @@ pub(crate) fn device_error(e: DeviceError) -> BackendError {
 }
 
 /// Device bytes of the workspace a backend with `options` allocates (for the memory plan,
-/// before anything is allocated).
-pub fn workspace_bytes(config: &ModelConfig, options: &CudaBackendOptions) -> usize {
-    workspace::WorkspaceShape::new(config, options).bytes(config)
+/// before anything is allocated); `None` where that size overflows.
+pub fn workspace_bytes(config: &ModelConfig, options: &CudaBackendOptions) -> Option<u64> {
+    let bytes = workspace::WorkspaceShape::new(config, options).bytes(config)?;
+    u64::try_from(bytes).ok()
 }
 
 /// Bytes of one layer's K (or V) cache.

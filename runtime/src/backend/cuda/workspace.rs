@@ -36,37 +36,52 @@ impl WorkspaceShape {
     /// i32 values of the step inputs: token ids, positions, slots, row → sequence, row →
     /// context (a row per token), the tiled attention kernel's tile table (a (first row, rows)
     /// pair per tile, at most one tile per row), logit rows, then the block tables.
-    pub fn input_words(&self) -> usize {
-        7 * self.max_tokens + self.max_seqs + self.max_seqs * self.max_blocks_per_seq
+    /// `None` where that overflows.
+    pub fn input_words(&self) -> Option<usize> {
+        let tables = self.max_seqs.checked_mul(self.max_blocks_per_seq)?;
+        7usize
+            .checked_mul(self.max_tokens)?
+            .checked_add(self.max_seqs)?
+            .checked_add(tables)
     }
 
-    /// Bytes of each buffer, in [`DeviceWorkspace`] field order.
-    fn sizes(&self, c: &ModelConfig) -> [usize; 15] {
+    /// Bytes of each buffer, in [`DeviceWorkspace`] field order; `None` where a size overflows
+    /// (a `--max-batched-tokens` or `--max-num-seqs` far beyond any device).
+    fn sizes(&self, c: &ModelConfig) -> Option<[usize; 15]> {
         let (t, s) = (self.max_tokens, self.max_seqs);
         let (d, kvd, ff) = (c.hidden_size, c.kv_dim(), c.ffn_size);
-        let f = 4;
-        [
-            t * d * f,                                         // x
-            t * d * f,                                         // xn
-            t * d * f,                                         // q
-            t * kvd * f,                                       // k
-            t * kvd * f,                                       // v
-            t * d * f,                                         // att
-            t * d * f,                                         // proj
-            t * ff * f,                                        // gate
-            t * ff * f,                                        // up
-            t * ff * f,                                        // act
-            t * d.max(ff) / 32 * Q8_1_BYTES,                   // xq
-            t * c.num_heads * self.max_parts * c.head_dim * f, // part_out
-            t * c.num_heads * self.max_parts * 2 * f,          // part_stats
-            s * d * f + s * c.vocab_size * f,                  // last rows + logits
-            self.input_words() * 4,                            // inputs
-        ]
+        // Every size is a product of these factors (4: f32 and i32 bytes).
+        let product = |factors: &[usize]| {
+            factors
+                .iter()
+                .try_fold(1usize, |acc, &factor| acc.checked_mul(factor))
+        };
+        let parts = self.max_parts;
+        Some([
+            product(&[t, d, 4])?,                              // x
+            product(&[t, d, 4])?,                              // xn
+            product(&[t, d, 4])?,                              // q
+            product(&[t, kvd, 4])?,                            // k
+            product(&[t, kvd, 4])?,                            // v
+            product(&[t, d, 4])?,                              // att
+            product(&[t, d, 4])?,                              // proj
+            product(&[t, ff, 4])?,                             // gate
+            product(&[t, ff, 4])?,                             // up
+            product(&[t, ff, 4])?,                             // act
+            product(&[t, d.max(ff) / 32, Q8_1_BYTES])?,        // xq
+            product(&[t, c.num_heads, parts, c.head_dim, 4])?, // part_out
+            product(&[t, c.num_heads, parts, 2, 4])?,          // part_stats
+            product(&[s, d + c.vocab_size, 4])?,               // last rows + logits
+            product(&[self.input_words()?, 4])?,               // inputs
+        ])
     }
 
     /// Total device bytes of the workspace.
-    pub fn bytes(&self, config: &ModelConfig) -> usize {
-        self.sizes(config).iter().sum()
+    /// Device bytes of all the buffers; `None` where that overflows.
+    pub fn bytes(&self, config: &ModelConfig) -> Option<usize> {
+        self.sizes(config)?
+            .iter()
+            .try_fold(0usize, |acc, &bytes| acc.checked_add(bytes))
     }
 }
 
@@ -103,7 +118,10 @@ impl DeviceWorkspace {
         options: &CudaBackendOptions,
     ) -> Result<DeviceWorkspace, BackendError> {
         let shape = WorkspaceShape::new(config, options);
-        let sizes = shape.sizes(config);
+        let sizes = shape
+            .sizes(config)
+            .filter(|_| shape.bytes(config).is_some())
+            .ok_or_else(|| BackendError::OutOfMemory(overflow_message(options)))?;
         let mut bufs = Vec::with_capacity(sizes.len());
         for &bytes in &sizes {
             bufs.push(dev.alloc(bytes).map_err(device_error)?);
@@ -148,4 +166,13 @@ impl DeviceWorkspace {
             bytes: sizes.iter().sum::<usize>() as u64,
         })
     }
+}
+
+/// The error for a workspace whose size overflows: the step limits are beyond any device.
+fn overflow_message(options: &CudaBackendOptions) -> String {
+    format!(
+        "--max-batched-tokens {} / --max-num-seqs {} are too large: the device workspace for \
+         that many tokens and sequences overflows a 64-bit size",
+        options.max_batched_tokens, options.max_num_seqs
+    )
 }
