@@ -66,6 +66,18 @@ impl BpeModel {
             }
         }
         let unencodable = byte_token.map(|t| t.is_none());
+        // llama.cpp drops a byte no token spells, and so does kvgate (SmolLM2 lacks a few
+        // control bytes). A vocabulary missing printable ASCII would drop ordinary text
+        // silently ("hi" → nothing): refuse it at load, naming the bytes.
+        let missing: Vec<u8> = (b' '..=b'~').filter(|&b| unencodable[b as usize]).collect();
+        if let Some(&first) = missing.first() {
+            return Err(TokenizerError::Invalid(format!(
+                "the byte-level vocabulary has no token for {} of the 95 printable ASCII \
+                 characters (the first: {:?}); text containing them could not be encoded",
+                missing.len(),
+                first as char
+            )));
+        }
         let merge_bpe = MergeBpe::new(byte_token, &ranked.merges);
         // One pattern matching the whole input: the words are cut by `pre`, CoreBPE only merges.
         let bpe = CoreBPE::new(encoder, HashMap::default(), r"(?s).+")

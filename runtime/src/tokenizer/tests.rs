@@ -334,6 +334,19 @@ proptest! {
 }
 
 /// A five-token vocabulary file (`a b ab <s> </s>`) with the given extra metadata.
+/// `a`, `b`, `ab`, `<s>`, `</s>` (ids 0..5), then the other printable ASCII characters (a
+/// byte-level vocabulary must spell them all): [`SPECIAL_ID_VOCAB`] tokens.
+fn special_id_tokens() -> Vec<&'static str> {
+    // Byte-level vocabularies spell the space `Ġ`; the other printable characters as themselves.
+    const PRINTABLE: &str = "!\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`cdefghijklmnopqrstuvwxyz{|}~";
+    let mut tokens = vec!["a", "b", "ab", "<s>", "</s>", "Ġ"];
+    tokens.extend((0..PRINTABLE.len()).map(|i| &PRINTABLE[i..=i]));
+    assert_eq!(tokens.len(), SPECIAL_ID_VOCAB as usize);
+    tokens
+}
+
+const SPECIAL_ID_VOCAB: u32 = 98;
+
 fn special_id_vocab(
     name: &str,
     model: &str,
@@ -345,7 +358,7 @@ fn special_id_vocab(
     let builder = GgufBuilder::new()
         .str("tokenizer.ggml.model", model)
         .str("tokenizer.ggml.pre", "gpt-2")
-        .str_array("tokenizer.ggml.tokens", &["a", "b", "ab", "<s>", "</s>"])
+        .str_array("tokenizer.ggml.tokens", &special_id_tokens())
         .str_array("tokenizer.ggml.merges", &["a b"]);
     let path = dir.join(format!("{name}.gguf"));
     std::fs::write(&path, extra(builder).build()).expect("write temp gguf");
@@ -355,6 +368,7 @@ fn special_id_vocab(
 
 #[test]
 fn special_token_ids_outside_the_vocabulary_are_refused_where_used() {
+    let n = SPECIAL_ID_VOCAB;
     let refused = |name: &str, model: &str, key: &str, id: u32, add_bos: bool| {
         let err = special_id_vocab(name, model, |b| {
             b.bool("tokenizer.ggml.add_bos_token", add_bos).u32(key, id)
@@ -364,12 +378,12 @@ fn special_token_ids_outside_the_vocabulary_are_refused_where_used() {
         .to_string();
         assert!(
             err.contains(&format!(
-                "{key} is {id}, outside the vocabulary of 5 tokens"
+                "{key} is {id}, outside the vocabulary of {SPECIAL_ID_VOCAB} tokens"
             )) && !err.contains('\n'),
             "{name}: {err}"
         );
     };
-    refused("bos5", "gpt2", "tokenizer.ggml.bos_token_id", 5, true);
+    refused("bosn", "gpt2", "tokenizer.ggml.bos_token_id", n, true);
     refused(
         "bosmax",
         "gpt2",
@@ -377,21 +391,21 @@ fn special_token_ids_outside_the_vocabulary_are_refused_where_used() {
         u32::MAX,
         true,
     );
-    refused("eos", "gpt2", "tokenizer.ggml.eos_token_id", 5, false);
-    refused("eot", "gpt2", "tokenizer.ggml.eot_token_id", 99, false);
-    refused("eom", "gpt2", "tokenizer.ggml.eom_token_id", 5, false);
+    refused("eos", "gpt2", "tokenizer.ggml.eos_token_id", n, false);
+    refused("eot", "gpt2", "tokenizer.ggml.eot_token_id", n + 94, false);
+    refused("eom", "gpt2", "tokenizer.ggml.eom_token_id", n, false);
     refused(
         "fimpad",
         "gpt2",
         "tokenizer.ggml.fim_pad_token_id",
-        7,
+        n + 2,
         false,
     );
     refused(
         "unkspm",
         "llama",
         "tokenizer.ggml.unknown_token_id",
-        5,
+        n,
         false,
     );
 
@@ -403,7 +417,7 @@ fn special_token_ids_outside_the_vocabulary_are_refused_where_used() {
         ("pad", "tokenizer.ggml.padding_token_id"),
     ] {
         let t = special_id_vocab(name, "gpt2", |b| {
-            b.bool("tokenizer.ggml.add_bos_token", false).u32(key, 5)
+            b.bool("tokenizer.ggml.add_bos_token", false).u32(key, n)
         });
         assert!(t.is_ok(), "{name}: {:?}", t.err());
     }
@@ -417,4 +431,20 @@ fn special_token_ids_outside_the_vocabulary_are_refused_where_used() {
     .expect("in-range ids load");
     assert_eq!(t.encode_with_specials("ab", false), vec![3, 2]);
     assert!(t.is_eog(4));
+}
+
+#[test]
+fn a_byte_level_vocabulary_that_cannot_spell_printable_ascii_is_refused_at_load() {
+    // QA: a vocabulary without byte tokens encoded "hi <|im_end|>" as the special alone,
+    // dropping the text without a word. Missing control bytes stay allowed (SmolLM2 lacks six,
+    // and llama.cpp drops them too).
+    let Err(err) = Tokenizer::from_vocab(tiny_vocab(&[], b"hi")) else {
+        panic!("a vocabulary without `h` and `i` must be refused");
+    };
+    let err = err.to_string();
+    assert!(
+        err.contains("no token for 2 of the 95 printable ASCII characters (the first: 'h')"),
+        "{err}"
+    );
+    assert!(Tokenizer::from_vocab(tiny_vocab(&[], &[0x01, 0x7f, 0xf1])).is_ok());
 }
