@@ -324,7 +324,8 @@ async fn proxy(
                     // as the debit settled on it does.
                     Some(
                         GenerationTelemetry::new(&tenant.name, model, arrived, prompt)
-                            .capping_completion_at(valid.max_tokens as usize),
+                            .capping_completion_at(valid.max_tokens as usize)
+                            .capping_prompt_at(prompt.max(tenant.max_total_tokens)),
                     )
                 } else {
                     admitted.mark_failed_before_start();

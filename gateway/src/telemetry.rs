@@ -26,6 +26,8 @@ pub struct GenerationTelemetry {
     /// The most completion tokens the request may count: its budget. A relayed answer's
     /// reported `usage` is the upstream's word and is clipped to it, as its debit is.
     completion_cap: usize,
+    /// The most prompt tokens a relayed answer's `usage` may count ([`Self::capping_prompt_at`]).
+    prompt_cap: usize,
 }
 
 impl GenerationTelemetry {
@@ -47,7 +49,17 @@ impl GenerationTelemetry {
             cached_tokens: None,
             last_token: None,
             completion_cap: usize::MAX,
+            prompt_cap: usize::MAX,
         }
+    }
+
+    /// Counts at most `cap` prompt tokens for this request, whatever a relayed answer
+    /// reports. An upstream's count may differ from the gateway's (its own tokenizer and
+    /// template), but not beyond the most the tenant may send: a broken or lying upstream
+    /// would otherwise inflate `kvgate_prompt_tokens_total` without bound.
+    pub fn capping_prompt_at(mut self, cap: usize) -> GenerationTelemetry {
+        self.prompt_cap = cap;
+        self
     }
 
     /// Counts at most `max_tokens` completion tokens for this request, whatever a relayed
@@ -90,7 +102,7 @@ impl GenerationTelemetry {
         completion_tokens: Option<usize>,
     ) {
         if let Some(prompt) = prompt_tokens {
-            self.prompt_tokens = prompt;
+            self.prompt_tokens = prompt.min(self.prompt_cap);
         }
         if let Some(completion) = completion_tokens {
             self.generated = completion.min(self.completion_cap);
@@ -137,5 +149,21 @@ mod tests {
         let mut telemetry = GenerationTelemetry::new("t", "m", Instant::now(), 3);
         telemetry.on_relayed_end(None, Some(7));
         assert_eq!((telemetry.prompt_tokens, telemetry.generated), (3, 7));
+    }
+
+    #[test]
+    fn a_relayed_prompt_count_is_capped_at_the_tenants_budget() {
+        let relayed = |reported: usize| {
+            let mut telemetry =
+                GenerationTelemetry::new("t", "m", Instant::now(), 30).capping_prompt_at(100);
+            telemetry.on_relayed_end(Some(reported), None);
+            telemetry.prompt_tokens
+        };
+        assert_eq!(relayed(1_000_000_000_000), 100);
+        assert_eq!(
+            relayed(42),
+            42,
+            "the upstream's own count, where it is plausible"
+        );
     }
 }
