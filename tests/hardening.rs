@@ -321,3 +321,55 @@ async fn client_request_ids_are_kept_only_when_bounded_and_plain() {
     }
     assert!(generated(&answered_request_id(server.addr, None).await));
 }
+
+/// Status, head and JSON body of a raw GET /healthz with `extra` header lines and `path`.
+async fn raw_get(addr: SocketAddr, path: &str, extra: &str) -> (u16, String, Value) {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n{extra}\r\n");
+    let mut stream = raw_connect(addr, request.as_bytes()).await;
+    let answer = tokio::time::timeout(WAIT, common::client::read_to_close(&mut stream))
+        .await
+        .expect("the server answers and closes");
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let json = serde_json::from_str(body).unwrap_or(Value::Null);
+    (status_of(head), head.to_owned(), json)
+}
+
+/// An oversized cookie or query string gets 431 / 414 with an OpenAI-style body, the request
+/// id and the rate-limit headers, like every other refusal; it used to be hyper's bare status
+/// line. Requests just within the limits are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_headers_and_uris_get_openai_style_431_and_414() {
+    let tenants = [TenantSpec {
+        name: "head",
+        key: "sk-head",
+        extra: "",
+    }];
+    let server = TestServer::start(&policy(&tenants, "")).await;
+    let cookie = |bytes: usize| format!("Cookie: {}\r\n", "c".repeat(bytes));
+
+    let (status, head, json) = raw_get(server.addr, "/healthz", &cookie(20_000)).await;
+    assert_eq!(status, 431, "{head}");
+    assert_eq!(
+        json["error"]["code"], "request_header_fields_too_large",
+        "{json}"
+    );
+    assert_eq!(json["error"]["type"], "invalid_request_error");
+    let message = json["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("16384-byte limit"), "{message}");
+    assert!(header_of(&head, "x-request-id").is_some(), "{head}");
+    assert!(
+        header_of(&head, "x-ratelimit-limit-requests").is_some(),
+        "{head}"
+    );
+
+    let long_query = format!("/healthz?q={}", "q".repeat(9_000));
+    let (status, head, json) = raw_get(server.addr, &long_query, "").await;
+    assert_eq!(status, 414, "{head}");
+    assert_eq!(json["error"]["code"], "uri_too_long", "{json}");
+
+    let (status, head, _) = raw_get(server.addr, "/healthz", &cookie(12_000)).await;
+    assert_eq!(status, 200, "within the limit: {head}");
+    let within = format!("/healthz?q={}", "q".repeat(7_000));
+    let (status, head, _) = raw_get(server.addr, &within, "").await;
+    assert_eq!(status, 200, "within the limit: {head}");
+}

@@ -51,6 +51,13 @@ pub enum GatewayError {
     UnsupportedEncoding { encoding: String },
     #[error("The request body is larger than the {limit_bytes}-byte limit.")]
     PayloadTooLarge { limit_bytes: usize },
+    /// The request's header fields (names, values and separators) are over the limit.
+    #[error(
+        "The request's header fields take {bytes} bytes, more than the {limit_bytes}-byte limit."
+    )]
+    HeadersTooLarge { bytes: usize, limit_bytes: usize },
+    #[error("The request URI is {length} bytes long, more than the {limit_bytes}-byte limit.")]
+    UriTooLong { length: usize, limit_bytes: usize },
     #[error("The client sent no request body data for {}s.", .idle.as_secs_f64())]
     BodyTimeout { idle: Duration },
     #[error("Invalid URL ({method} {path})")]
@@ -119,6 +126,8 @@ impl GatewayError {
             Auth(error) => error.status(),
             Rejected(rejection) => rejection.status(),
             PayloadTooLarge { .. } => 413,
+            HeadersTooLarge { .. } => 431,
+            UriTooLong { .. } => 414,
             UnsupportedEncoding { .. } => 415,
             BodyTimeout { .. } => 408,
             NotFound { .. } => 404,
@@ -144,6 +153,8 @@ impl GatewayError {
             Invalid(_)
             | BadBody { .. }
             | PayloadTooLarge { .. }
+            | HeadersTooLarge { .. }
+            | UriTooLong { .. }
             | BodyTimeout { .. }
             | UnsupportedEncoding { .. } => "invalid_request_error",
             NotFound { .. } | MethodNotAllowed { .. } => "invalid_request_error",
@@ -163,6 +174,8 @@ impl GatewayError {
             Rejected(rejection) => rejection.code(),
             BadBody { .. } => "invalid_json",
             PayloadTooLarge { .. } => "request_too_large",
+            HeadersTooLarge { .. } => "request_header_fields_too_large",
+            UriTooLong { .. } => "uri_too_long",
             UnsupportedEncoding { .. } => "unsupported_content_encoding",
             BodyTimeout { .. } => "request_timeout",
             NotFound { .. } => "unknown_url",

@@ -102,12 +102,15 @@ pub fn build(router: Router, config: StackConfig, admission: Admission) -> Gatew
         // 8. Timeout: bounds body upload, validation, queueing and non-streamed generation
         //    (dropping the handler cancels its sequence); a stream's body may run longer.
         .layer(TimeoutLayer::new(timeout))
-        // 9. Body limit: by Content-Length at once, and as a cap on chunked bodies.
+        // 9. Head limits: header fields and URI far below hyper's own (whose refusals are a
+        //    bare status line), so an oversized cookie or query gets OpenAI JSON like the rest.
+        .layer(axum::middleware::from_fn(limit_head))
+        // 10. Body limit: by Content-Length at once, and as a cap on chunked bodies.
         .layer(axum::middleware::from_fn_with_state(
             config.body_limit_bytes,
             limit_body,
         ))
-        // 10. Routing; the API routes carry the load-shedding limit below ([`api_limit`]).
+        // 11. Routing; the API routes carry the load-shedding limit below ([`api_limit`]).
         .service(router);
     BoxCloneSyncService::new(service)
 }
@@ -180,6 +183,45 @@ async fn rate_limit_headers(
             .apply(response.headers_mut());
     }
     response
+}
+
+/// Most bytes of header fields a request may carry (each counted as `name: value` and its line
+/// end), as Node's default and above what browsers and OpenAI clients send. hyper's own limit
+/// (about 400 KB, and 100 fields) stays behind it for what is beyond any client's reason.
+pub const MAX_HEADER_BYTES: usize = 16 * 1024;
+
+/// Longest request URI (path and query), as nginx's default request line.
+pub const MAX_URI_BYTES: usize = 8 * 1024;
+
+/// Refuses a request whose header fields or URI are over [`MAX_HEADER_BYTES`] /
+/// [`MAX_URI_BYTES`] with 431 / 414 and an OpenAI-style body.
+async fn limit_head(request: Request, next: Next) -> Response {
+    let uri = request.uri();
+    let length = uri.path_and_query().map_or(0, |pq| pq.as_str().len())
+        + uri.authority().map_or(0, |a| a.as_str().len())
+        + uri.scheme_str().map_or(0, str::len);
+    if length > MAX_URI_BYTES {
+        let limit_bytes = MAX_URI_BYTES;
+        return GatewayError::UriTooLong {
+            length,
+            limit_bytes,
+        }
+        .into_response();
+    }
+    let bytes = header_bytes(request.headers());
+    if bytes > MAX_HEADER_BYTES {
+        let limit_bytes = MAX_HEADER_BYTES;
+        return GatewayError::HeadersTooLarge { bytes, limit_bytes }.into_response();
+    }
+    next.run(request).await
+}
+
+/// Bytes of `headers` as sent: `name: value` and CRLF per field.
+fn header_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum()
 }
 
 async fn limit_body(State(limit): State<usize>, request: Request, next: Next) -> Response {
