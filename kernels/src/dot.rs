@@ -12,7 +12,10 @@
 
 pub mod kquants;
 
-pub use kquants::{dot_k_q8_k, dot_k_q8_k_generic, dot_q4_k_q8_k, dot_q5_k_q8_k, dot_q6_k_q8_k};
+pub use kquants::{
+    KQuantOrder, dot_k_q8_k, dot_k_q8_k_generic, dot_k_q8_k_ordered, dot_k_q8_k_tiled,
+    dot_q4_k_q8_k, dot_q5_k_q8_k, dot_q6_k_q8_k,
+};
 
 use crate::quant::{
     Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES,

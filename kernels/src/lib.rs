@@ -25,7 +25,10 @@ pub use attention::{
     AttentionRow, AttentionScratch, KvLayout, ReductionOrder, paged_attention,
     paged_attention_batch, write_kv,
 };
-pub use matmul::{MatmulScratch, QMatrix, matmul, matmul_fused};
+pub use dot::KQuantOrder;
+pub use matmul::{
+    MatmulScratch, QMatrix, matmul, matmul_fused, matmul_fused_ordered, matmul_ordered,
+};
 pub use ops::{RopeMode, rms_norm, rope, rope_with_freq_factors, swiglu};
 pub use quant::{QK, WeightType};
 

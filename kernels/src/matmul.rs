@@ -10,8 +10,8 @@
 //! on CPUs without AVX2. Both give bit-identical results.
 
 use crate::dot::{
-    dot_f16_f16, dot_f32_f32, dot_q4_0_q8_0, dot_q4_1_q8_1, dot_q4_k_q8_k, dot_q5_0_q8_0,
-    dot_q5_1_q8_1, dot_q5_k_q8_k, dot_q6_k_q8_k, dot_q8_0_q8_0,
+    KQuantOrder, dot_f16_f16, dot_f32_f32, dot_k_q8_k_ordered, dot_q4_0_q8_0, dot_q4_1_q8_1,
+    dot_q5_0_q8_0, dot_q5_1_q8_1, dot_q8_0_q8_0,
 };
 use crate::matrix::OutPtr;
 pub use crate::matrix::QMatrix;
@@ -55,6 +55,21 @@ pub fn matmul(
     matmul_fused([(w, out)], x, m, scratch, pool);
 }
 
+/// [`matmul`] with a K-quant product order per activation row (`orders[i]` for row `i`;
+/// rows past the end of `orders` take [`KQuantOrder::VecDot`]). Other weight types have one
+/// order only and ignore it.
+pub fn matmul_ordered(
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    orders: &[KQuantOrder],
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+    pool: &rayon::ThreadPool,
+) {
+    matmul_fused_ordered([(w, out)], x, m, orders, scratch, pool);
+}
+
 /// Several matrices applied to the same activations (a layer's Q, K and V; gate and up), as
 /// one product: `x` is quantized once and the rows of all matrices are split over the pool in
 /// a single fork/join. A decode step issues a few hundred small matmuls, so halving their
@@ -68,13 +83,25 @@ pub fn matmul_fused<const N: usize>(
     scratch: &mut MatmulScratch,
     pool: &rayon::ThreadPool,
 ) {
+    matmul_fused_ordered(parts, x, m, &[], scratch, pool);
+}
+
+/// [`matmul_fused`] with a K-quant product order per activation row, as [`matmul_ordered`].
+pub fn matmul_fused_ordered<const N: usize>(
+    parts: [(&QMatrix, &mut [f32]); N],
+    x: &[f32],
+    m: usize,
+    orders: &[KQuantOrder],
+    scratch: &mut MatmulScratch,
+    pool: &rayon::ThreadPool,
+) {
     let Some((first, _)) = parts.first() else {
         return;
     };
     let (ty, cols) = (first.ty, first.cols);
     if parts.iter().any(|(w, _)| w.ty != ty || w.cols != cols) {
         for (w, out) in parts {
-            matmul_fused([(w, out)], x, m, scratch, pool);
+            matmul_fused_ordered([(w, out)], x, m, orders, scratch, pool);
         }
         return;
     }
@@ -98,7 +125,8 @@ pub fn matmul_fused<const N: usize>(
             let start = rows.start.max(part.start);
             let end = rows.end.min(part.end);
             if start < end {
-                compute_rows(path, w, x, m, scratch, start - offset..end - offset, *out);
+                let rows = start - offset..end - offset;
+                compute_rows(path, w, x, m, orders, scratch, rows, *out);
             }
             offset = part.end;
         }
@@ -163,17 +191,19 @@ fn prepare_acts(
     Path::Scalar
 }
 
+#[allow(clippy::too_many_arguments)]
 fn compute_rows(
     path: Path,
     w: &QMatrix,
     x: &[f32],
     m: usize,
+    orders: &[KQuantOrder],
     scratch: &MatmulScratch,
     rows: Range<usize>,
     out: OutPtr<'_>,
 ) {
     match path {
-        Path::Scalar => scalar_rows(w, x, m, scratch, rows, out),
+        Path::Scalar => scalar_rows(w, x, m, orders, scratch, rows, out),
         #[cfg(target_arch = "x86_64")]
         Path::Avx2(cpu) => crate::avx2::compute_rows(cpu, None, w, m, &scratch.packed, rows, out),
         #[cfg(target_arch = "x86_64")]
@@ -182,7 +212,7 @@ fn compute_rows(
         }
         #[cfg(target_arch = "x86_64")]
         Path::Avx2KQuant(cpu) => {
-            crate::avx2::compute_k_rows(cpu, w, m, &scratch.ggml_bytes, rows, out)
+            crate::avx2::compute_k_rows(cpu, w, m, orders, &scratch.ggml_bytes, rows, out)
         }
     }
 }
@@ -194,7 +224,24 @@ pub fn matmul_reference(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]) {
     assert_eq!(x.len(), m * w.cols);
     assert_eq!(out.len(), m * w.rows);
     prepare_scalar_acts(w.ty, x, m, w.cols, &mut scratch);
-    scalar_rows(w, x, m, &scratch, 0..w.rows, OutPtr::new(out));
+    scalar_rows(w, x, m, &[], &scratch, 0..w.rows, OutPtr::new(out));
+}
+
+/// [`matmul_reference`] with a K-quant product order per activation row, as
+/// [`matmul_ordered`].
+pub fn matmul_reference_ordered(
+    w: &QMatrix,
+    x: &[f32],
+    m: usize,
+    orders: &[KQuantOrder],
+    out: &mut [f32],
+) {
+    let mut scratch = MatmulScratch::new();
+    w.assert_valid();
+    assert_eq!(x.len(), m * w.cols);
+    assert_eq!(out.len(), m * w.rows);
+    prepare_scalar_acts(w.ty, x, m, w.cols, &mut scratch);
+    scalar_rows(w, x, m, orders, &scratch, 0..w.rows, OutPtr::new(out));
 }
 
 fn prepare_scalar_acts(
@@ -247,6 +294,7 @@ fn scalar_rows(
     w: &QMatrix,
     x: &[f32],
     m: usize,
+    orders: &[KQuantOrder],
     scratch: &MatmulScratch,
     rows: Range<usize>,
     out: OutPtr<'_>,
@@ -260,9 +308,7 @@ fn scalar_rows(
         WeightType::Q4_1 => dot_q4_1_q8_1,
         WeightType::Q5_0 => dot_q5_0_q8_0,
         WeightType::Q5_1 => dot_q5_1_q8_1,
-        WeightType::Q4_K => dot_q4_k_q8_k,
-        WeightType::Q5_K => dot_q5_k_q8_k,
-        WeightType::Q6_K => dot_q6_k_q8_k,
+        WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => |_, _| unreachable!("K-quant"),
     };
     for r in rows {
         let wr = w.row(r);
@@ -270,7 +316,16 @@ fn scalar_rows(
             let value = match w.ty {
                 WeightType::F32 => dot_f32_f32(wr, &x[a * cols..(a + 1) * cols]),
                 WeightType::F16 => dot_f16_f16(wr, &scratch.halves[a * cols..(a + 1) * cols]),
-                _ => quantized_dot(wr, &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes]),
+                ty => {
+                    let xa = &scratch.ggml_bytes[a * act_bytes..(a + 1) * act_bytes];
+                    match ty.kquant() {
+                        Some(kq) => {
+                            let order = orders.get(a).copied().unwrap_or_default();
+                            dot_k_q8_k_ordered(kq, order, wr, xa)
+                        }
+                        None => quantized_dot(wr, xa),
+                    }
+                }
             };
             // SAFETY: each thread owns a distinct range of rows `r`.
             unsafe { out.write(a * w.rows + r, value) };

@@ -4,7 +4,8 @@
 //! Per super-block the values are unpacked to bytes 32 at a time, multiplied with the
 //! activations by `maddubs` (u8 × i8 → pairs summed in i16; the largest pair, 2·63·127, cannot
 //! saturate) and with the sub-block scales by `madd` (→ i32 lane `l` = elements `4l..4l+4` of
-//! each 32), so the eight integer lanes are exactly the reference's; the f32 steps (one FMA per
+//! each 32; Q6_K's unsigned values then give back their offset per sub-block, as ggml's
+//! `q8sclsub`), so the eight integer lanes are exactly the reference's; the f32 steps (one FMA per
 //! lane and block, the minimum term, `hsum8`) are the reference's operations in its order.
 //!
 //! Activations stay in ggml's Q8_K layout (row-major, 292 bytes per block): its 256-element
@@ -13,6 +14,7 @@
 //! prefill); every (weight row, activation row) pair still runs ggml's sequence of operations.
 
 use super::{f16_at, hsum8};
+use crate::dot::KQuantOrder;
 use crate::matrix::{OutPtr, QMatrix};
 use crate::quant::WeightType;
 use crate::quant::kquants::{
@@ -30,6 +32,7 @@ pub(crate) fn compute_rows(
     _cpu: Avx2Fma,
     w: &QMatrix,
     m: usize,
+    orders: &[KQuantOrder],
     acts: &[u8],
     rows: Range<usize>,
     out: OutPtr<'_>,
@@ -52,9 +55,11 @@ pub(crate) fn compute_rows(
                 let a = a0 + j.min(n - 1);
                 &acts[a * act_bytes..(a + 1) * act_bytes]
             });
+            let tiled: [bool; ACT_TILE] =
+                std::array::from_fn(|j| orders.get(a0 + j) == Some(&KQuantOrder::Tiled));
             // SAFETY: the token proves AVX2/FMA/F16C; `wr` holds `nb` weight blocks and every
             // `xs[j]` `nb` Q8_K blocks (sizes asserted above).
-            let values = unsafe { dot_tile(ty, wr, &xs, n) };
+            let values = unsafe { dot_tile(ty, wr, &xs, &tiled, n) };
             for (j, &v) in values[..n].iter().enumerate() {
                 // SAFETY: each thread owns a distinct range of rows `r`.
                 unsafe { out.write((a0 + j) * w.rows + r, v) };
@@ -74,7 +79,16 @@ pub(crate) fn dot_k_q8_k(_cpu: Avx2Fma, ty: KQuantType, w: &[u8], x: &[u8]) -> f
         "dot_k_q8_k: weight and activation rows differ in length"
     );
     // SAFETY: the token proves AVX2/FMA/F16C; the lengths were checked above.
-    unsafe { dot_tile(ty, w, &[x; ACT_TILE], 1)[0] }
+    unsafe { dot_tile(ty, w, &[x; ACT_TILE], &[false; ACT_TILE], 1)[0] }
+}
+
+/// [`dot_k_q8_k`] in the tiled order ([`crate::dot::dot_k_q8_k_tiled`]), for the tests.
+#[cfg(test)]
+pub(crate) fn dot_k_q8_k_tiled(_cpu: Avx2Fma, ty: KQuantType, w: &[u8], x: &[u8]) -> f32 {
+    let nb = x.len() / Q8_K_BLOCK_BYTES;
+    assert!(w.len() == nb * ty.block_bytes() && x.len() == nb * Q8_K_BLOCK_BYTES);
+    // SAFETY: the token proves AVX2/FMA/F16C; the lengths were checked above.
+    unsafe { dot_tile(ty, w, &[x; ACT_TILE], &[true; ACT_TILE], 1)[0] }
 }
 
 /// One weight super-block ready for the integer products: its 256 values as eight runs of 32
@@ -85,15 +99,19 @@ struct Block {
     mins: [u8; 8],
     runs: [__m256i; 8],
     scales: [__m256i; 8],
+    /// Q6_K: the 16 group scales as i16, for the per-sub-block offset correction.
+    group_scales: __m256i,
 }
 
 /// The f32 state of one (weight row, activation row) product: the eight lanes, Q4_K's four
-/// minimum lanes and Q5_K's scalar minimum sum.
+/// minimum lanes and Q5_K's scalar minimum sum (vec_dot order), or the one running sum of the
+/// tiled order.
 #[derive(Clone, Copy)]
 struct Acc {
     lanes: __m256,
     mins: __m128,
     summs: f32,
+    tiled: Option<f32>,
 }
 
 /// Weight row `w` · activation rows `xs[..n]` (each as long as `w` in blocks).
@@ -102,15 +120,21 @@ struct Acc {
 /// AVX2/FMA/F16C must be available; `w` must hold whole blocks of `ty` and each of `xs[..n]`
 /// as many Q8_K blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_tile(ty: KQuantType, w: &[u8], xs: &[&[u8]; ACT_TILE], n: usize) -> [f32; ACT_TILE] {
+unsafe fn dot_tile(
+    ty: KQuantType,
+    w: &[u8],
+    xs: &[&[u8]; ACT_TILE],
+    tiled: &[bool; ACT_TILE],
+    n: usize,
+) -> [f32; ACT_TILE] {
     let bb = ty.block_bytes();
     let nb = w.len() / bb;
-    let zero = Acc {
+    let mut accs = tiled.map(|t| Acc {
         lanes: _mm256_setzero_ps(),
         mins: _mm_setzero_ps(),
         summs: 0.0,
-    };
-    let mut accs = [zero; ACT_TILE];
+        tiled: t.then_some(0.0),
+    });
     for i in 0..nb {
         // SAFETY: block i of `w` exists.
         let block = unsafe { unpack(ty, &w[i * bb..(i + 1) * bb]) };
@@ -167,6 +191,7 @@ unsafe fn unpack(ty: KQuantType, wb: &[u8]) -> Block {
                 mins,
                 runs,
                 scales,
+                group_scales: _mm256_setzero_si256(),
             }
         }
         KQuantType::Q6K => {
@@ -214,6 +239,8 @@ unsafe fn unpack(ty: KQuantType, wb: &[u8]) -> Block {
                 mins: [0; 8],
                 runs,
                 scales,
+                // SAFETY: the 16 scales at 192.
+                group_scales: _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(p.add(192).cast()) }),
             }
         }
     }
@@ -223,19 +250,35 @@ unsafe fn unpack(ty: KQuantType, wb: &[u8]) -> Block {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn accumulate(ty: KQuantType, block: &Block, xb: &[u8], acc: &mut Acc) {
-    let m32 = _mm256_set1_epi8(32);
     let mut sumi = _mm256_setzero_si256();
     for (c, (&run, &scale)) in block.runs.iter().zip(&block.scales).enumerate() {
         // SAFETY: the Q8_K values are 256 bytes at 4.
         let q8 = unsafe { _mm256_loadu_si256(xb.as_ptr().add(Q8K_QS + 32 * c).cast()) };
-        let mut p16 = _mm256_maddubs_epi16(run, q8);
-        if ty == KQuantType::Q6K {
-            // Values are stored +32 (unsigned for maddubs): subtract 32·x per pair.
-            p16 = _mm256_sub_epi16(p16, _mm256_maddubs_epi16(m32, q8));
-        }
+        let p16 = _mm256_maddubs_epi16(run, q8);
         sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scale, p16));
     }
+    if ty == KQuantType::Q6K {
+        // The values were multiplied unsigned (+32); as ggml does, lane l gives back
+        // 32 · Σ scale·x over sub-block l (`q8sclsub`), from the 16 group sums `bsums`.
+        // SAFETY: bsums are 32 bytes at 260.
+        let bsums = unsafe { _mm256_loadu_si256(xb.as_ptr().add(Q8K_BSUMS).cast()) };
+        let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, block.group_scales));
+        sumi = _mm256_sub_epi32(sumi, offset);
+    }
     let dx = read_f32(xb, 0);
+    if let Some(sum) = acc.tiled.as_mut() {
+        // ggml's tiled kernel: the block's exact integer totals, then r = dw·S1,
+        // r = fma(−dmin, S2, r), sum = fma(r, dx, sum).
+        // SAFETY: register arithmetic only.
+        let mut r = block.d * unsafe { hsum_epi32(sumi) } as f32;
+        if ty != KQuantType::Q6K {
+            // SAFETY: `xb` is a whole Q8_K block.
+            let s2 = unsafe { hsum_epi32_128(min_products(&block.mins, xb.as_ptr())) };
+            r = (-block.dmin).mul_add(s2 as f32, r);
+        }
+        *sum = r.mul_add(dx, *sum);
+        return;
+    }
     acc.lanes = _mm256_fmadd_ps(
         _mm256_set1_ps(dx * block.d),
         _mm256_cvtepi32_ps(sumi),
@@ -262,6 +305,9 @@ unsafe fn accumulate(ty: KQuantType, block: &Block, xb: &[u8], acc: &mut Acc) {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn finish(ty: KQuantType, acc: Acc) -> f32 {
+    if let Some(sum) = acc.tiled {
+        return sum;
+    }
     // SAFETY: register arithmetic only.
     let lanes = unsafe { hsum8(acc.lanes) };
     match ty {
@@ -272,6 +318,24 @@ unsafe fn finish(ty: KQuantType, acc: Acc) -> f32 {
         KQuantType::Q5K => lanes + acc.summs,
         KQuantType::Q6K => lanes,
     }
+}
+
+/// The exact sum of eight i32 lanes (wrapping like the integer SIMD adds).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let halves = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    // SAFETY: register arithmetic only.
+    unsafe { hsum_epi32_128(halves) }
+}
+
+/// The exact sum of four i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_epi32_128(v: __m128i) -> i32 {
+    let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+    let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+    _mm_cvtsi128_si32(v)
 }
 
 /// The eight sub-block mins of a Q4_K/Q5_K block times the Q8_K sub-block sums, as ggml pairs
@@ -347,6 +411,13 @@ mod tests {
                         got.to_bits(),
                         want.to_bits(),
                         "{ty:?} nb={nb}: {got} vs {want}"
+                    );
+                    let want = crate::dot::dot_k_q8_k_tiled(ty, &w, &x);
+                    let got = dot_k_q8_k_tiled(cpu, ty, &w, &x);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "tiled {ty:?} nb={nb}: {got} vs {want}"
                     );
                 }
             }

@@ -5,7 +5,9 @@
 //! on this hardware:
 //!
 //! * per super-block, eight i32 lanes: lane `l` sums exactly `scale(e) · w[e]·x[e]` over the
-//!   elements with `(e mod 32) / 4 = l` (`maddubs` then `madd` with the scales);
+//!   elements with `(e mod 32) / 4 = l` (`maddubs` then `madd` with the scales); Q6_K's `w`
+//!   is the stored unsigned `q = w + 32`, and lane `l` then loses `32 · Σ scale·x` over
+//!   sub-block `l` (elements `32l..32l+32`, from `bsums`: ggml's `q8sclsub`);
 //! * `acc[l] = fma(dx·d, lane[l], acc[l])`, reduced at the end with `hsum8`;
 //! * the minimum term, `dmin' = −dx·dmin`: Q4_K keeps four f32 lanes,
 //!   `acc_m[p] = fma(dmin', m[2p]·s[2p] + m[2p+1]·s[2p+1], acc_m[p])` with `s[j]` the sum of
@@ -60,12 +62,27 @@ pub(crate) fn sub_block_sums(xb: &[u8]) -> [i32; 8] {
 }
 
 /// The integer lane sums of one super-block in ggml's AVX2 grouping: lane `l` holds
-/// `Σ scale·w·x` over the elements `e` with `(e mod 32) / 4 = l`.
+/// `Σ scale·w·x` over the elements `e` with `(e mod 32) / 4 = l`. Q6_K's values enter ggml's
+/// products unsigned (`w + 32`), and the surplus is taken back per lane after the sums, as
+/// `32 · Σ scale·x` over the 32 elements of sub-block `l` (`q8sclsub`, from Q8_K's `bsums`):
+/// the same total as signed values, distributed differently over the lanes.
 #[inline(always)]
-fn x86_lanes(values: &[i8; QK_K], scales: &KScales, xq: &[u8]) -> [i32; 8] {
+fn x86_lanes(ty: KQuantType, values: &[i8; QK_K], scales: &KScales, xb: &[u8]) -> [i32; 8] {
+    let offset = if ty == KQuantType::Q6K { 32 } else { 0 };
+    let xq = &xb[Q8K_QS..Q8K_QS + QK_K];
     let mut lanes = [0i32; 8];
     for (e, (&v, &q)) in values.iter().zip(xq).enumerate() {
-        lanes[(e % 32) / 4] += scales.scales[e / 16] * i32::from(v) * i32::from(q as i8);
+        lanes[(e % 32) / 4] += scales.scales[e / 16] * (i32::from(v) + offset) * i32::from(q as i8);
+    }
+    if ty == KQuantType::Q6K {
+        let bsum = |g: usize| {
+            let at = Q8K_BSUMS + 2 * g;
+            i32::from(i16::from_le_bytes([xb[at], xb[at + 1]]))
+        };
+        let sc = &scales.scales;
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            *lane -= offset * (sc[2 * l] * bsum(2 * l) + sc[2 * l + 1] * bsum(2 * l + 1));
+        }
     }
     lanes
 }
@@ -85,7 +102,7 @@ pub fn dot_k_q8_k(ty: KQuantType, w: &[u8], x: &[u8]) -> f32 {
         .zip(x.chunks_exact(Q8_K_BLOCK_BYTES))
     {
         let scales = KScales::of(ty, wb);
-        let lanes = x86_lanes(&ty.quants(wb), &scales, &xb[Q8K_QS..Q8K_QS + QK_K]);
+        let lanes = x86_lanes(ty, &ty.quants(wb), &scales, xb);
         let dx = read_f32(xb, 0);
         let d = dx * scales.d;
         for (a, &lane) in acc.iter_mut().zip(&lanes) {
@@ -114,6 +131,81 @@ pub fn dot_k_q8_k(ty: KQuantType, w: &[u8], x: &[u8]) -> f32 {
         KQuantType::Q4K => lanes + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3])),
         KQuantType::Q5K => lanes + summs,
         KQuantType::Q6K => lanes,
+    }
+}
+
+/// Which of ggml's two x86 K-quant product orders an activation row gets. ggml's CPU backend
+/// (AVX2 and AVX-512 builds alike) runs a matrix product with at least 8 activation rows through
+/// its tiled K-quant kernel (ggml-cpu/tiled, `ggml_tiled_min_batch`) and smaller ones through
+/// `ggml_vec_dot_q*_K_q8_K`; the two round differently.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KQuantOrder {
+    /// `ggml_vec_dot_q*_K_q8_K` ([`dot_k_q8_k`]): a product of fewer than 8 rows.
+    #[default]
+    VecDot,
+    /// The tiled kernel ([`dot_k_q8_k_tiled`]): a product of 8 rows or more.
+    Tiled,
+}
+
+impl KQuantOrder {
+    /// Rows a product needs for ggml to take the tiled kernel.
+    pub const TILED_MIN_ROWS: usize = 8;
+
+    /// The order for the token at `position` of a sequence whose prompt is `prompt_len` tokens,
+    /// as llama.cpp computes it in a plain run (the prompt as one batch, then one token per
+    /// step): tiled for a prompt token of a prompt of at least [`Self::TILED_MIN_ROWS`] tokens,
+    /// vec_dot for a generated one. (Like `ReductionOrder::for_token`, chosen per token so that
+    /// a token gets the same numbers however its step was cut.)
+    pub fn for_token(position: usize, prompt_len: usize) -> Self {
+        if position < prompt_len && prompt_len >= Self::TILED_MIN_ROWS {
+            KQuantOrder::Tiled
+        } else {
+            KQuantOrder::VecDot
+        }
+    }
+}
+
+/// A K-quant weight row · Q8_K activation row in the order of ggml's tiled x86 kernels
+/// (`tiled_run_microtile_avx2`, and `tiled_run_micro_vnni_8x16` on AVX512-VNNI builds, which
+/// computes the same): per super-block the exact integers `S1 = Σ scale·w·x` (Q6_K's `w`
+/// signed) and, for Q4_K/Q5_K, `S2 = Σ min·bsum`; then in f32 `r = dw·S1`,
+/// `r = fma(−dmin, S2, r)`, and across super-blocks `acc = fma(r, dx, acc)` from 0.
+pub fn dot_k_q8_k_tiled(ty: KQuantType, w: &[u8], x: &[u8]) -> f32 {
+    assert_eq!(
+        w.len() / ty.block_bytes(),
+        x.len() / Q8_K_BLOCK_BYTES,
+        "dot_k_q8_k_tiled: weight and activation rows differ in length"
+    );
+    let mut acc = 0.0f32;
+    for (wb, xb) in w
+        .chunks_exact(ty.block_bytes())
+        .zip(x.chunks_exact(Q8_K_BLOCK_BYTES))
+    {
+        let scales = KScales::of(ty, wb);
+        let xq = &xb[Q8K_QS..Q8K_QS + QK_K];
+        let s1: i32 = ty
+            .quants(wb)
+            .iter()
+            .zip(xq)
+            .enumerate()
+            .map(|(e, (&v, &q))| scales.scales[e / 16] * i32::from(v) * i32::from(q as i8))
+            .sum();
+        let mut r = scales.d * s1 as f32;
+        if ty != KQuantType::Q6K {
+            let sums = sub_block_sums(xb);
+            let s2: i32 = (0..8).map(|j| scales.mins[2 * j] * sums[j]).sum();
+            r = (-scales.dmin).mul_add(s2 as f32, r);
+        }
+        acc = r.mul_add(read_f32(xb, 0), acc);
+    }
+    acc
+}
+
+/// [`dot_k_q8_k`] or [`dot_k_q8_k_tiled`] by `order`.
+pub fn dot_k_q8_k_ordered(ty: KQuantType, order: KQuantOrder, w: &[u8], x: &[u8]) -> f32 {
+    match order {
+        KQuantOrder::VecDot => dot_k_q8_k(ty, w, x),
+        KQuantOrder::Tiled => dot_k_q8_k_tiled(ty, w, x),
     }
 }
 
@@ -237,7 +329,7 @@ mod tests {
                 let (_, x) = random_q8_k(&mut rng, nb, 3.0);
                 let (exact, magnitude) = exact_dot(ty, &w, &x);
                 let tol = magnitude * 2f64.powi(-20);
-                for dot in [dot_k_q8_k, dot_k_q8_k_generic] {
+                for dot in [dot_k_q8_k, dot_k_q8_k_generic, dot_k_q8_k_tiled] {
                     let got = f64::from(dot(ty, &w, &x));
                     assert!(
                         (got - exact).abs() <= tol,
@@ -314,6 +406,128 @@ mod tests {
             }
         }
         assert!(differing > 10, "only {differing} of 150 dots differ");
+    }
+
+    /// `ggml_vec_dot_q6_K_q8_K`'s AVX2 body (ggml-cpu/arch/x86/quants.c) transcribed with
+    /// plain integers, straight from the block layout: each value enters unsigned
+    /// (`ql | qh << 4`, 0..63, what `maddubs` needs), i32 lane `l` of 32-element run `c` sums
+    /// `scale · q · x` over bytes `4l..4l+4`, and only after all eight runs does lane `l` lose
+    /// `q8sclsub[l] = 32 · (sc[2l]·bsums[2l] + sc[2l+1]·bsums[2l+1])`: the offset of the 32
+    /// elements of run `l`, not of the elements the lane summed.
+    fn ggml_avx2_q6_k(w: &[u8], x: &[u8]) -> f32 {
+        let mut acc = [0.0f32; 8];
+        for (wb, xb) in w.chunks_exact(210).zip(x.chunks_exact(Q8_K_BLOCK_BYTES)) {
+            let d = read_f32(xb, 0) * crate::quant::read_f16(wb, 208);
+            let (ql, qh) = (&wb[..128], &wb[128..192]);
+            let sc = |g: usize| i32::from(wb[192 + g] as i8);
+            let q8 = |e: usize| i32::from(xb[Q8K_QS + e] as i8);
+            let bsum = |g: usize| {
+                let at = Q8K_BSUMS + 2 * g;
+                i32::from(i16::from_le_bytes([xb[at], xb[at + 1]]))
+            };
+            let mut sumi = [0i32; 8];
+            for half in 0..2 {
+                for k in 0..4 {
+                    for b in 0..32 {
+                        let low = ql[64 * half + 32 * (k % 2) + b];
+                        let low = if k < 2 { low & 15 } else { low >> 4 };
+                        let high = (qh[32 * half + b] >> (2 * k)) & 3;
+                        let q = i32::from(low | (high << 4));
+                        let e = 128 * half + 32 * k + b;
+                        sumi[b / 4] += sc(e / 16) * q * q8(e);
+                    }
+                }
+            }
+            for (l, s) in sumi.iter_mut().enumerate() {
+                *s -= 32 * (sc(2 * l) * bsum(2 * l) + sc(2 * l + 1) * bsum(2 * l + 1));
+            }
+            for (a, &s) in acc.iter_mut().zip(&sumi) {
+                *a = d.mul_add(s as f32, *a);
+            }
+        }
+        crate::dot::hsum8(&acc)
+    }
+
+    #[test]
+    fn q6_k_is_ggml_avx2_bit_for_bit() {
+        // The lanes carry ggml's per-run offset correction, not the offset of their own
+        // elements: the two groupings have the same total but round differently in the f32
+        // lanes, and on real activations (SmolLM2's ffn_down) the difference was a few ulps
+        // in most outputs of the first layer already.
+        let mut rng = StdRng::seed_from_u64(21);
+        for _ in 0..200 {
+            let nb = rng.random_range(1..8);
+            let w = random_blocks(&mut rng, KQuantType::Q6K, nb);
+            let amp = [0.01f32, 1.0, 300.0][rng.random_range(0..3)];
+            let (_, x) = random_q8_k(&mut rng, nb, amp);
+            let want = ggml_avx2_q6_k(&w, &x);
+            assert_eq!(
+                dot_q6_k_q8_k(&w, &x).to_bits(),
+                want.to_bits(),
+                "{nb} blocks"
+            );
+        }
+    }
+
+    #[test]
+    fn tiled_order_is_ggmls_block_formula_and_rounds_unlike_vec_dot() {
+        // One super-block: r = dw·S1 − dmin·S2 (fused), times dx, is the whole result.
+        let mut rng = StdRng::seed_from_u64(22);
+        for ty in TYPES {
+            let w = random_blocks(&mut rng, ty, 1);
+            let (_, x) = random_q8_k(&mut rng, 1, 2.0);
+            let scales = KScales::of(ty, &w);
+            let values = ty.quants(&w);
+            let mut s1 = 0i64;
+            let mut s2 = 0i64;
+            for e in 0..QK_K {
+                let q = i64::from(x[Q8K_QS + e] as i8);
+                s1 += i64::from(scales.scales[e / 16]) * i64::from(values[e]) * q;
+                s2 += i64::from(scales.mins[e / 16]) * q;
+            }
+            let mut r = scales.d * s1 as f32;
+            if ty != KQuantType::Q6K {
+                r = (-scales.dmin).mul_add(s2 as f32, r);
+            }
+            let want = r * read_f32(&x, 0);
+            assert_eq!(
+                dot_k_q8_k_tiled(ty, &w, &x).to_bits(),
+                want.to_bits(),
+                "{ty:?}"
+            );
+        }
+        // Over several blocks the two orders round differently on some rows (they are really
+        // two orders) but stay within the rounding bound of each other.
+        let mut differing = 0;
+        for ty in TYPES {
+            for _ in 0..50 {
+                let w = random_blocks(&mut rng, ty, 6);
+                let (_, x) = random_q8_k(&mut rng, 6, 3.0);
+                let a = dot_k_q8_k_ordered(ty, KQuantOrder::Tiled, &w, &x);
+                let b = dot_k_q8_k_ordered(ty, KQuantOrder::VecDot, &w, &x);
+                assert_eq!(a.to_bits(), dot_k_q8_k_tiled(ty, &w, &x).to_bits());
+                assert_eq!(b.to_bits(), dot_k_q8_k(ty, &w, &x).to_bits());
+                let (_, magnitude) = exact_dot(ty, &w, &x);
+                assert!(f64::from((a - b).abs()) <= magnitude * 2f64.powi(-19));
+                differing += usize::from(a.to_bits() != b.to_bits());
+            }
+        }
+        assert!(differing > 10, "only {differing} of 150 dots differ");
+    }
+
+    #[test]
+    fn tiled_order_is_for_prompt_tokens_of_prompts_of_eight_or_more() {
+        use KQuantOrder::{Tiled, VecDot};
+        assert_eq!(KQuantOrder::for_token(0, 8), Tiled);
+        assert_eq!(KQuantOrder::for_token(7, 8), Tiled);
+        assert_eq!(KQuantOrder::for_token(8, 8), VecDot, "generated");
+        assert_eq!(
+            KQuantOrder::for_token(0, 7),
+            VecDot,
+            "a prompt of 7 is one vec_dot batch"
+        );
+        assert_eq!(KQuantOrder::for_token(0, 1), VecDot);
+        assert_eq!(KQuantOrder::default(), VecDot);
     }
 
     #[test]

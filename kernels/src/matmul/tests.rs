@@ -1,5 +1,6 @@
 use super::*;
 use crate::KernelError;
+use crate::dot::KQuantOrder;
 use crate::quant::{QK, dequantize_row};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -221,6 +222,62 @@ fn k_quant_matmul_is_bit_identical_to_reference() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn k_quant_orders_apply_per_activation_row() {
+    // Mixed orders in one product (a step with prompt and decode rows): every row must equal
+    // the reference in its own order, on the dispatching path (AVX2 where the CPU has it) as
+    // on the scalar one; rows past the end of `orders` take vec_dot.
+    let mut rng = StdRng::seed_from_u64(23);
+    for ty in K_TYPES {
+        let (rows, cols, m) = (21, 768, 11);
+        let data = random_matrix(&mut rng, ty, rows, cols);
+        let w = QMatrix::new(ty, &data, rows, cols).unwrap();
+        let x = random_acts(&mut rng, m * cols);
+        let orders: Vec<KQuantOrder> = (0..m - 2)
+            .map(|i| {
+                if i % 3 == 0 {
+                    KQuantOrder::VecDot
+                } else {
+                    KQuantOrder::Tiled
+                }
+            })
+            .collect();
+        let mut tiled = vec![0.0; m * rows];
+        matmul_reference_ordered(&w, &x, m, &[KQuantOrder::Tiled; 11], &mut tiled);
+        let mut vec_dot = vec![0.0; m * rows];
+        matmul_reference(&w, &x, m, &mut vec_dot);
+        let mut reference = vec![0.0; m * rows];
+        matmul_reference_ordered(&w, &x, m, &orders, &mut reference);
+        let mut got = vec![0.0; m * rows];
+        let mut scratch = MatmulScratch::new();
+        matmul_ordered(&w, &x, m, &orders, &mut got, &mut scratch, &pool(3));
+        let mut differ = 0;
+        for a in 0..m {
+            let want = match orders.get(a) {
+                Some(KQuantOrder::Tiled) => &tiled,
+                _ => &vec_dot,
+            };
+            let r = a * rows..(a + 1) * rows;
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&reference[r.clone()]),
+                bits(&want[r.clone()]),
+                "{ty:?} row {a}"
+            );
+            assert_eq!(
+                bits(&got[r.clone()]),
+                bits(&want[r.clone()]),
+                "{ty:?} row {a}"
+            );
+            differ += usize::from(bits(&tiled[r.clone()]) != bits(&vec_dot[r]));
+        }
+        assert!(
+            differ > 0,
+            "{ty:?}: the orders never differ, the test proves nothing"
+        );
     }
 }
 
@@ -474,7 +531,16 @@ fn matmul_on_path(path: Path, w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
         "{chosen:?}"
     );
     let mut out = vec![f32::NAN; m * w.rows];
-    compute_rows(path, w, x, m, &scratch, 0..w.rows, OutPtr::new(&mut out));
+    compute_rows(
+        path,
+        w,
+        x,
+        m,
+        &[],
+        &scratch,
+        0..w.rows,
+        OutPtr::new(&mut out),
+    );
     out
 }
 

@@ -3,14 +3,17 @@
 //! while RoPE, the KV write and attention are per token, reading each sequence's own blocks.
 //!
 //! The order of operations and roundings is llama.cpp's `llm_build_llama` (see DESIGN.md,
-//! Seam 1). Like llama.cpp, the last layer only computes queries, attention and the FFN for the
+//! Seam 1). Where ggml's rounding depends on how many tokens a product holds (attention's
+//! [`ReductionOrder`], K-quant matmuls' [`KQuantOrder`]), each token gets the order of
+//! llama.cpp's plain run (its prompt as one batch, then one token per step), whatever step it
+//! is computed in. Like llama.cpp, the last layer only computes queries, attention and the FFN for the
 //! rows that need logits; the other rows only contribute their K and V.
 
 use kvgate_kernels::attention::{AttentionRow, paged_attention_batch};
 use kvgate_kernels::quant::dequantize_row;
 use kvgate_kernels::{
-    KvLayout, ReductionOrder, matmul, matmul_fused, rms_norm, rope_with_freq_factors, swiglu,
-    write_kv,
+    KQuantOrder, KvLayout, ReductionOrder, matmul, matmul_fused_ordered, matmul_ordered, rms_norm,
+    rope_with_freq_factors, swiglu, write_kv,
 };
 
 use super::kv_cache::LayerKv;
@@ -35,6 +38,8 @@ pub struct QueryRows<'a> {
     tokens: Vec<usize>,
     rows: Vec<AttentionRow<'a>>,
     orders: Vec<ReductionOrder>,
+    /// Each row's K-quant matmul order (see [`KQuantOrder::for_token`]).
+    kq_orders: Vec<KQuantOrder>,
 }
 
 impl<'a> QueryRows<'a> {
@@ -44,6 +49,7 @@ impl<'a> QueryRows<'a> {
             tokens: Vec::new(),
             rows: Vec::new(),
             orders: Vec::new(),
+            kq_orders: Vec::new(),
         };
         for t in tokens {
             let seq = &inputs.seqs[plan.token_seq[t]];
@@ -55,6 +61,10 @@ impl<'a> QueryRows<'a> {
             // Chosen by what the token is (prompt or generated), never by how the step was cut,
             // so the same token gets the same numbers in every computation of it.
             q.orders.push(ReductionOrder::for_token(
+                inputs.positions[t] as usize,
+                seq.prompt_len,
+            ));
+            q.kq_orders.push(KQuantOrder::for_token(
                 inputs.positions[t] as usize,
                 seq.prompt_len,
             ));
@@ -88,8 +98,11 @@ pub fn run(
         } else {
             &every_token
         };
-        rows = attention_block(step, layer, layer_kv, ws, queries);
-        ffn_block(step, layer, ws, rows);
+        rows = attention_block(step, layer, layer_kv, ws, &every_token, queries);
+        // In llama.cpp's plain run the last layer's feed-forward sees only the one row that
+        // needs logits, so it never takes the tiled K-quant order there.
+        let ffn_orders: &[KQuantOrder] = if l == last { &[] } else { &queries.kq_orders };
+        ffn_block(step, layer, ws, rows, ffn_orders);
     }
 
     for j in 0..rows {
@@ -136,6 +149,7 @@ fn attention_block(
     layer: &LayerMats,
     kv: &mut LayerKv,
     ws: &mut Workspace,
+    all: &QueryRows,
     queries: &QueryRows,
 ) -> usize {
     let cfg = &step.model.config;
@@ -162,13 +176,15 @@ fn attention_block(
     let m = queries.tokens.len();
     let xn = &ws.xn[..n * d];
     let (k, v) = (&mut ws.k[..n * kvd], &mut ws.v[..n * kvd]);
+    let every = &all.kq_orders;
     if m == n {
         // Every token continues: Q, K and V in one pass over the activations.
         let q = &mut ws.q[..n * d];
-        matmul_fused([(&wq, q), (&wk, k), (&wv, v)], xn, n, &mut ws.matmul, pool);
+        let parts = [(&wq, q), (&wk, k), (&wv, v)];
+        matmul_fused_ordered(parts, xn, n, every, &mut ws.matmul, pool);
         add_bias(&mut ws.q[..n * d], layer.bq.as_deref());
     } else {
-        matmul_fused([(&wk, k), (&wv, v)], xn, n, &mut ws.matmul, pool);
+        matmul_fused_ordered([(&wk, k), (&wv, v)], xn, n, every, &mut ws.matmul, pool);
     }
     // llama.cpp adds the biases to the projections (ggml_add) before RoPE.
     add_bias(&mut ws.k[..n * kvd], layer.bk.as_deref());
@@ -204,10 +220,11 @@ fn attention_block(
             ws.xn.copy_within(t * d..(t + 1) * d, j * d);
             ws.x.copy_within(t * d..(t + 1) * d, j * d);
         }
-        matmul(
+        matmul_ordered(
             &wq,
             &ws.xn[..m * d],
             m,
+            &queries.kq_orders,
             &mut ws.q[..m * d],
             &mut ws.matmul,
             pool,
@@ -227,10 +244,11 @@ fn attention_block(
         );
     }
     attend(step, kv, &ws.q[..m * d], &mut ws.att[..m * d], queries);
-    matmul(
+    matmul_ordered(
         &layer.wo.view(gguf),
         &ws.att[..m * d],
         m,
+        &queries.kq_orders,
         &mut ws.proj[..m * d],
         &mut ws.matmul,
         pool,
@@ -269,7 +287,7 @@ fn attend(step: &Step, kv: &LayerKv, q: &[f32], att: &mut [f32], queries: &Query
 }
 
 /// Pre-norm SwiGLU feed-forward with residual, over the first `m` rows.
-fn ffn_block(step: &Step, layer: &LayerMats, ws: &mut Workspace, m: usize) {
+fn ffn_block(step: &Step, layer: &LayerMats, ws: &mut Workspace, m: usize, orders: &[KQuantOrder]) {
     let cfg = &step.model.config;
     let gguf = &*step.model.gguf;
     let (d, ff) = (cfg.hidden_size, cfg.ffn_size);
@@ -282,10 +300,11 @@ fn ffn_block(step: &Step, layer: &LayerMats, ws: &mut Workspace, m: usize) {
         );
     }
     let (gate, up) = (layer.gate.view(gguf), layer.up.view(gguf));
-    matmul_fused(
+    matmul_fused_ordered(
         [(&gate, &mut ws.gate[..m * ff]), (&up, &mut ws.up[..m * ff])],
         &ws.xn[..m * d],
         m,
+        orders,
         &mut ws.matmul,
         step.pool,
     );
@@ -293,10 +312,11 @@ fn ffn_block(step: &Step, layer: &LayerMats, ws: &mut Workspace, m: usize) {
         let r = j * ff..(j + 1) * ff;
         swiglu(&ws.gate[r.clone()], &ws.up[r.clone()], &mut ws.act[r]);
     }
-    matmul(
+    matmul_ordered(
         &layer.down.view(gguf),
         &ws.act[..m * ff],
         m,
+        orders,
         &mut ws.proj[..m * d],
         &mut ws.matmul,
         step.pool,
