@@ -381,3 +381,45 @@ fn a_second_signal_cuts_the_pre_drain_short() {
         .expect("the server exits long before its 600 s pre-drain is over");
     assert!(status.success(), "{status}");
 }
+
+/// A client still uploading its body when the grace period ends gets a 503 `shutting_down`
+/// in the flush window, not a cut connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_still_uploading_at_the_end_of_the_grace_gets_a_503() {
+    let grace = Duration::from_millis(500);
+    let mut options = common::Options::default();
+    options.serve.shutdown_grace = grace;
+    let tenants = [TenantSpec {
+        name: "a",
+        key: "sk-a",
+        extra: "",
+    }];
+    let mut server = TestServer::start_with(&policy(&tenants, ""), options).await;
+    let head = format!(
+        "POST {CHAT} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sk-a\r\n\
+         Content-Type: application/json\r\nContent-Length: 4096\r\n\r\n{{\"model\":"
+    );
+    let mut upload = raw_connect(server.addr, head.as_bytes()).await;
+    // Let the server take the request and start reading its body.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let began = tokio::time::Instant::now();
+    let stopped = server.begin_shutdown();
+    let answer = tokio::time::timeout(WAIT, common::client::read_to_close(&mut upload))
+        .await
+        .expect("the upload gets an answer and its connection closes");
+    assert!(
+        answer.starts_with("HTTP/1.1 503"),
+        "a 503, not a cut connection: {answer:?}"
+    );
+    assert!(answer.contains("\"shutting_down\""), "{answer}");
+    assert!(
+        began.elapsed() >= grace,
+        "answered at the end of the grace, not before: {:?}",
+        began.elapsed()
+    );
+    tokio::time::timeout(grace + Duration::from_secs(3), stopped)
+        .await
+        .expect("the server stops within the grace and its flush window")
+        .expect("the server task ends cleanly");
+}

@@ -23,7 +23,8 @@ use crate::intake::IntakePermit;
 use crate::metrics::{RejectReason, RequestOutcome, record_rejection, record_request};
 use crate::policy::TenantPolicy;
 use crate::ratelimit::RequestCell;
-use crate::state::AppState;
+use crate::shutdown::GraceOver;
+use crate::state::{AppState, BodyLimits};
 
 /// A JSON body parsed into `T`, or a 400/408/413 OpenAI error.
 #[derive(Debug)]
@@ -34,7 +35,7 @@ impl<T: DeserializeOwned> FromRequest<AppState> for OpenAiJson<T> {
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
         let limits = state.body_limits();
-        let bytes = read_body(req, limits.max_bytes, limits.idle_timeout).await?;
+        let bytes = read_body(req, limits, state.grace_over()).await?;
         parse_json(&bytes).map(OpenAiJson)
     }
 }
@@ -53,20 +54,21 @@ impl<T: DeserializeOwned> FromRequest<AppState> for OpenAiBody<T> {
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
         let limits = state.body_limits();
-        let raw = read_body(req, limits.max_bytes, limits.idle_timeout)
-            .await?
-            .freeze();
+        let raw = read_body(req, limits, state.grace_over()).await?.freeze();
         let request = parse_json(&raw)?;
         Ok(OpenAiBody { request, raw })
     }
 }
 
-/// Reads the whole body, at most `max_bytes`, failing if no frame arrives within `idle`.
+/// Reads the whole body, at most `limits.max_bytes`, failing if no frame arrives within
+/// `limits.idle_timeout`, or with 503 `shutting_down` if shutdown's grace period ends first (a
+/// client still uploading then gets an answer in the flush window, not a cut connection).
 async fn read_body(
     req: Request,
-    max_bytes: usize,
-    idle: std::time::Duration,
+    limits: BodyLimits,
+    mut grace: GraceOver,
 ) -> Result<BytesMut, GatewayError> {
+    let (max_bytes, idle) = (limits.max_bytes, limits.idle_timeout);
     let too_large = GatewayError::PayloadTooLarge {
         limit_bytes: max_bytes,
     };
@@ -86,7 +88,11 @@ async fn read_body(
     let mut body = req.into_body();
     let mut buffer = BytesMut::new();
     loop {
-        let frame = match tokio::time::timeout(idle, body.frame()).await {
+        let next = tokio::select! {
+            next = tokio::time::timeout(idle, body.frame()) => next,
+            () = grace.wait() => return Err(GatewayError::ShuttingDown),
+        };
+        let frame = match next {
             Err(_) => return Err(GatewayError::BodyTimeout { idle }),
             Ok(None) => return Ok(buffer),
             Ok(Some(Err(error))) if is_length_limit(&error) => return Err(too_large),
