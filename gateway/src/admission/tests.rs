@@ -515,6 +515,15 @@ fn the_step_cost_model_prices_the_running_requests_prefill_and_decodes() {
     );
 }
 
+/// A step cost of 25 ms and nothing else: one sequence decodes at 25 ms per token and prompts
+/// cost nothing.
+const STEP_25MS: StepCost = StepCost {
+    per_step_us: 25_000.0,
+    per_prefill_token_us: 0.0,
+    per_decode_seq_us: 0.0,
+    per_attended_token_ns: 0.0,
+};
+
 /// The 48 MiB scenario in miniature: with the engine's cost model wired in, the forecast
 /// exists before any step has been timed, so what cannot start in time is refused when it is
 /// enqueued (no time passes), not at the first re-forecast after a measurement.
@@ -524,12 +533,7 @@ async fn with_the_cost_model_a_burst_is_refused_at_enqueue_before_any_step() {
     let (admission, _pool, store) = setup(20, policy);
     // 25 ms per step and nothing else: one sequence decodes at 25 ms per token and prompts
     // cost nothing, so the forecasts are those of the re-forecast test below.
-    let cost = StepCost {
-        per_step_us: 25_000.0,
-        per_prefill_token_us: 0.0,
-        per_decode_seq_us: 0.0,
-        per_attended_token_ns: 0.0,
-    };
+    let cost = STEP_25MS;
     admission.set_service_time_probe(move || Some(ServiceTime::Model(cost)));
     let start = tokio::time::Instant::now();
     let holder = admission.admit(ticket(&store, "a", 240, 80)).await.unwrap();
@@ -563,12 +567,7 @@ async fn a_forecast_within_the_margin_of_the_deadline_is_refused_at_enqueue_not_
     // The first waiting request is forecast 2 s (10 blocks back at 25 ms per token, as above).
     let policy = "[tenants.a]\nmax_queue_wait = \"2150ms\"\n[kv]\nhigh_watermark = 1.0\n";
     let (admission, _pool, store) = setup(20, policy);
-    let cost = StepCost {
-        per_step_us: 25_000.0,
-        per_prefill_token_us: 0.0,
-        per_decode_seq_us: 0.0,
-        per_attended_token_ns: 0.0,
-    };
+    let cost = STEP_25MS;
     admission.set_service_time_probe(move || Some(ServiceTime::Model(cost)));
     let holder = admission.admit(ticket(&store, "a", 240, 80)).await.unwrap();
     // 2 s ≤ 2.15 s, but over 90% of it: refused now, not a few seconds into its wait.
@@ -1871,12 +1870,7 @@ async fn a_refusal_names_the_concurrency_cap_while_it_holds_the_queue_and_kv_is_
     let policy = "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"1500ms\"\n\
                   [kv]\nhigh_watermark = 1.0\n";
     let (admission, pool, store) = setup(60, policy);
-    let cost = StepCost {
-        per_step_us: 25_000.0,
-        per_prefill_token_us: 0.0,
-        per_decode_seq_us: 0.0,
-        per_attended_token_ns: 0.0,
-    };
+    let cost = STEP_25MS;
     admission.set_service_time_probe(move || Some(ServiceTime::Model(cost)));
     let holder = admission.admit(ticket(&store, "a", 240, 80)).await.unwrap(); // 20 blocks
     // 40 blocks free: four 10-block requests fit them (no KV wait), the fifth's backlog needs
