@@ -583,7 +583,6 @@ fn respond(
         }
         Err(error) => error,
     };
-    count.record(RequestOutcome::Rejected);
     // Admission counts its own rejections; count the ones decided here.
     let reason = match &error {
         GatewayError::Rejected(_) => None,
@@ -602,5 +601,55 @@ fn respond(
     if let Some(reason) = reason {
         record_rejection(&tenant.name, reason);
     }
+    // A server fault (an internal error, a failed generation, a broken template, an upstream's
+    // 5xx) refused nothing: it is counted as failed, so every `rejected` request has a reason.
+    let refused = reason.is_some() || matches!(error, GatewayError::Rejected(_));
+    let outcome = if !refused && error.status().is_server_error() {
+        RequestOutcome::Failed
+    } else {
+        RequestOutcome::Rejected
+    };
+    count.record(outcome);
     error.into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::exposition::Scrape;
+    use crate::metrics::install_recorder;
+    use crate::metrics::{REQUESTS_REJECTED_TOTAL, REQUESTS_TOTAL};
+
+    /// Every `rejected` request has a reason; a server fault is `failed`, not a refusal (QA: a
+    /// 500 was counted as rejected with no reason, so the two counters disagreed).
+    #[test]
+    fn a_server_fault_is_counted_as_failed_and_a_refusal_under_its_reason() {
+        let handle = install_recorder().unwrap_or_else(|e| panic!("{e}"));
+        let policy = crate::policy::parse_policy("t.toml", "[tenants.respond-outcomes]\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let tenant = policy.tenant("respond-outcomes").expect("the tenant");
+        let name = tenant.name.as_str();
+        let fault = GatewayError::Internal("a bug".into());
+        let refusal = GatewayError::BadBody {
+            message: "not JSON".into(),
+            param: None,
+        };
+        assert_eq!(
+            respond(RequestCount::new(name, "chat"), &tenant, Err(fault)).status(),
+            500
+        );
+        assert_eq!(
+            respond(RequestCount::new(name, "chat"), &tenant, Err(refusal)).status(),
+            400
+        );
+        let scrape = Scrape::parse(&handle.render()).unwrap_or_else(|e| panic!("{e}"));
+        let outcome = |outcome| {
+            let labels = [("tenant", name), ("route", "chat"), ("outcome", outcome)];
+            scrape.value(REQUESTS_TOTAL, &labels)
+        };
+        assert_eq!(outcome("failed"), Some(1.0));
+        assert_eq!(outcome("rejected"), Some(1.0));
+        let reasons = scrape.sum(REQUESTS_REJECTED_TOTAL, &[("tenant", name)]);
+        assert_eq!(reasons, 1.0, "one reason per rejected request");
+    }
 }

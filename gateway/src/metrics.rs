@@ -231,7 +231,11 @@ pub fn record_shared_compensation(tenant: &str, outcome: &'static str) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestOutcome {
     Admitted,
+    /// Refused: counted under a reason in [`REQUESTS_REJECTED_TOTAL`] too.
     Rejected,
+    /// The server failed it (a 5xx that is no refusal: an internal error, a failed generation,
+    /// a broken chat template, an upstream's server error).
+    Failed,
     /// The handler never answered: the client went away (while the request was read,
     /// validated or queued), or the request timeout cut it (a 504).
     Abandoned,
@@ -242,6 +246,7 @@ impl RequestOutcome {
         match self {
             RequestOutcome::Admitted => "admitted",
             RequestOutcome::Rejected => "rejected",
+            RequestOutcome::Failed => "failed",
             RequestOutcome::Abandoned => "abandoned",
         }
     }

@@ -72,6 +72,9 @@ pub fn build(router: Router, config: StackConfig, admission: Admission) -> Gatew
         // 1. One body type in and out, so the layers below compose with hyper.
         .map_request(|request: Request<Incoming>| request.map(Body::new))
         .map_response(|response: Response<_>| response.map(Body::new))
+        // 1b. The size of the head as the client sent it, before a layer adds a header
+        //     (`limit_head` below must not count the request id made for it).
+        .map_request(record_head_bytes)
         // 2. Request id first, so every log line and every response below can carry it. A
         //    client's id goes into logs, responses and upstream requests: one that is too long
         //    or carries odd characters is dropped here and a fresh one made instead.
@@ -208,12 +211,26 @@ async fn limit_head(request: Request, next: Next) -> Response {
         }
         .into_response();
     }
-    let bytes = header_bytes(request.headers());
+    let bytes = match request.extensions().get::<SentHeaderBytes>() {
+        Some(sent) => sent.0,
+        None => header_bytes(request.headers()),
+    };
     if bytes > MAX_HEADER_BYTES {
         let limit_bytes = MAX_HEADER_BYTES;
         return GatewayError::HeadersTooLarge { bytes, limit_bytes }.into_response();
     }
     next.run(request).await
+}
+
+/// Bytes of the header fields the client sent ([`header_bytes`]), recorded before any layer
+/// adds one.
+#[derive(Debug, Clone, Copy)]
+struct SentHeaderBytes(usize);
+
+fn record_head_bytes(mut request: Request) -> Request {
+    let sent = SentHeaderBytes(header_bytes(request.headers()));
+    request.extensions_mut().insert(sent);
+    request
 }
 
 /// Bytes of `headers` as sent: `name: value` and CRLF per field.

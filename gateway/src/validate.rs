@@ -544,7 +544,9 @@ fn check_sampling(
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ValidationError::TopP(top_p));
     }
-    Ok((temperature as f32, top_p as f32))
+    // The engine samples in f32: a top_p below f32's smallest positive value would round to 0,
+    // which it refuses. It means "the most likely token only", which the smallest f32 keeps.
+    Ok((temperature as f32, (top_p as f32).max(f32::MIN_POSITIVE)))
 }
 
 fn check_stop(stop: Option<&[String]>) -> Result<Vec<String>, ValidationError> {

@@ -102,7 +102,7 @@ pub const RECORDED: &[Family] = &[
         REQUESTS_TOTAL,
         Counter,
         &["tenant", "route", "outcome"],
-        "Requests that reached a handler, by final outcome: admitted, rejected, or abandoned (the handler never answered: the client left, or the request timed out).",
+        "Requests that reached a handler, by final outcome: admitted, rejected (refused, with a reason in kvgate_requests_rejected_total), failed (a server fault), or abandoned (the handler never answered: the client left, or the request timed out).",
     ),
     family(
         REQUESTS_REJECTED_TOTAL,

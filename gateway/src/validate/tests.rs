@@ -102,6 +102,13 @@ fn bounds_on_sampling_and_budget_name_their_param() {
 
 #[test]
 fn edges_of_the_sampling_ranges_are_accepted() {
+    // A top_p too small for f32 stays positive (it rounded to 0, which the engine refused
+    // with a 500).
+    for tiny in [1e-300, 5e-324] {
+        let body = json!({"model": "m", "messages": [user("hi")], "top_p": tiny});
+        let v = chat(body).expect("a tiny top_p is valid");
+        assert!(v.top_p > 0.0, "{tiny} became {}", v.top_p);
+    }
     let body = json!({"model": "m", "messages": [user("hi")], "temperature": 0, "top_p": 1,
                       "stop": "x", "seed": -1, "max_tokens": 50});
     let v = chat(body).unwrap();
