@@ -31,7 +31,8 @@
 //! backlog that is served meanwhile: min(their backlog, own backlog × their weight / own
 //! weight). Not everyone's sum: a flooding tenant cannot make a newcomer's forecast exceed its
 //! `max_queue_wait`. A request also waits for one of its tenant's concurrency slots, which may
-//! be the tighter limit while KV is free: that forecast ([`Ledger::slot_wait`]) counts only the
+//! be the tighter limit while KV is free: that forecast ([`Ledger::slot_wait`], sized by each
+//! request's max_tokens) counts only the
 //! tenant's own queue, and the longer of the two binds ([`Forecast`]). When the forecast says a
 //! request cannot start before its deadline it is refused at once with 429
 //! `kv_cache_saturated` (or `concurrency_saturated` when the slots bind) and the forecast as
@@ -64,7 +65,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::capacity::PoolLimit;
-use super::ledger::Ledger;
+use super::ledger::{Ledger, QueuedAhead};
 use super::rejection::{Rejection, clamp_retry_after};
 use super::{
     AdmissionTicket, Admitted, MIN_CAPACITY_RETRY_AFTER, PoolId, PromptPrefix, Stage,
@@ -512,11 +513,12 @@ impl Dispatcher {
         }
         let pool = pending.ticket.pool;
         let max_wait = self.ledger.max_queue_wait(tenant.max_queue_wait);
-        let position = self.queue.queued_requests(&tenant.name) + 1;
+        // Every queued request of the tenant is ahead of a new one.
+        let ahead = self.queued_ahead(&tenant.name, None);
         let forecast = |this: &Self, now: Instant| {
             let own_blocks = this.backlog[pool.0].of(&tenant.name) + pending.needed_blocks;
-            let position = (position, pending.needed_blocks);
-            this.forecast(pool, &tenant, own_blocks, position, now)
+            let ahead = (ahead, pending.needed_blocks);
+            this.forecast(pool, &tenant, own_blocks, ahead, now)
         };
         let too_late = |f: &Forecast| f.wait > max_wait.mul_f64(ENQUEUE_FORECAST_MARGIN);
         let now = Instant::now();
@@ -531,7 +533,7 @@ impl Dispatcher {
         if let Some(late) = estimate.filter(too_late) {
             let needed_blocks = pending.needed_blocks;
             drop(pending.debit);
-            let rejection = self.saturated(&tenant, needed_blocks, position, late);
+            let rejection = self.saturated(&tenant, needed_blocks, ahead.requests, late);
             return self.reject(pending.reply, rejection, &tenant);
         }
         let now = pending.enqueued_at.into_std();
@@ -665,12 +667,14 @@ impl Dispatcher {
                 let left = Instant::from_std(entry.deadline).saturating_duration_since(now);
                 // The weight the queue has now, the limits the entry's (reloaded) policy has.
                 let policy = Arc::clone(&entry.payload.ticket.tenant);
-                let position = self.queue.queued_requests(&tenant);
+                let own_output = entry.payload.ticket.max_output_tokens as u64;
+                // The youngest: every other queued request of the tenant is ahead of it.
+                let ahead = self.queued_ahead(&tenant, Some(own_output));
                 let needed_blocks = entry.payload.needed_blocks;
                 let forecast = |this: &Self| {
                     let own_blocks = this.backlog[pool.0].of(&tenant);
                     let kv = this.kv_wait(pool, &tenant, weight, own_blocks);
-                    let slot = this.slot_wait(&policy, position, now);
+                    let slot = this.slot_wait(&policy, ahead, now);
                     let held = this.held_by_slots(pool, &policy, needed_blocks);
                     Forecast::binding(kv, slot, held)
                 };
@@ -702,7 +706,7 @@ impl Dispatcher {
                     count_abandoned(&tenant);
                     continue;
                 }
-                let rejection = self.saturated(&ticket.tenant, needed_blocks, position, late);
+                let rejection = self.saturated(&ticket.tenant, needed_blocks, ahead.requests, late);
                 self.reject(reply, rejection, &ticket.tenant);
             }
         }
@@ -752,12 +756,12 @@ impl Dispatcher {
     }
 
     /// The refusal of a request that cannot start before its deadline, naming the limit that
-    /// binds; `position`: where it is among the tenant's queued requests (1: the oldest).
+    /// binds; `queued_ahead`: the tenant's requests queued before it.
     fn saturated(
         &self,
         tenant: &TenantPolicy,
         needed_blocks: usize,
-        position: usize,
+        queued_ahead: usize,
         late: Forecast,
     ) -> Rejection {
         let headers = self.limits.headers(tenant);
@@ -774,7 +778,7 @@ impl Dispatcher {
             Bottleneck::Concurrency => Rejection::ConcurrencySaturated {
                 tenant: tenant_name,
                 max_concurrency: u32::try_from(tenant.max_concurrency).unwrap_or(u32::MAX),
-                queued_ahead: u32::try_from(position.saturating_sub(1)).unwrap_or(u32::MAX),
+                queued_ahead: u32::try_from(queued_ahead).unwrap_or(u32::MAX),
                 estimated_wait,
                 retry_after,
                 headers,
@@ -898,8 +902,9 @@ impl Dispatcher {
         let _ = reply.send(Err(rejection));
     }
 
-    /// The forecast wait of the `position`-th of `tenant`'s queued requests (1: its oldest),
-    /// in `pool` with `own_blocks` of the tenant's queued blocks up to and including it: the
+    /// The forecast wait of a queued request of `tenant` with `ahead` of the tenant's requests
+    /// before it, in `pool` with `own_blocks` of the tenant's queued blocks up to and including
+    /// it (and `needed_blocks` its own): the
     /// longer of what KV ([`Dispatcher::kv_wait`]) and the tenant's concurrency cap
     /// ([`Dispatcher::slot_wait`]) make it wait, and which of the two that is. `None` while
     /// neither can be forecast.
@@ -908,11 +913,11 @@ impl Dispatcher {
         pool: PoolId,
         tenant: &TenantPolicy,
         own_blocks: usize,
-        (position, needed_blocks): (usize, usize),
+        (ahead, needed_blocks): (QueuedAhead, usize),
         now: Instant,
     ) -> Option<Forecast> {
         let kv = self.kv_wait(pool, &tenant.name, tenant.weight, own_blocks);
-        let slot = self.slot_wait(tenant, position, now);
+        let slot = self.slot_wait(tenant, ahead, now);
         let held = self.held_by_slots(pool, tenant, needed_blocks);
         Forecast::binding(kv, slot, held)
     }
@@ -924,12 +929,34 @@ impl Dispatcher {
         running >= tenant.max_concurrency && self.available_blocks(pool) >= needed_blocks
     }
 
-    /// How long the `position`-th of `tenant`'s queued requests waits for one of the tenant's
-    /// concurrency slots ([`Ledger::slot_wait`]). The fair queue serves a tenant's own
-    /// requests oldest first, so only its own queue is ahead of it for its own slots.
-    fn slot_wait(&self, tenant: &TenantPolicy, position: usize, now: Instant) -> Option<Duration> {
+    /// How long a queued request of `tenant` with `ahead` before it waits for one of the
+    /// tenant's concurrency slots ([`Ledger::slot_wait`]). The fair queue serves a tenant's
+    /// own requests oldest first, so only its own queue is ahead of it for its own slots.
+    fn slot_wait(
+        &self,
+        tenant: &TenantPolicy,
+        ahead: QueuedAhead,
+        now: Instant,
+    ) -> Option<Duration> {
         self.ledger
-            .slot_wait(&tenant.name, tenant.max_concurrency, position, now)
+            .slot_wait(&tenant.name, tenant.max_concurrency, ahead, now)
+    }
+
+    /// The tenant's queued requests, less `own` (the max_tokens of a queued request being
+    /// forecast) when it is one of them: what is ahead of it, or of a new one. O(1).
+    fn queued_ahead(&self, tenant: &str, own: Option<u64>) -> QueuedAhead {
+        let requests = self.queue.queued_requests(tenant);
+        let output_tokens = self.queued_output.get(tenant).copied().unwrap_or(0);
+        match own {
+            Some(own) => QueuedAhead {
+                requests: requests.saturating_sub(1),
+                output_tokens: output_tokens.saturating_sub(own),
+            },
+            None => QueuedAhead {
+                requests,
+                output_tokens,
+            },
+        }
     }
 
     /// The forecast wait of a request of `tenant` in `pool` with `own_blocks` of the tenant's

@@ -34,9 +34,27 @@ pub(super) struct Ledger {
     pub released: Notify,
 }
 
-/// Weight of the newest request in a tenant's average slot hold time: about the last ten
-/// requests dominate.
+/// Weight of the newest request in a tenant's average slot hold time per token: about the last
+/// ten requests dominate.
 const HOLD_TIME_ALPHA: f64 = 0.2;
+
+/// A request holds its slot for about the tenant's hold time per token × (its max_tokens + this):
+/// the part of a request's time that does not grow with its output (prefill, the round trip),
+/// in tokens. Without it a 4-token request would be forecast to take nearly nothing.
+const HOLD_OVERHEAD_TOKENS: u64 = 16;
+
+/// Where and how a tenant's running request holds its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SlotHeld {
+    started_at: Instant,
+    /// Its max_tokens: what its hold time is forecast from.
+    max_output_tokens: u64,
+}
+
+/// The tokens a request's hold time is counted in ([`HOLD_OVERHEAD_TOKENS`]).
+fn hold_tokens(max_output_tokens: u64) -> f64 {
+    max_output_tokens.saturating_add(HOLD_OVERHEAD_TOKENS) as f64
+}
 
 /// Reads how fast the engine serves (see [`ServiceTime`]); `None` while it cannot say.
 pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<ServiceTime> + Send + Sync>;
@@ -72,6 +90,14 @@ pub(super) struct Footprint {
     pub output_tokens: u64,
 }
 
+/// A tenant's requests queued ahead of the one being forecast, for [`Ledger::slot_wait`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct QueuedAhead {
+    pub requests: usize,
+    /// Their max_tokens, summed.
+    pub output_tokens: u64,
+}
+
 /// How a running request gives its tenant's concurrency slot back, for [`Ledger::finish`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct SlotUse {
@@ -86,12 +112,14 @@ pub(super) struct SlotUse {
 /// is per pool, because it protects one engine's steps from long prefills.
 #[derive(Debug, Default)]
 pub(super) struct InFlight {
-    /// Per tenant, when each of its running requests took its slot (one entry per request).
-    per_tenant: HashMap<String, Vec<Instant>>,
+    /// Per tenant, its running requests' slots (one entry per request).
+    per_tenant: HashMap<String, Vec<SlotHeld>>,
     per_pool: HashMap<PoolId, PoolInFlight>,
-    /// Per tenant, how long its requests hold a concurrency slot: an average over those that
-    /// ran, from the slot taken to the slot given back (see [`Ledger::slot_wait`]).
-    hold_time: HashMap<String, Duration>,
+    /// Per tenant, how long its requests hold a concurrency slot per token of theirs
+    /// ([`hold_tokens`]), in seconds: an average over those that ran, from the slot taken to
+    /// the slot given back (see [`Ledger::slot_wait`]). Per token, because a tenant's requests
+    /// may differ a hundredfold in size.
+    hold_per_token: HashMap<String, f64>,
 }
 
 /// Running requests of one pool.
@@ -125,7 +153,7 @@ impl InFlight {
         lane: Lane,
         long_max_concurrency: usize,
     ) -> bool {
-        let running = self.per_tenant.get(tenant).map_or(0, Vec::len);
+        let running = self.running(tenant);
         let pool = self.per_pool.get(&pool).copied().unwrap_or_default();
         running < max_concurrency
             && pool.max_requests.is_none_or(|max| pool.requests < max)
@@ -164,7 +192,10 @@ impl Ledger {
             .per_tenant
             .entry(tenant.to_string())
             .or_default()
-            .push(now);
+            .push(SlotHeld {
+                started_at: now,
+                max_output_tokens: footprint.output_tokens,
+            });
         let pool = in_flight.per_pool.entry(pool_id).or_default();
         if lane == Lane::Long {
             pool.long_lane += 1;
@@ -217,7 +248,9 @@ impl Ledger {
             let mut in_flight = self.in_flight.lock();
             if let Some(running) = in_flight.per_tenant.get_mut(tenant) {
                 // Its own start instant; any one if it is not there (it always is).
-                let at = running.iter().position(|&at| at == slot.started_at);
+                let at = running
+                    .iter()
+                    .position(|held| held.started_at == slot.started_at);
                 if let Some(index) = at.or(running.len().checked_sub(1)) {
                     running.swap_remove(index);
                 }
@@ -227,11 +260,12 @@ impl Ledger {
             }
             if slot.ran {
                 let held = Instant::now().saturating_duration_since(slot.started_at);
+                let per_token = held.as_secs_f64() / hold_tokens(footprint.output_tokens);
                 let average = in_flight
-                    .hold_time
+                    .hold_per_token
                     .entry(tenant.to_string())
-                    .or_insert(held);
-                *average = average.mul_f64(1.0 - HOLD_TIME_ALPHA) + held.mul_f64(HOLD_TIME_ALPHA);
+                    .or_insert(per_token);
+                *average += HOLD_TIME_ALPHA * (per_token - *average);
             }
             if let Some(pool) = in_flight.per_pool.get_mut(&pool_id) {
                 if lane == Lane::Long {
@@ -261,49 +295,67 @@ impl Ledger {
         self.released.notify_one();
     }
 
-    /// How long until the `position`-th of `tenant`'s queued requests (1: its oldest) can take
-    /// one of the tenant's `max_concurrency` slots, as far as that cap is concerned (KV is
-    /// [`Ledger::kv_drain_time`]'s part). Zero when a slot is free for it now; `None` before
-    /// any of the tenant's requests has finished (no hold time to forecast with).
+    /// How long until a queued request of `tenant` can take one of the tenant's
+    /// `max_concurrency` slots, as far as that cap is concerned (KV is
+    /// [`Ledger::kv_drain_time`]'s part), with `ahead` of the tenant's requests queued before it
+    /// ([`QueuedAhead`]). Zero when a slot is free for it now; `None` before any of the
+    /// tenant's requests has finished (no hold time to forecast with).
     ///
-    /// The tenant's slots free up in order: a running request is expected to hold its slot
-    /// for the tenant's average hold time D (less what it has run; zero once overdue), a free
-    /// slot is taken at once by a request ahead and held for D. So the slots come free at the
-    /// times b₁ ≤ … ≤ b_C (each at most D), then again each D later, and the j-th request
-    /// that must wait for a slot starts at b_((j−1) mod C) + ⌊(j−1)/C⌋·D. Running requests
-    /// beyond a cap that a reload lowered free no slot: the first of them to end are skipped.
+    /// A request holds its slot for h = s × (its max_tokens + [`HOLD_OVERHEAD_TOKENS`]), s the
+    /// tenant's average hold time per token. A running request frees its slot after its h less
+    /// what it has run (zero once overdue); a free slot is taken at once by a request ahead and
+    /// held for h̄, the mean h of the requests ahead. So the slots come free at the times
+    /// b₁ ≤ … ≤ b_C, then each h̄ later, and the j-th request that must wait for a slot starts at
+    /// b_((j−1) mod C) + ⌊(j−1)/C⌋·h̄. Running requests beyond a cap that a reload lowered free
+    /// no slot: the first of them to end are skipped.
     pub fn slot_wait(
         &self,
         tenant: &str,
         max_concurrency: usize,
-        position: usize,
+        ahead: QueuedAhead,
         now: Instant,
     ) -> Option<Duration> {
         let in_flight = self.in_flight.lock();
-        let started = in_flight
+        let held = in_flight
             .per_tenant
             .get(tenant)
             .map_or(&[][..], Vec::as_slice);
-        let running = started.len();
+        let running = held.len();
         let free = max_concurrency.saturating_sub(running);
+        let position = ahead.requests.saturating_add(1);
         if position <= free {
             return Some(Duration::ZERO);
         }
-        let hold = *in_flight.hold_time.get(tenant)?;
+        let per_token = *in_flight.hold_per_token.get(tenant)?;
+        let hold_of = |max_output_tokens: u64| per_token * hold_tokens(max_output_tokens);
+        // Mean hold of the requests ahead (they hold the free slots and later rounds).
+        let mean_ahead = match ahead.requests {
+            0 => 0.0,
+            n => {
+                let tokens = ahead
+                    .output_tokens
+                    .saturating_add(HOLD_OVERHEAD_TOKENS.saturating_mul(n as u64));
+                per_token * tokens as f64 / n as f64
+            }
+        };
         let cap = max_concurrency.max(1);
         let waiting = position - free - 1;
-        let rounds = u32::try_from(waiting / cap).unwrap_or(u32::MAX);
+        let rounds = (waiting / cap) as f64;
         let slot = waiting % cap + running.saturating_sub(cap);
         let first_free = if slot < running {
-            let mut remaining: Vec<Duration> = started
+            let mut remaining: Vec<f64> = held
                 .iter()
-                .map(|at| hold.saturating_sub(now.saturating_duration_since(*at)))
+                .map(|h| {
+                    let ran = now.saturating_duration_since(h.started_at).as_secs_f64();
+                    (hold_of(h.max_output_tokens) - ran).max(0.0)
+                })
                 .collect();
-            *remaining.select_nth_unstable(slot).1
+            *remaining.select_nth_unstable_by(slot, f64::total_cmp).1
         } else {
-            hold
+            mean_ahead
         };
-        Some(first_free.saturating_add(hold.saturating_mul(rounds)))
+        let seconds = first_free + rounds * mean_ahead;
+        Some(Duration::from_secs_f64(seconds.clamp(0.0, 1e6)))
     }
 
     pub fn record_drained(&self, pool: PoolId, tokens: u64, now: Instant) {
@@ -609,9 +661,17 @@ mod tests {
     async fn a_tenants_queued_requests_get_its_slots_as_its_running_ones_end() {
         let ledger = Ledger::default();
         let pool = PoolId::LOCAL;
-        let footprint = Footprint::default();
+        // Every request here has max_tokens 16: 32 hold tokens with the overhead.
+        let footprint = Footprint {
+            output_tokens: 16,
+            ..Footprint::default()
+        };
         let secs = |s: u64| Some(Duration::from_secs(s));
-        let wait = |cap, position| ledger.slot_wait("a", cap, position, Instant::now());
+        let ahead_of = |position: usize| QueuedAhead {
+            requests: position - 1,
+            output_tokens: 16 * (position as u64 - 1),
+        };
+        let wait = |cap, position| ledger.slot_wait("a", cap, ahead_of(position), Instant::now());
         let run = |started_at: Instant, ran: bool| {
             ledger.start("a", pool, Lane::Short, footprint, started_at);
             move |ledger: &Ledger| {
@@ -653,6 +713,17 @@ mod tests {
             "the slot taken now frees after a whole hold"
         );
         assert_eq!(wait(3, 5), secs(7));
+        // The forecast follows the size of what is queued: ahead of the third, one request like
+        // these and one of max_tokens 496 (512 hold tokens, 16 times as long), so the rounds
+        // after the first take their mean, (4 s + 64 s) / 2.
+        let mixed = QueuedAhead {
+            requests: 2,
+            output_tokens: 16 + 496,
+        };
+        assert_eq!(
+            ledger.slot_wait("a", 2, mixed, Instant::now()),
+            secs(3 + 34)
+        );
         // A reload lowered the cap to 1: the first of the two to end frees no slot.
         assert_eq!(wait(1, 1), secs(3));
         assert_eq!(wait(1, 2), secs(7));
@@ -663,7 +734,8 @@ mod tests {
         for end in ends {
             end(&ledger);
         }
-        // Each held 11 s: the average moves a fifth of the way each time, 4 → 5.4 → 6.52 s.
+        // Each held 11 s: the average moves a fifth of the way each time, 4 → 5.4 → 6.52 s
+        // for requests of this size.
         let hold = wait(1, 2).expect("a hold time").as_secs_f64();
         assert!((hold - 6.52).abs() < 1e-6, "{hold}");
     }
