@@ -62,28 +62,38 @@ pub struct ModelArgs {
     pub device: DeviceRequest,
     /// On a GPU: the share of device memory for weights, workspace and KV blocks (the KV cache
     /// gets the rest of it; --kv-memory applies to the CPU only).
-    #[arg(long, value_name = "F", default_value_t = 0.90, value_parser = parse_utilization)]
+    #[arg(allow_negative_numbers = true, long, value_name = "F", default_value_t = 0.90, value_parser = parse_utilization)]
     pub gpu_memory_utilization: f64,
     /// Compute threads (default: all cores; at most 1024, and more than the cores only slows
     /// each step down).
-    #[arg(long, value_name = "N", value_parser = thread_count)]
+    #[arg(allow_negative_numbers = true, long, value_name = "N", value_parser = thread_count)]
     pub threads: Option<usize>,
     /// Memory budget of the paged KV cache, e.g. 256MiB or 2GiB.
     #[arg(long, value_name = "SIZE", default_value = "256MiB")]
     pub kv_memory: String,
     /// Tokens per KV block.
-    #[arg(long, value_name = "N", default_value_t = 16, value_parser = at_least_one)]
+    #[arg(allow_negative_numbers = true, long, value_name = "N", default_value_t = 16, value_parser = at_least_one)]
     pub block_size: usize,
     /// Most sequences in one running batch.
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "N",
+        default_value_t = 64
+    )]
     pub max_num_seqs: usize,
     /// Capacity of the engine's submit queue and waiting list (1 to 65536: it is allocated
     /// whole); `serve` admits at most this many requests into the engine at once (the rest
     /// wait in admission's fair queue).
-    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=MAX_COMMAND_QUEUE as i64))]
+    #[arg(allow_negative_numbers = true, long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=MAX_COMMAND_QUEUE as i64))]
     pub engine_queue: u32,
     /// Token budget of one scheduler step (prefill chunks and decodes together).
-    #[arg(long, value_name = "N", default_value_t = 512)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "N",
+        default_value_t = 512
+    )]
     pub max_batched_tokens: usize,
     /// While any stream is decoding, add prompt tokens to a step only as far as its predicted
     /// time (from the engine's measured steps) stays within this, e.g. 100ms; `off` lets every
@@ -250,7 +260,12 @@ pub struct ServeArgs {
     pub memory_budget: Option<String>,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT (after the pre-drain);
     /// then what is left is answered (503, or an error event for a stream) and closed.
-    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "SECS",
+        default_value_t = 30
+    )]
     pub shutdown_grace: u64,
     /// Also serve model NAME by proxying it to another OpenAI-compatible engine at URL (plain
     /// http; the root URL, without /v1). Options: model=ID (the id sent upstream; default
@@ -316,16 +331,36 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Most tokens to generate.
-    #[arg(long, value_name = "N", default_value_t = 128)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "N",
+        default_value_t = 128
+    )]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "T",
+        default_value_t = 0.0
+    )]
     pub temperature: f32,
     /// Nucleus sampling mass.
-    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "P",
+        default_value_t = 1.0
+    )]
     pub top_p: f32,
     /// Seed for sampling (same seed, same text).
-    #[arg(long, value_name = "S", default_value_t = 0)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "S",
+        default_value_t = 0
+    )]
     pub seed: u64,
     /// Use the prompt as is instead of applying the model's chat template.
     #[arg(long)]
@@ -361,7 +396,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub kv_waste: bool,
     /// Tokens of context before the timed single-stream decode (llama-bench's `-d`).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "N",
+        default_value_t = 0
+    )]
     pub decode_depth: usize,
     /// What to measure.
     #[arg(long, value_enum, default_value_t = BenchWorkload::Throughput, conflicts_with = "kv_waste")]
@@ -398,16 +438,26 @@ pub struct PlanCliArgs {
     #[arg(long, value_name = "PATH", conflicts_with_all = ["layers", "kv_heads", "head_dim", "hidden"])]
     pub model: Option<PathBuf>,
     /// Transformer layers.
-    #[arg(long, value_name = "N")]
+    #[arg(allow_negative_numbers = true, long, value_name = "N")]
     pub layers: Option<usize>,
     /// KV heads (with --head-dim), for GQA models.
-    #[arg(long, value_name = "N", requires = "head_dim")]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "N",
+        requires = "head_dim"
+    )]
     pub kv_heads: Option<usize>,
     /// Head dimension (with --kv-heads).
-    #[arg(long, value_name = "N", requires = "kv_heads")]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "N",
+        requires = "kv_heads"
+    )]
     pub head_dim: Option<usize>,
     /// Hidden size, for models without GQA (KV width = hidden).
-    #[arg(long, value_name = "N", conflicts_with_all = ["kv_heads", "head_dim"])]
+    #[arg(allow_negative_numbers = true, long, value_name = "N", conflicts_with_all = ["kv_heads", "head_dim"])]
     pub hidden: Option<usize>,
     /// KV cache element type: f16, bf16, f32 or q8.
     #[arg(long, value_name = "DTYPE", default_value = "f16")]
@@ -417,13 +467,18 @@ pub struct PlanCliArgs {
     pub memory: String,
     /// Context length of one full request in tokens (default with --model: the model's trained
     /// context; required with an explicit shape).
-    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    #[arg(allow_negative_numbers = true, long, value_name = "N", value_parser = at_least_one)]
     pub max_context: Option<usize>,
     /// Tokens per block.
-    #[arg(long, value_name = "N", default_value_t = 16, value_parser = at_least_one)]
+    #[arg(allow_negative_numbers = true, long, value_name = "N", default_value_t = 16, value_parser = at_least_one)]
     pub block_size: usize,
     /// Safety margin kept free (fraction of the memory).
-    #[arg(long, value_name = "F", default_value_t = 0.15)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "F",
+        default_value_t = 0.15
+    )]
     pub margin: f64,
     /// Print JSON.
     #[arg(long)]
@@ -439,7 +494,12 @@ pub struct SynthModelArgs {
     #[arg(long, value_name = "DTYPE", default_value = "q4_0")]
     pub dtype: SynthDtype,
     /// Seed of the random weights (same seed, same file).
-    #[arg(long, value_name = "S", default_value_t = 0)]
+    #[arg(
+        allow_negative_numbers = true,
+        long,
+        value_name = "S",
+        default_value_t = 0
+    )]
     pub seed: u64,
     /// The GGUF file to write.
     #[arg(value_name = "OUT.gguf")]
@@ -488,7 +548,7 @@ pub struct TopArgs {
     #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
     /// Refresh interval in seconds (at most 3600).
-    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = parse_interval)]
+    #[arg(allow_negative_numbers = true, long, value_name = "SECS", default_value_t = 1.0, value_parser = parse_interval)]
     pub interval: f64,
     /// Render once and exit (for scripts).
     #[arg(long)]

@@ -699,3 +699,40 @@ fn tokenize_names_the_model_file_in_its_errors() {
     );
     std::fs::remove_dir_all(&home).ok();
 }
+
+/// A negative number is read as the flag's value and judged as one (QA: `--margin -0.1` and
+/// `--seed -1` were "unexpected argument '-0' found").
+#[test]
+fn negative_numbers_are_values_named_in_the_error() {
+    let home = scratch_dir("negative-values");
+    let plan = one_error_line(&run(
+        &[
+            "plan",
+            "--memory",
+            "1GiB",
+            "--layers",
+            "2",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "64",
+            "--margin",
+            "-0.1",
+        ],
+        &home,
+    ));
+    assert!(
+        plan.contains("--margin must be in [0, 1), got -0.1"),
+        "{plan}"
+    );
+    let out = home.join("x.gguf").display().to_string();
+    let synth = one_error_line(&run(
+        &["synth-model", "--shape", "tiny", "--seed", "-1", &out],
+        &home,
+    ));
+    assert!(
+        synth.starts_with("kvgate: error: invalid value '-1' for '--seed"),
+        "{synth}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}
