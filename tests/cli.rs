@@ -555,7 +555,7 @@ fn argument_errors_are_one_line_and_help_is_unchanged() {
     let home = scratch_dir("clap-one-line");
     for (args, needle) in [
         (&["serve", "--device", "tpu"][..], "'--device <DEVICE>'"),
-        (&["generate", "--temperature", "-1", "hi"], "'-1'"),
+        (&["generate", "--seed", "-1", "hi"], "'-1'"),
         (&["serve", "--engine-queue", "4294967295"], "--engine-queue"),
         (&["top", "--once", "--interval", "1e20"], "at most 3600"),
         (&["generate"], "<PROMPT>"),
