@@ -195,6 +195,11 @@ pub(super) struct Dispatcher {
     /// Per pool (indexed by [`PoolId`]): the prefix-cache generation and time of the last
     /// re-estimate of queued entries' expected blocks (see [`Dispatcher::refresh_estimates`]).
     estimated_at: Vec<Option<(u64, Instant)>>,
+    /// Per tenant, when the latest `concurrency_saturated` refusal was told to come back plus
+    /// one slot interval: the next refusal is told no sooner, so a refused burst does not
+    /// retry at one instant into the same full slots (QA: 15 refusals all said 6 s). One
+    /// entry per tenant ever refused so, which the policy bounds.
+    retry_horizon: HashMap<String, Instant>,
     /// Steps run so far (tests wait for the upkeep task's).
     #[cfg(test)]
     pub steps: u64,
@@ -257,6 +262,7 @@ impl Dispatcher {
             keys: HashMap::new(),
             queued_output: HashMap::new(),
             estimated_at: vec![None; usable_len],
+            retry_horizon: HashMap::new(),
             #[cfg(test)]
             steps: 0,
             upkeep_wake: None,
@@ -533,7 +539,8 @@ impl Dispatcher {
         if let Some(late) = estimate.filter(too_late) {
             let needed_blocks = pending.needed_blocks;
             drop(pending.debit);
-            let rejection = self.saturated(&tenant, needed_blocks, ahead.requests, late);
+            let sizes = (needed_blocks, pending.ticket.max_output_tokens as u64);
+            let rejection = self.saturated(&tenant, sizes, ahead.requests, late);
             return self.reject(pending.reply, rejection, &tenant);
         }
         let now = pending.enqueued_at.into_std();
@@ -706,7 +713,8 @@ impl Dispatcher {
                     count_abandoned(&tenant);
                     continue;
                 }
-                let rejection = self.saturated(&ticket.tenant, needed_blocks, ahead.requests, late);
+                let sizes = (needed_blocks, ticket.max_output_tokens as u64);
+                let rejection = self.saturated(&ticket.tenant, sizes, ahead.requests, late);
                 self.reject(reply, rejection, &ticket.tenant);
             }
         }
@@ -756,17 +764,21 @@ impl Dispatcher {
     }
 
     /// The refusal of a request that cannot start before its deadline, naming the limit that
-    /// binds; `queued_ahead`: the tenant's requests queued before it.
+    /// binds; `queued_ahead`: the tenant's requests queued before it, `max_output_tokens` its
+    /// own (what its slot interval is sized by).
     fn saturated(
-        &self,
+        &mut self,
         tenant: &TenantPolicy,
-        needed_blocks: usize,
+        (needed_blocks, max_output_tokens): (usize, u64),
         queued_ahead: usize,
         late: Forecast,
     ) -> Rejection {
         let headers = self.limits.headers(tenant);
         let (tenant_name, estimated_wait) = (tenant.name.clone(), late.wait);
-        let retry_after = clamp_retry_after(estimated_wait);
+        let mut retry_after = clamp_retry_after(estimated_wait);
+        if late.bottleneck == Bottleneck::Concurrency {
+            retry_after = clamp_retry_after(self.staggered_retry(tenant, max_output_tokens, late));
+        }
         match late.bottleneck {
             Bottleneck::Kv => Rejection::KvSaturated {
                 tenant: tenant_name,
@@ -784,6 +796,30 @@ impl Dispatcher {
                 headers,
             },
         }
+    }
+
+    /// When a request refused for its tenant's slots should come back: when its forecast says
+    /// its turn would have come, but no sooner than one slot interval (its hold time ÷ the
+    /// tenant's cap) after the previous such refusal's time, so a refused burst comes back
+    /// spread at the pace the slots free up.
+    fn staggered_retry(
+        &mut self,
+        tenant: &TenantPolicy,
+        max_output_tokens: u64,
+        late: Forecast,
+    ) -> Duration {
+        let now = Instant::now();
+        let mut retry_at = now + late.wait;
+        if let Some(hold) = self.ledger.hold_for(&tenant.name, max_output_tokens) {
+            let interval = hold / u32::try_from(tenant.max_concurrency.max(1)).unwrap_or(u32::MAX);
+            let horizon = self
+                .retry_horizon
+                .entry(tenant.name.clone())
+                .or_insert(retry_at);
+            retry_at = retry_at.max(*horizon);
+            *horizon = retry_at + interval;
+        }
+        retry_at.saturating_duration_since(now)
     }
 
     /// Starts queued requests while slots and KV blocks allow.

@@ -358,6 +358,14 @@ impl Ledger {
         Some(Duration::from_secs_f64(seconds.clamp(0.0, 1e6)))
     }
 
+    /// How long a request of `tenant` with this max_tokens is expected to hold its slot
+    /// ([`Ledger::slot_wait`]'s h); `None` before any of the tenant's requests has finished.
+    pub fn hold_for(&self, tenant: &str, max_output_tokens: u64) -> Option<Duration> {
+        let per_token = *self.in_flight.lock().hold_per_token.get(tenant)?;
+        let seconds = per_token * hold_tokens(max_output_tokens);
+        Some(Duration::from_secs_f64(seconds.clamp(0.0, 1e6)))
+    }
+
     pub fn record_drained(&self, pool: PoolId, tokens: u64, now: Instant) {
         self.drain
             .lock()

@@ -1832,6 +1832,22 @@ async fn a_queue_held_back_by_the_tenants_concurrency_cap_is_refused_as_such() {
     );
     assert!(rejection.message().contains("at most 2 at once"));
     assert!(pool.snapshot().reserved_blocks <= 6, "KV was never short");
+    // The next refusal of the burst has the same forecast but is told to come back one slot
+    // interval later (4 s hold ÷ 2 slots), and the one after that another interval on: the
+    // refused burst retries at the pace slots free up, not all at once.
+    for expected in [14, 16] {
+        match admission.admit(ticket(&store, "a", 16, 16)).await {
+            Err(Rejection::ConcurrencySaturated {
+                estimated_wait,
+                retry_after,
+                ..
+            }) => {
+                assert_eq!(estimated_wait, Duration::from_secs(12));
+                assert_eq!(retry_after, Duration::from_secs(expected));
+            }
+            other => panic!("expected ConcurrencySaturated, got {other:?}"),
+        }
+    }
 
     // A reload lowers the cap to 1: one slot every 4 s, so only the first two queued start
     // within their 10 s; the re-forecast refuses the other two now, youngest first.
