@@ -59,7 +59,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvgate_runtime::block_pool::{BlockPool, Reservation};
+use kvgate_runtime::block_pool::{BlockPool, Occupancy, Reservation};
 use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
@@ -524,7 +524,7 @@ impl Dispatcher {
         let forecast = |this: &Self, now: Instant| {
             let own_blocks = this.backlog[pool.0].of(&tenant.name) + pending.needed_blocks;
             let ahead = (ahead, pending.needed_blocks);
-            this.forecast(pool, &tenant, own_blocks, ahead, now)
+            this.forecast(pool, (&tenant, tenant.weight), own_blocks, ahead, now)
         };
         let too_late = |f: &Forecast| f.wait > max_wait.mul_f64(ENQUEUE_FORECAST_MARGIN);
         let now = Instant::now();
@@ -680,10 +680,8 @@ impl Dispatcher {
                 let needed_blocks = entry.payload.needed_blocks;
                 let forecast = |this: &Self| {
                     let own_blocks = this.backlog[pool.0].of(&tenant);
-                    let kv = this.kv_wait(pool, &tenant, weight, own_blocks);
-                    let slot = this.slot_wait(&policy, ahead, now);
-                    let held = this.held_by_slots(pool, &policy, needed_blocks);
-                    Forecast::binding(kv, slot, held)
+                    let ahead = (ahead, needed_blocks);
+                    this.forecast(pool, (&policy, weight), own_blocks, ahead, now)
                 };
                 let Some(mut late) = forecast(self) else {
                     break;
@@ -775,16 +773,12 @@ impl Dispatcher {
     ) -> Rejection {
         let headers = self.limits.headers(tenant);
         let (tenant_name, estimated_wait) = (tenant.name.clone(), late.wait);
-        let mut retry_after = clamp_retry_after(estimated_wait);
-        if late.bottleneck == Bottleneck::Concurrency {
-            retry_after = clamp_retry_after(self.staggered_retry(tenant, max_output_tokens, late));
-        }
         match late.bottleneck {
             Bottleneck::Kv => Rejection::KvSaturated {
                 tenant: tenant_name,
                 needed_blocks,
                 estimated_wait,
-                retry_after,
+                retry_after: clamp_retry_after(estimated_wait),
                 headers,
             },
             Bottleneck::Concurrency => Rejection::ConcurrencySaturated {
@@ -792,7 +786,11 @@ impl Dispatcher {
                 max_concurrency: u32::try_from(tenant.max_concurrency).unwrap_or(u32::MAX),
                 queued_ahead: u32::try_from(queued_ahead).unwrap_or(u32::MAX),
                 estimated_wait,
-                retry_after,
+                retry_after: clamp_retry_after(self.staggered_retry(
+                    tenant,
+                    max_output_tokens,
+                    late,
+                )),
                 headers,
             },
         }
@@ -942,18 +940,23 @@ impl Dispatcher {
     /// before it, in `pool` with `own_blocks` of the tenant's queued blocks up to and including
     /// it (and `needed_blocks` its own): the
     /// longer of what KV ([`Dispatcher::kv_wait`]) and the tenant's concurrency cap
-    /// ([`Dispatcher::slot_wait`]) make it wait, and which of the two that is. `None` while
+    /// ([`Ledger::slot_wait`]) make it wait, and which of the two that is. `None` while
     /// neither can be forecast.
+    /// `weight` is the tenant's weight in the fair queue (the queue's own, for a queued entry).
     fn forecast(
         &self,
         pool: PoolId,
-        tenant: &TenantPolicy,
+        (tenant, weight): (&TenantPolicy, NonZeroU32),
         own_blocks: usize,
         (ahead, needed_blocks): (QueuedAhead, usize),
         now: Instant,
     ) -> Option<Forecast> {
-        let kv = self.kv_wait(pool, &tenant.name, tenant.weight, own_blocks);
-        let slot = self.slot_wait(tenant, ahead, now);
+        let kv = self.kv_wait(pool, &tenant.name, weight, own_blocks);
+        // The fair queue serves a tenant's own requests oldest first, so only its own queue is
+        // ahead of it for its own slots.
+        let slot = self
+            .ledger
+            .slot_wait(&tenant.name, tenant.max_concurrency, ahead, now);
         let held = self.held_by_slots(pool, tenant, needed_blocks);
         Forecast::binding(kv, slot, held)
     }
@@ -963,19 +966,6 @@ impl Dispatcher {
     fn held_by_slots(&self, pool: PoolId, tenant: &TenantPolicy, needed_blocks: usize) -> bool {
         let running = self.ledger.in_flight().running(&tenant.name);
         running >= tenant.max_concurrency && self.available_blocks(pool) >= needed_blocks
-    }
-
-    /// How long a queued request of `tenant` with `ahead` before it waits for one of the
-    /// tenant's concurrency slots ([`Ledger::slot_wait`]). The fair queue serves a tenant's
-    /// own requests oldest first, so only its own queue is ahead of it for its own slots.
-    fn slot_wait(
-        &self,
-        tenant: &TenantPolicy,
-        ahead: QueuedAhead,
-        now: Instant,
-    ) -> Option<Duration> {
-        self.ledger
-            .slot_wait(&tenant.name, tenant.max_concurrency, ahead, now)
     }
 
     /// The tenant's queued requests, less `own` (the max_tokens of a queued request being
@@ -1008,7 +998,7 @@ impl Dispatcher {
         own_blocks: usize,
     ) -> Option<Duration> {
         let occupancy = self.pools.get(pool.0)?.snapshot();
-        let available = self.available_blocks(pool);
+        let available = self.available_in(pool, &occupancy);
         let backlog = &self.backlog[pool.0];
         let mut demand = own_blocks;
         if backlog.blocks > backlog.of(tenant) {
@@ -1031,10 +1021,13 @@ impl Dispatcher {
 
     /// The blocks of `pool` a request could reserve now: free, and under the watermark.
     fn available_blocks(&self, pool: PoolId) -> usize {
-        let Some(block_pool) = self.pools.get(pool.0) else {
-            return 0;
-        };
-        let occupancy = block_pool.snapshot();
+        self.pools.get(pool.0).map_or(0, |block_pool| {
+            self.available_in(pool, &block_pool.snapshot())
+        })
+    }
+
+    /// [`Dispatcher::available_blocks`] of `pool` at `occupancy`.
+    fn available_in(&self, pool: PoolId, occupancy: &Occupancy) -> usize {
         let policy = self.store.current();
         let limit = watermark_limit(self.usable_blocks(pool), policy.kv.high_watermark);
         let committed = occupancy.used_blocks + occupancy.reserved_blocks;

@@ -56,6 +56,11 @@ fn hold_tokens(max_output_tokens: u64) -> f64 {
     max_output_tokens.saturating_add(HOLD_OVERHEAD_TOKENS) as f64
 }
 
+/// Seconds a request with this max_tokens is expected to hold its slot, at `per_token`.
+fn expected_hold(per_token: f64, max_output_tokens: u64) -> f64 {
+    per_token * hold_tokens(max_output_tokens)
+}
+
 /// Reads how fast the engine serves (see [`ServiceTime`]); `None` while it cannot say.
 pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<ServiceTime> + Send + Sync>;
 
@@ -247,10 +252,11 @@ impl Ledger {
         {
             let mut in_flight = self.in_flight.lock();
             if let Some(running) = in_flight.per_tenant.get_mut(tenant) {
-                // Its own start instant; any one if it is not there (it always is).
-                let at = running
-                    .iter()
-                    .position(|held| held.started_at == slot.started_at);
+                // Its own entry (start and size); any one if it is not there (it always is).
+                let at = running.iter().position(|held| {
+                    held.started_at == slot.started_at
+                        && held.max_output_tokens == footprint.output_tokens
+                });
                 if let Some(index) = at.or(running.len().checked_sub(1)) {
                     running.swap_remove(index);
                 }
@@ -327,7 +333,6 @@ impl Ledger {
             return Some(Duration::ZERO);
         }
         let per_token = *in_flight.hold_per_token.get(tenant)?;
-        let hold_of = |max_output_tokens: u64| per_token * hold_tokens(max_output_tokens);
         // Mean hold of the requests ahead (they hold the free slots and later rounds).
         let mean_ahead = match ahead.requests {
             0 => 0.0,
@@ -347,7 +352,7 @@ impl Ledger {
                 .iter()
                 .map(|h| {
                     let ran = now.saturating_duration_since(h.started_at).as_secs_f64();
-                    (hold_of(h.max_output_tokens) - ran).max(0.0)
+                    (expected_hold(per_token, h.max_output_tokens) - ran).max(0.0)
                 })
                 .collect();
             *remaining.select_nth_unstable_by(slot, f64::total_cmp).1
@@ -362,7 +367,7 @@ impl Ledger {
     /// ([`Ledger::slot_wait`]'s h); `None` before any of the tenant's requests has finished.
     pub fn hold_for(&self, tenant: &str, max_output_tokens: u64) -> Option<Duration> {
         let per_token = *self.in_flight.lock().hold_per_token.get(tenant)?;
-        let seconds = per_token * hold_tokens(max_output_tokens);
+        let seconds = expected_hold(per_token, max_output_tokens);
         Some(Duration::from_secs_f64(seconds.clamp(0.0, 1e6)))
     }
 

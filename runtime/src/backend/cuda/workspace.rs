@@ -45,9 +45,17 @@ impl WorkspaceShape {
             .checked_add(tables)
     }
 
-    /// Bytes of each buffer, in [`DeviceWorkspace`] field order; `None` where a size overflows
-    /// (a `--max-batched-tokens` or `--max-num-seqs` far beyond any device).
+    /// Bytes of each buffer, in [`DeviceWorkspace`] field order; `None` where a size or their
+    /// sum overflows (a `--max-batched-tokens` or `--max-num-seqs` far beyond any device).
     fn sizes(&self, c: &ModelConfig) -> Option<[usize; 15]> {
+        let sizes = self.buffer_sizes(c)?;
+        sizes
+            .iter()
+            .try_fold(0usize, |acc, &bytes| acc.checked_add(bytes))?;
+        Some(sizes)
+    }
+
+    fn buffer_sizes(&self, c: &ModelConfig) -> Option<[usize; 15]> {
         let (t, s) = (self.max_tokens, self.max_seqs);
         let (d, kvd, ff) = (c.hidden_size, c.kv_dim(), c.ffn_size);
         // Every size is a product of these factors (4: f32 and i32 bytes).
@@ -76,12 +84,10 @@ impl WorkspaceShape {
         ])
     }
 
-    /// Total device bytes of the workspace.
     /// Device bytes of all the buffers; `None` where that overflows.
     pub fn bytes(&self, config: &ModelConfig) -> Option<usize> {
-        self.sizes(config)?
-            .iter()
-            .try_fold(0usize, |acc, &bytes| acc.checked_add(bytes))
+        // `sizes` checked that the sum fits.
+        Some(self.sizes(config)?.iter().sum())
     }
 }
 
@@ -120,7 +126,6 @@ impl DeviceWorkspace {
         let shape = WorkspaceShape::new(config, options);
         let sizes = shape
             .sizes(config)
-            .filter(|_| shape.bytes(config).is_some())
             .ok_or_else(|| BackendError::OutOfMemory(overflow_message(options)))?;
         let mut bufs = Vec::with_capacity(sizes.len());
         for &bytes in &sizes {
