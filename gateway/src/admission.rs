@@ -215,10 +215,12 @@ impl Admission {
         let pool = self.pools.read().get(ticket.pool.0).cloned();
         let Some(pool) = pool else {
             // Tickets only name pools that `pool_id` returned: this is a wiring bug.
-            tracing::error!(
-                pool = ticket.pool.0,
-                "admission ticket names an unknown pool"
-            );
+            crate::request_log::in_request_span(|| {
+                tracing::error!(
+                    pool = ticket.pool.0,
+                    "admission ticket names an unknown pool"
+                )
+            });
             return Err(Rejection::Unavailable);
         };
         let occupancy = pool.snapshot();
@@ -331,7 +333,9 @@ impl Admission {
             Some(shared) => shared.record_store_error(&tenant.name, behaviour.as_str(), error),
             None => {
                 crate::metrics::record_shared_store_error(&tenant.name, behaviour.as_str());
-                tracing::warn!(tenant = %tenant.name, error, "no shared rate-limit store");
+                crate::request_log::in_request_span(
+                    || tracing::warn!(tenant = %tenant.name, error, "no shared rate-limit store"),
+                );
             }
         }
         match behaviour {

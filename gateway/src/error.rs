@@ -305,13 +305,13 @@ impl GatewayError {
         }
     }
 
-    /// Logs the error with its detail (the request's span names its id), once: the tracing
-    /// layer does not log failed responses again (`stack.rs`).
+    /// Logs the error with its detail (in the request's span, which names its id), once: the
+    /// stack does not log failed responses again (`stack.rs`).
     pub fn log(&self, status: StatusCode) {
         use tracing::Level;
         let detail = self.detail().unwrap_or("");
         let code = status.as_u16();
-        match self.log_level(status) {
+        crate::request_log::in_request_span(|| match self.log_level(status) {
             Level::ERROR => tracing::error!(status = code, error = %self, detail, "request failed"),
             Level::WARN => tracing::warn!(status = code, error = %self, detail, "request shed"),
             Level::INFO => tracing::info!(status = code, error = %self, detail, "request shed"),
@@ -319,7 +319,7 @@ impl GatewayError {
                 tracing::debug!(status = code, error = %self, "not ready")
             }
             _ => tracing::debug!(status = code, error = %self, detail, "request refused"),
-        }
+        });
     }
 }
 

@@ -16,6 +16,7 @@ pub mod policy;
 pub mod queue;
 pub mod ratelimit;
 pub mod reload;
+pub mod request_log;
 pub mod server;
 pub mod shutdown;
 pub mod stack;

@@ -39,11 +39,11 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
 };
-use tower_http::trace::TraceLayer;
 
 use crate::admission::Admission;
 use crate::error::GatewayError;
 use crate::ratelimit::RateLimitHeaders;
+use crate::request_log;
 
 /// Every response carries this header; a client-supplied value is kept if it is usable (see
 /// [`is_usable_request_id`]), otherwise replaced by a fresh one.
@@ -82,14 +82,12 @@ pub fn build(router: Router, config: StackConfig, admission: Admission) -> Gatew
         .layer(SetRequestIdLayer::new(request_id.clone(), RandomRequestId))
         // 3. Copy it onto the response, including responses made by the rescue and panic layers.
         .layer(PropagateRequestIdLayer::new(request_id))
-        // 4. Tracing: one span per request, inside the id so the span can name it. Failures
-        //    are not logged here: `GatewayError::log` logs each error response once, at the
-        //    level its kind deserves (load shedding is no ERROR).
-        .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(request_span)
-                .on_failure(()),
-        )
+        // 4. The request's log context, inside the id so it can name it: every line logged
+        //    while the request is handled reads `request{method path id}: ...`, the span made
+        //    only for lines that are logged (`request_log.rs`). Failures are not logged here:
+        //    `GatewayError::log` logs each error response once, at the level its kind
+        //    deserves (load shedding is no ERROR).
+        .layer(axum::middleware::from_fn(request_log::scope))
         // 5. Rate-limit headers on every response, including those of the layers below (413,
         //    504, panics, load shedding) and of the router (401, 404, 405, probes).
         .layer(axum::middleware::from_fn_with_state(
@@ -278,15 +276,6 @@ pub fn is_usable_request_id(id: &[u8]) -> bool {
         && id
             .iter()
             .all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
-}
-
-fn request_span(request: &Request) -> tracing::Span {
-    let id = request
-        .headers()
-        .get(REQUEST_ID_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    tracing::info_span!("request", method = %request.method(), path = %request.uri().path(), id)
 }
 
 /// `req_` + 24 random alphanumerics, like OpenAI's ids.

@@ -46,6 +46,7 @@ use super::conn::UpstreamBody;
 use super::rename::{Framing, RenameModel, UsageCell};
 use crate::error::GatewayError;
 use crate::ratelimit::HEADER_NAMES as RATE_LIMIT_HEADERS;
+use crate::request_log::{RequestContext, in_span_of};
 use crate::shutdown::GraceOver;
 use crate::stack::REQUEST_ID_HEADER;
 use crate::telemetry::GenerationTelemetry;
@@ -274,6 +275,8 @@ const LOGGED_ERROR_BYTES: usize = 8 * 1024;
 fn server_error(parts: http::response::Parts, body: UpstreamBody, from: &Replica) -> Response {
     let (upstream, status, timeout) = (from.spec().name.clone(), parts.status, from.spec().timeout);
     let logged = upstream.clone();
+    // The task outlives the handler: it takes the request's log context along.
+    let request = RequestContext::current();
     tokio::spawn(async move {
         let read = tokio::time::timeout(timeout, Limited::new(body, LOGGED_ERROR_BYTES).collect());
         let text = match read.await {
@@ -281,12 +284,14 @@ fn server_error(parts: http::response::Parts, body: UpstreamBody, from: &Replica
             Ok(Err(error)) => format!("(body not read: {error})"),
             Err(_) => "(no body within the upstream's timeout)".to_owned(),
         };
-        tracing::warn!(
-            upstream = %logged,
-            status = status.as_u16(),
-            body = %text,
-            "upstream answered with a server error"
-        );
+        in_span_of(request.as_ref(), || {
+            tracing::warn!(
+                upstream = %logged,
+                status = status.as_u16(),
+                body = %text,
+                "upstream answered with a server error"
+            )
+        });
     });
     let mut response = axum::response::IntoResponse::into_response(GatewayError::UpstreamError {
         upstream,
@@ -345,6 +350,8 @@ struct Watch {
     /// Resolves when shutdown's grace period is over: an SSE stream then sends a
     /// `shutting_down` error event and ends; any other body is cut (its status is sent).
     grace: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// The request's log context: the body is polled after its handler returned, outside it.
+    request: Option<RequestContext>,
 }
 
 impl<B, G> GuardedBody<B, G> {
@@ -375,6 +382,7 @@ impl<B, G> GuardedBody<B, G> {
             blame: None,
             stall: None,
             grace: None,
+            request: RequestContext::current(),
         });
         self
     }
@@ -420,8 +428,10 @@ fn failed_frame(watch: &Watch, reason: &str, detail: String) -> Result<Frame<Byt
     if let Some(replica) = &watch.blame {
         replica.failed(reason);
     }
-    tracing::warn!(upstream, detail = %detail, sse = watch.sse,
-                   "upstream answer failed after it started");
+    in_span_of(watch.request.as_ref(), || {
+        tracing::warn!(upstream, detail = %detail, sse = watch.sse,
+                       "upstream answer failed after it started")
+    });
     if !watch.sse {
         return Err(format!("upstream {upstream}: {reason}: {detail}").into());
     }
@@ -458,8 +468,10 @@ where
             && grace.as_mut().poll(cx).is_ready()
         {
             let sse = watch.sse;
-            tracing::warn!(upstream = %watch.upstream, sse,
-                           "grace period over: ending a relayed answer");
+            in_span_of(watch.request.as_ref(), || {
+                tracing::warn!(upstream = %watch.upstream, sse,
+                               "grace period over: ending a relayed answer")
+            });
             this.finish();
             let error = GatewayError::ShuttingDown;
             return Poll::Ready(Some(if sse {
