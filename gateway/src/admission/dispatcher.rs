@@ -661,7 +661,10 @@ impl Dispatcher {
 
     /// Refuses queued requests that the forecast says cannot start before their deadline:
     /// per backlogged tenant, its youngest entry (the one with the most of its own backlog
-    /// ahead), then the next youngest while they keep failing. O(T + refused).
+    /// ahead), then the next youngest while they keep failing. O(T + refused). The refusals
+    /// are answered oldest first, so that their staggered Retry-Afters ([`Self::saturated`])
+    /// follow their places in the queue: answered youngest first, the request at the front
+    /// was told to come back last, after the whole burst, and the engine idled meanwhile.
     fn refuse_late(&mut self, now: Instant) {
         let tenants: Vec<(String, NonZeroU32)> = self
             .queue
@@ -669,6 +672,7 @@ impl Dispatcher {
             .map(|(tenant, weight)| (tenant.to_owned(), weight))
             .collect();
         for (tenant, weight) in tenants {
+            let mut refused = Vec::new();
             while let Some(entry) = self.queue.youngest(&tenant) {
                 let (id, pool) = (entry.id, entry.payload.ticket.pool);
                 let left = Instant::from_std(entry.deadline).saturating_duration_since(now);
@@ -712,8 +716,11 @@ impl Dispatcher {
                     continue;
                 }
                 let sizes = (needed_blocks, ticket.max_output_tokens as u64);
-                let rejection = self.saturated(&ticket.tenant, sizes, ahead.requests, late);
-                self.reject(reply, rejection, &ticket.tenant);
+                refused.push((reply, ticket.tenant, sizes, ahead.requests, late));
+            }
+            for (reply, policy, sizes, ahead, late) in refused.into_iter().rev() {
+                let rejection = self.saturated(&policy, sizes, ahead, late);
+                self.reject(reply, rejection, &policy);
             }
         }
     }
@@ -799,7 +806,13 @@ impl Dispatcher {
     /// When a request refused for its tenant's slots should come back: when its forecast says
     /// its turn would have come, but no sooner than one slot interval (its hold time ÷ the
     /// tenant's cap) after the previous such refusal's time, so a refused burst comes back
-    /// spread at the pace the slots free up.
+    /// spread at the pace the slots free up — and never more than the tenant's max queue wait
+    /// after its own forecast. A client back within that much of its turn waits in the queue
+    /// for it, so spreading wider only leaves the engine idle; and the spread must stay
+    /// bounded, since refusals are no promise to return: clients that retry without waiting,
+    /// or never come back, each pushed the next refusal one interval later, up to the 120 s
+    /// maximum for every refusal that followed (QA: 469 refusals in a row told 120 s while
+    /// the forecast said 2–5 s).
     fn staggered_retry(
         &mut self,
         tenant: &TenantPolicy,
@@ -807,14 +820,16 @@ impl Dispatcher {
         late: Forecast,
     ) -> Duration {
         let now = Instant::now();
-        let mut retry_at = now + late.wait;
+        let forecast_at = now + late.wait;
+        let mut retry_at = forecast_at;
         if let Some(hold) = self.ledger.hold_for(&tenant.name, max_output_tokens) {
             let interval = hold / u32::try_from(tenant.max_concurrency.max(1)).unwrap_or(u32::MAX);
+            let latest = forecast_at + self.ledger.max_queue_wait(tenant.max_queue_wait);
             let horizon = self
                 .retry_horizon
                 .entry(tenant.name.clone())
                 .or_insert(retry_at);
-            retry_at = retry_at.max(*horizon);
+            retry_at = retry_at.max((*horizon).min(latest));
             *horizon = retry_at + interval;
         }
         retry_at.saturating_duration_since(now)

@@ -1848,9 +1848,21 @@ async fn a_queue_held_back_by_the_tenants_concurrency_cap_is_refused_as_such() {
             other => panic!("expected ConcurrencySaturated, got {other:?}"),
         }
     }
+    // Clients that come straight back (or never) must not push the spread out without bound:
+    // it stops at the tenant's max queue wait past the forecast, 12 s + 10 s.
+    let mut told = Vec::new();
+    for _ in 0..8 {
+        match admission.admit(ticket(&store, "a", 16, 16)).await {
+            Err(Rejection::ConcurrencySaturated { retry_after, .. }) => {
+                told.push(retry_after.as_secs())
+            }
+            other => panic!("expected ConcurrencySaturated, got {other:?}"),
+        }
+    }
+    assert_eq!(told, [18, 20, 22, 22, 22, 22, 22, 22]);
 
     // A reload lowers the cap to 1: one slot every 4 s, so only the first two queued start
-    // within their 10 s; the re-forecast refuses the other two now, youngest first.
+    // within their 10 s; the re-forecast refuses the other two now.
     reload(&store, &policy(1));
     let mut queued_ones = queued_ones.into_iter();
     let (kept, refused): (Vec<_>, Vec<_>) = (
@@ -1875,6 +1887,82 @@ async fn a_queue_held_back_by_the_tenants_concurrency_cap_is_refused_as_such() {
         admitted.mark_started();
         drop(admitted);
     }
+}
+
+/// QA's 503 in miniature: the request holding the tenant's only slot runs far past its forecast
+/// (a long prompt; the forecast prices max_tokens). Counted as freeing its slot "any moment"
+/// for as long as it ran, the request queued behind it was forecast to start at once until
+/// its deadline, then got 503 `queue_timeout`; now the time it has run raises the forecast,
+/// and the queued request is refused with a 429 before its deadline.
+#[tokio::test(start_paused = true)]
+async fn a_request_behind_one_that_overruns_is_refused_before_its_deadline() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"2s\"\n\
+                  [kv]\nhigh_watermark = 1.0\n";
+    let (admission, _pool, store) = setup(1000, policy);
+    let mut first = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+    first.mark_started();
+    tokio::time::advance(Duration::from_millis(400)).await;
+    first.record_completion(16);
+    drop(first);
+    // Forecast to hold its slot 0.4 s, like the first; it will run much longer.
+    let mut overrunning = admission
+        .admit(ticket(&store, "a", 1800, 16))
+        .await
+        .unwrap();
+    overrunning.mark_started();
+    let start = tokio::time::Instant::now();
+    let queued_one = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 1).await;
+    match queued_one.await.unwrap() {
+        Err(Rejection::ConcurrencySaturated { retry_after, .. }) => {
+            let waited = start.elapsed();
+            assert!(
+                waited < Duration::from_secs(2),
+                "refused before its deadline, after {waited:?}"
+            );
+            assert!(retry_after >= Duration::from_millis(500), "{retry_after:?}");
+        }
+        other => panic!("expected ConcurrencySaturated, got {other:?}"),
+    }
+    drop(overrunning);
+}
+
+/// Requests a re-forecast refuses together are told to come back in their queue order, each
+/// at its own turn: answered youngest first, the front of the queue was told to come back
+/// after the whole burst (QA: 16 refused at once, the one with 1 ahead told 51 s, the one with
+/// 16 ahead 27 s, and the engine idle for 25 s).
+#[tokio::test(start_paused = true)]
+async fn requests_refused_together_come_back_in_their_queue_order() {
+    let policy = |wait: &str| {
+        format!(
+            "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"{wait}\"\n[kv]\nhigh_watermark = 1.0\n"
+        )
+    };
+    let (admission, _pool, store) = setup_reloadable(1000, &policy("10s"));
+    let mut first = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+    first.mark_started();
+    tokio::time::advance(Duration::from_secs(4)).await;
+    first.record_completion(16);
+    drop(first);
+    let mut running = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+    running.mark_started();
+    // Their turns come in 4 s and 8 s, within 10 s; a reload cuts the wait to 3 s.
+    let queued_ones: Vec<_> = (0..2)
+        .map(|_| spawn_admit(&admission, ticket(&store, "a", 16, 16)))
+        .collect();
+    until(|| queued(&admission) == 2).await;
+    reload(&store, &policy("3s"));
+    let mut told = Vec::new();
+    for handle in queued_ones {
+        match handle.await.unwrap() {
+            Err(Rejection::ConcurrencySaturated { retry_after, .. }) => {
+                told.push(retry_after.as_secs())
+            }
+            other => panic!("expected ConcurrencySaturated, got {other:?}"),
+        }
+    }
+    assert_eq!(told, [4, 8], "each at its turn, the older first");
+    drop(running);
 }
 
 /// Before any request of the tenant has finished there is no slot forecast, and the KV
