@@ -9,10 +9,15 @@
 //! ```sh
 //! cargo run --release --example bare_proxy -- 127.0.0.1:9102 127.0.0.1:9100 [WORKER_THREADS]
 //! ```
+//!
+//! `BARE_PROXY_SPIN_US=IN:OUT` makes it busy-wait IN µs before forwarding each request and OUT
+//! µs after its answer's head arrives: the floor made to spend a given CPU time per request,
+//! to see how a proxy's latency tail grows with its work (`scripts/bench-proxy-tail.sh`).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
@@ -46,7 +51,46 @@ fn parse_addr(text: Option<String>, what: &str) -> SocketAddr {
     }
 }
 
+/// Busy-wait before forwarding and after the answer's head ([`spin_from_env`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Spin {
+    before: Duration,
+    after: Duration,
+}
+
+/// Set once in `main`.
+static SPIN: OnceLock<Spin> = OnceLock::new();
+
+/// `BARE_PROXY_SPIN_US=IN:OUT`, or no spin.
+fn spin_from_env() -> Spin {
+    let Ok(text) = std::env::var("BARE_PROXY_SPIN_US") else {
+        return Spin::default();
+    };
+    let parsed = text
+        .split_once(':')
+        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+    match parsed {
+        Some((before, after)) => Spin {
+            before: Duration::from_micros(before),
+            after: Duration::from_micros(after),
+        },
+        None => {
+            eprintln!("bare_proxy: BARE_PROXY_SPIN_US must be IN:OUT in microseconds, e.g. 20:20");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// Spends `time` on this thread's CPU (a stand-in for a gateway's own work per request).
+fn busy_wait(time: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < time {
+        std::hint::spin_loop();
+    }
+}
+
 fn main() {
+    SPIN.get_or_init(spin_from_env);
     let mut args = std::env::args().skip(1);
     let listen = parse_addr(args.next(), "LISTEN");
     let upstream = parse_addr(args.next(), "UPSTREAM");
@@ -122,6 +166,8 @@ async fn relay(
     let (mut parts, body) = request.into_parts();
     let body = body.collect().await?.to_bytes();
     parts.headers.remove(hyper::header::HOST);
+    let spin = SPIN.get().copied().unwrap_or_default();
+    busy_wait(spin.before);
     let mut slot = sender.lock().await;
     if slot.as_ref().is_none_or(|open| open.is_closed()) {
         let stream = TcpStream::connect(upstream).await?;
@@ -138,5 +184,6 @@ async fn relay(
     let response = open
         .send_request(Request::from_parts(parts, Full::new(body)))
         .await?;
+    busy_wait(spin.after);
     Ok(response.map(BodyExt::boxed))
 }

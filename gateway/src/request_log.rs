@@ -5,10 +5,11 @@
 //! the `info` filter `serve` runs under, that span is enabled, so every request paid for it
 //! whether it logged anything or not — its fields formatted into a string, a slot in the
 //! subscriber's registry, and an enter and exit on every poll of the handler and of the
-//! response body. In front of a fast upstream that was about 8 µs of the ~110 µs a relayed
-//! request costs the gateway at 300 requests/s (BENCHMARKS.md, "Proxy overhead"), and almost
-//! no request logs a line. So [`scope`] keeps only what the span would name (cheap clones of
-//! the method, the URI and the id header) in a task-local, and [`in_request_span`] builds the
+//! response body — and almost no request logs a line. In front of a fast upstream that was
+//! about 4 µs of the ~83 µs of CPU a relayed request costs the gateway at one connection
+//! (BENCHMARKS.md, "Proxy overhead": a few percent, within the spread of single runs). So
+//! [`scope`] keeps only what the span would name (cheap clones of the method, the URI and the
+//! request id) in a task-local, and [`in_request_span`] builds the
 //! span around the one line that needs it: the line reads as before.
 //!
 //! When any directive enables `debug` (`RUST_LOG=debug`, or `kvgate_gateway::upstream=debug`),
