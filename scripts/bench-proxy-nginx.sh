@@ -1,4 +1,20 @@
-# Sourced by the proxy benchmarks (scripts/bench-proxy-vs-nginx.sh, scripts/bench-proxy-cpu.sh):
+# Sourced by the proxy benchmarks (scripts/bench-proxy-vs-nginx.sh, scripts/bench-proxy-cpu.sh,
+# scripts/bench-proxy-tail.sh).
+#
+# bench_workdir PREFIX makes the run's scratch folder $WORK (readable by nginx's workers) and an
+# empty PIDS array; on exit every pid in PIDS is killed and $WORK removed.
+bench_workdir() {
+  WORK="$(mktemp -d "/tmp/$1.XXXXXX")"
+  chmod 755 "$WORK" # nginx's workers run as an unprivileged user
+  PIDS=()
+  trap bench_cleanup EXIT
+}
+bench_cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+
 # start_nginx DIR WORKERS PORT STUB_PORT writes DIR/nginx.conf — Debian's nginx as a plain
 # reverse proxy, HTTP/1.1 keep-alive to the stub, access log off — and starts nginx on it in
 # the background (its master's pid in DIR/nginx.pid; $! is the master). DIR must be readable

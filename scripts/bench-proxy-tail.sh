@@ -36,21 +36,13 @@ for tool in nginx oha curl python3 "$BIN/examples/stub_upstream" "$BIN/examples/
   command -v "$tool" >/dev/null || { echo "bench-proxy-tail: $tool is missing" >&2; exit 1; }
 done
 
-WORK="$(mktemp -d /tmp/bench-proxy-tail.XXXXXX)"
-chmod 755 "$WORK" # nginx's workers run as an unprivileged user
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+. scripts/bench-proxy-nginx.sh
+bench_workdir bench-proxy-tail
 
 declare -A PORT=([direct]="$STUB_PORT" [nginx]="$NGINX_PORT")
 NAMES="direct nginx"
 "$BIN/examples/stub_upstream" "127.0.0.1:$STUB_PORT" 1 >"$WORK/stub.log" 2>&1 &
 PIDS+=($!)
-. scripts/bench-proxy-nginx.sh
 start_nginx "$WORK/nginx" auto "$NGINX_PORT" "$STUB_PORT"
 PIDS+=($!)
 

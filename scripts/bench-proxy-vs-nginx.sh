@@ -58,15 +58,8 @@ else
 fi
 "$BIN/kvgate" fetch-model >/dev/null
 
-WORK="$(mktemp -d /tmp/bench-proxy.XXXXXX)"
-chmod 755 "$WORK" # nginx's workers run as an unprivileged user
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+. scripts/bench-proxy-nginx.sh
+bench_workdir bench-proxy
 
 wait_for() { # URL: until it answers 2xx, at most 60 s
   for _ in $(seq 600); do
@@ -83,7 +76,6 @@ PIDS+=($!)
 wait_for "http://127.0.0.1:$STUB_PORT/health"
 
 # --- nginx: a plain reverse proxy, as its docs set one up for HTTP/1.1 keep-alive upstreams.
-. scripts/bench-proxy-nginx.sh
 start_nginx "$WORK/nginx" auto "$NGINX_PORT" "$STUB_PORT"
 PIDS+=($!)
 wait_for "http://127.0.0.1:$NGINX_PORT/health"
