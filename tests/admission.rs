@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{
-    LONG_ANSWER, Options, Reply, TenantSpec, TestServer, chat, hold_slot, policy, queued,
-    wait_until,
+    LONG_ANSWER, Options, Reply, TenantSpec, TestServer, chat, hold_slot, one_tenant_policy,
+    policy, queued, wait_until,
 };
 use hyper::StatusCode;
 
@@ -41,15 +41,7 @@ fn assert_retry_after(reply: &Reply) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_wrong_or_malformed_keys_get_401() {
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra: "",
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", "")).await;
     let client = server.client();
     for key in [None, Some("sk-wrong"), Some("")] {
         let reply = client.post(CHAT, key, &chat("hi", 1)).await;
@@ -66,15 +58,7 @@ async fn missing_wrong_or_malformed_keys_get_401() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn length_limits_give_400_context_length_exceeded_with_both_numbers() {
     let extra = "max_input_tokens = 40\nmax_total_tokens = 60\nmax_output_tokens = 50";
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra,
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", extra)).await;
     let client = server.client();
     let long = "word ".repeat(60);
     let reply = client.post(CHAT, Some("sk-a"), &chat(&long, 5)).await;
@@ -101,15 +85,7 @@ async fn length_limits_give_400_context_length_exceeded_with_both_numbers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_rate_limit_gives_429_with_retry_after_and_ratelimit_headers() {
     let extra = "requests_per_minute = 2";
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra,
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", extra)).await;
     let client = server.client();
     for _ in 0..2 {
         let ok = client.post(CHAT, Some("sk-a"), &chat("hi", 1)).await;
@@ -130,15 +106,7 @@ async fn request_rate_limit_gives_429_with_retry_after_and_ratelimit_headers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_rate_limit_and_never_fitting_quota() {
     let extra = "tokens_per_minute = 200";
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra,
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", extra)).await;
     let client = server.client();
     // Bigger than the whole bucket: can never pass, and says so.
     let never = client.post(CHAT, Some("sk-a"), &chat("hi", 250)).await;
@@ -166,15 +134,7 @@ async fn token_rate_limit_and_never_fitting_quota() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_concurrency_and_queue_give_429_queue_full() {
     let extra = "max_concurrency = 1\nqueue_depth = 1";
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra,
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", extra)).await;
     let client = server.client();
     let running = hold_slot(&client, "sk-a", 300).await;
     let queued_request = tokio::spawn({
@@ -198,15 +158,7 @@ async fn full_concurrency_and_queue_give_429_queue_full() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_past_max_queue_wait_gives_503_with_retry_after() {
     let extra = "max_concurrency = 1\nqueue_depth = 4\nmax_queue_wait = \"300ms\"";
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra,
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", extra)).await;
     let client = server.client();
     let running = hold_slot(&client, "sk-a", 300).await;
     let timed_out = client.post(CHAT, Some("sk-a"), &chat("hi", 1)).await;
@@ -227,18 +179,7 @@ async fn kv_saturation_gives_429_and_oversized_requests_400() {
     };
     let extra = "max_input_tokens = 400\nmax_output_tokens = 700\nmax_total_tokens = 1100\n\
                  max_queue_wait = \"100ms\"";
-    let server = TestServer::start_with(
-        &policy(
-            &[TenantSpec {
-                name: "a",
-                key: "sk-a",
-                extra,
-            }],
-            "",
-        ),
-        options,
-    )
-    .await;
+    let server = TestServer::start_with(&one_tenant_policy("a", "sk-a", extra), options).await;
     let client = server.client();
 
     // Never fits: ~30 prompt + 700 > 43 blocks.
@@ -288,15 +229,7 @@ async fn a_tenant_at_its_concurrency_cap_gets_429_concurrency_saturated_at_once(
     // tokens on this prompt; the pool of 512 blocks holds 8,192 tokens).
     let extra = "max_concurrency = 1\nmax_queue_wait = \"2s\"\n\
                  max_output_tokens = 1900\nmax_total_tokens = 2000";
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra,
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", extra)).await;
     let client = server.client();
     let in_flight = |server: &TestServer| {
         let rows = server.admission.queue_snapshot();

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::client::{raw_connect, read_to_close};
-use common::{MODEL, Options, TenantSpec, TestServer, chat, policy};
+use common::{MODEL, Options, TestServer, chat, one_tenant_policy};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -14,14 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const KEY: &str = "sk-api-test";
 
 fn one_tenant() -> String {
-    policy(
-        &[TenantSpec {
-            name: "alpha",
-            key: KEY,
-            extra: "",
-        }],
-        "",
-    )
+    one_tenant_policy("alpha", KEY, "")
 }
 
 fn assert_openai_error(reply: &common::Reply, status: u16, code: &str) {
@@ -474,15 +467,7 @@ fn header_value(pairs: &[(String, String)], name: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_response_carries_the_rate_limit_headers() {
     // Defaults: 100 requests and 50000 tokens per minute; alpha overrides the request rate.
-    let text = policy(
-        &[TenantSpec {
-            name: "alpha",
-            key: KEY,
-            extra: "requests_per_minute = 60",
-        }],
-        "",
-    )
-    .replacen(
+    let text = one_tenant_policy("alpha", KEY, "requests_per_minute = 60").replacen(
         "[defaults]\n",
         "[defaults]\nrequests_per_minute = 100\ntokens_per_minute = 50000\n",
         1,

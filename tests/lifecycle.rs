@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use common::client::{raw_connect, raw_post};
 use common::process::{scratch_dir, serve};
-use common::{LONG_ANSWER, TenantSpec, TestServer, chat, hold_slot, policy, queued, wait_until};
+use common::{
+    LONG_ANSWER, TenantSpec, TestServer, chat, hold_slot, one_tenant_policy, policy, queued,
+    wait_until,
+};
 use hyper::StatusCode;
 
 const CHAT: &str = "/v1/chat/completions";
@@ -17,15 +20,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnecting_a_stream_returns_kv_to_baseline() {
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra: "",
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", "")).await;
     let baseline = server.kv();
     assert_eq!(baseline.used_blocks + baseline.reserved_blocks, 0);
     let stream = hold_slot(&server.client(), "sk-a", 250).await;
@@ -44,15 +39,7 @@ async fn disconnecting_a_stream_returns_kv_to_baseline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnecting_a_non_streamed_request_cancels_it() {
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra: "",
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", "")).await;
     let body = chat(LONG_ANSWER, 250).to_string();
     let connection = raw_connect(server.addr, &raw_post(CHAT, "sk-a", &body)).await;
     wait_until("the request runs", WAIT, || server.kv().used_blocks > 0).await;
@@ -67,15 +54,7 @@ async fn disconnecting_a_non_streamed_request_cancels_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnecting_while_queued_leaves_the_queue() {
     let extra = "max_concurrency = 1";
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra,
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", extra)).await;
     let running = hold_slot(&server.client(), "sk-a", 300).await;
     let body = chat("hi", 1).to_string();
     let waiting = raw_connect(server.addr, &raw_post(CHAT, "sk-a", &body)).await;
@@ -91,15 +70,7 @@ async fn disconnecting_while_queued_leaves_the_queue() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_reload_applies_good_files_and_keeps_the_old_on_bad_ones() {
-    let server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra: "",
-        }],
-        "",
-    ))
-    .await;
+    let server = TestServer::start(&one_tenant_policy("a", "sk-a", "")).await;
     let client = server.client();
     assert_eq!(
         client
@@ -150,15 +121,7 @@ async fn policy_reload_applies_good_files_and_keeps_the_old_on_bad_ones() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_finishes_in_flight_requests() {
-    let mut server = TestServer::start(&policy(
-        &[TenantSpec {
-            name: "a",
-            key: "sk-a",
-            extra: "",
-        }],
-        "",
-    ))
-    .await;
+    let mut server = TestServer::start(&one_tenant_policy("a", "sk-a", "")).await;
     let client = server.client();
     // Long enough that the second request starts while the first still streams, on a fast
     // machine too (both must be running at once).
@@ -310,18 +273,7 @@ async fn the_end_of_the_grace_period_answers_what_is_still_running_or_queued() {
 async fn shutdown_fails_readiness_first_and_keeps_serving_through_the_pre_drain() {
     let mut options = common::Options::default();
     options.serve.pre_drain = Duration::from_secs(4);
-    let mut server = TestServer::start_with(
-        &policy(
-            &[TenantSpec {
-                name: "a",
-                key: "sk-a",
-                extra: "",
-            }],
-            "",
-        ),
-        options,
-    )
-    .await;
+    let mut server = TestServer::start_with(&one_tenant_policy("a", "sk-a", ""), options).await;
     let client = server.client();
     assert_eq!(client.get("/readyz", None).await.status, StatusCode::OK);
 

@@ -279,18 +279,16 @@ pub fn policy(tenants: &[TenantSpec<'_>], tail: &str) -> String {
     text
 }
 
+/// [`policy`] with one tenant.
+pub fn one_tenant_policy(name: &str, key: &str, extra: &str) -> String {
+    policy(&[TenantSpec { name, key, extra }], "")
+}
+
 /// A server (with its own embedded model) whose one tenant `alpha` (key `key`) has
 /// `tenant_extra` limits, proxying these `--upstream` values (tests/upstream.rs,
 /// tests/scaleout.rs).
 pub async fn proxy_gateway(key: &str, upstreams: &[String], tenant_extra: &str) -> TestServer {
-    let text = policy(
-        &[TenantSpec {
-            name: "alpha",
-            key,
-            extra: tenant_extra,
-        }],
-        "",
-    );
+    let text = one_tenant_policy("alpha", key, tenant_extra);
     let options = Options {
         upstreams: upstreams
             .iter()
