@@ -54,63 +54,73 @@ struct Validator {
 pub async fn chat_completions(
     State(state): State<AppState>,
     RequestId(request_id): RequestId,
-    TenantIntake {
-        tenant,
-        credential,
-        permit,
-        request: cell,
-    }: TenantIntake,
+    intake: TenantIntake,
     body: Result<OpenAiBody<ChatCompletionRequest>, GatewayError>,
 ) -> Response {
-    let arrived = Instant::now();
-    let count = RequestCount::new(&tenant.name, "chat");
-    let outcome = match body {
-        Ok(OpenAiBody { request, raw }) => {
-            let upstream = state.upstream(&request.model);
-            let engine = engine_for(upstream.as_ref());
-            let validate = Validator {
-                run: Box::new(move |limits, codec, model| {
-                    validate_chat(&request, model, limits, codec, engine)
-                }),
-                body_bytes: raw.len(),
-            };
-            run(
-                &state,
-                &tenant,
-                (permit, cell, credential),
-                (request_id, arrived),
-                upstream.as_ref(),
-                validate,
-                raw,
-            )
-            .await
-        }
-        Err(error) => Err(error),
-    };
-    respond(count, &tenant, outcome)
+    generation(state, request_id, intake, body).await
 }
 
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<AppState>,
     RequestId(request_id): RequestId,
+    intake: TenantIntake,
+    body: Result<OpenAiBody<CompletionRequest>, GatewayError>,
+) -> Response {
+    generation(state, request_id, intake, body).await
+}
+
+/// Validates a parsed body for the model it will be served under (`validate.rs`).
+type ValidateBody<B> =
+    fn(&B, &str, &Limits, &dyn PromptCodec, Engine) -> Result<ValidRequest, ValidationError>;
+
+/// What the two endpoints differ in: the body, the route label of their metrics, and the
+/// validation of the body.
+trait GenerationBody: Send + Sized + 'static {
+    /// The `route` label of `kvgate_requests_total` and the other per-route series.
+    const ROUTE: &'static str;
+    const VALIDATE: ValidateBody<Self>;
+    fn model(&self) -> &str;
+}
+
+impl GenerationBody for ChatCompletionRequest {
+    const ROUTE: &'static str = "chat";
+    const VALIDATE: ValidateBody<Self> = validate_chat;
+    fn model(&self) -> &str {
+        &self.model
+    }
+}
+
+impl GenerationBody for CompletionRequest {
+    const ROUTE: &'static str = "completions";
+    const VALIDATE: ValidateBody<Self> = validate_completion;
+    fn model(&self) -> &str {
+        &self.model
+    }
+}
+
+/// Either endpoint: counts the request under its route, and runs it (a parse error is
+/// answered as it is).
+async fn generation<B: GenerationBody>(
+    state: AppState,
+    request_id: String,
     TenantIntake {
         tenant,
         credential,
         permit,
         request: cell,
     }: TenantIntake,
-    body: Result<OpenAiBody<CompletionRequest>, GatewayError>,
+    body: Result<OpenAiBody<B>, GatewayError>,
 ) -> Response {
     let arrived = Instant::now();
-    let count = RequestCount::new(&tenant.name, "completions");
+    let count = RequestCount::new(&tenant.name, B::ROUTE);
     let outcome = match body {
         Ok(OpenAiBody { request, raw }) => {
-            let upstream = state.upstream(&request.model);
+            let upstream = state.upstream(request.model());
             let engine = engine_for(upstream.as_ref());
             let validate = Validator {
                 run: Box::new(move |limits, codec, model| {
-                    validate_completion(&request, model, limits, codec, engine)
+                    B::VALIDATE(&request, model, limits, codec, engine)
                 }),
                 body_bytes: raw.len(),
             };
