@@ -98,6 +98,16 @@ async fn admitted(handle: JoinHandle<Result<Admitted, Rejection>>) -> Admitted {
     }
 }
 
+/// Teaches tenant `a` its slot hold time: one request of 16 prompt and 16 output tokens that
+/// runs for `runs` (on tokio's paused clock).
+async fn teach_hold_time(admission: &Admission, store: &PolicyStore, runs: Duration) {
+    let mut first = admission.admit(ticket(store, "a", 16, 16)).await.unwrap();
+    first.mark_started();
+    tokio::time::advance(runs).await;
+    first.record_completion(16);
+    drop(first);
+}
+
 #[tokio::test(start_paused = true)]
 async fn admits_at_once_and_the_guard_owns_the_reservation() {
     let (admission, pool, store) = setup(100, "[tenants.a]\n");
@@ -1786,12 +1796,7 @@ async fn a_queue_held_back_by_the_tenants_concurrency_cap_is_refused_as_such() {
         )
     };
     let (admission, pool, store) = setup_reloadable(1000, &policy(2));
-    // Teach the tenant's hold time: a request that runs 4 s.
-    let mut first = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
-    first.mark_started();
-    tokio::time::advance(Duration::from_secs(4)).await;
-    first.record_completion(16);
-    drop(first);
+    teach_hold_time(&admission, &store, Duration::from_secs(4)).await;
 
     let mut running = Vec::new();
     for _ in 0..2 {
@@ -1899,11 +1904,7 @@ async fn a_request_behind_one_that_overruns_is_refused_before_its_deadline() {
     let policy = "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"2s\"\n\
                   [kv]\nhigh_watermark = 1.0\n";
     let (admission, _pool, store) = setup(1000, policy);
-    let mut first = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
-    first.mark_started();
-    tokio::time::advance(Duration::from_millis(400)).await;
-    first.record_completion(16);
-    drop(first);
+    teach_hold_time(&admission, &store, Duration::from_millis(400)).await;
     // Forecast to hold its slot 0.4 s, like the first; it will run much longer.
     let mut overrunning = admission
         .admit(ticket(&store, "a", 1800, 16))
@@ -1939,11 +1940,7 @@ async fn requests_refused_together_come_back_in_their_queue_order() {
         )
     };
     let (admission, _pool, store) = setup_reloadable(1000, &policy("10s"));
-    let mut first = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
-    first.mark_started();
-    tokio::time::advance(Duration::from_secs(4)).await;
-    first.record_completion(16);
-    drop(first);
+    teach_hold_time(&admission, &store, Duration::from_secs(4)).await;
     let mut running = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
     running.mark_started();
     // Their turns come in 4 s and 8 s, within 10 s; a reload cuts the wait to 3 s.
