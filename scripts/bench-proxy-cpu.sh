@@ -41,10 +41,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
+. scripts/bench-proxy-nginx.sh
 "$STUB" 127.0.0.1:19100 1 >"$WORK/stub.log" 2>&1 &
 start() { # NAME BINARY PORT
-  "$2" serve --listen "127.0.0.1:$3" --kv-memory 64MiB --pre-drain 0s --policy scripts/bench-proxy-policy.toml \
-    --upstream "stub=http://127.0.0.1:19100,capacity=100000000" >"$WORK/$1.log" 2>&1 &
+  start_kvgate_proxy "$2" "$3" 19100 "$WORK/$1.log"
   echo $! >"$WORK/$1.pid"
 }
 start new "$NEW" 19102
@@ -56,7 +56,6 @@ if [ "$FLOOR" = 1 ]; then
     command -v "$tool" >/dev/null || { echo "bench-proxy-cpu: $tool is missing (FLOOR=1)" >&2; exit 1; }
   done
   chmod 755 "$WORK" # nginx's worker runs as an unprivileged user
-  . scripts/bench-proxy-nginx.sh
   start_nginx "$WORK/nginx" 1 19104 19100
   "$BARE" 127.0.0.1:19105 127.0.0.1:19100 1 >"$WORK/hyp1.log" 2>&1 &
   echo $! >"$WORK/hyp1.pid"

@@ -15,6 +15,18 @@ bench_cleanup() {
   rm -rf "$WORK"
 }
 
+# start_kvgate_proxy BINARY PORT STUB_PORT LOG [ARG...] starts `BINARY serve` in the background
+# ($! is its pid) as every proxy benchmark runs kvgate: one anonymous tenant whose limits never
+# bind (scripts/bench-proxy-policy.toml), the stub as model `stub` with a capacity no run can
+# fill, no pre-drain; ARGs are added to its command line.
+start_kvgate_proxy() {
+  local binary="$1" port="$2" stub_port="$3" log="$4"
+  shift 4
+  "$binary" serve --listen "127.0.0.1:$port" --kv-memory 64MiB --pre-drain 0s \
+    --policy scripts/bench-proxy-policy.toml \
+    --upstream "stub=http://127.0.0.1:$stub_port,capacity=100000000" "$@" >"$log" 2>&1 &
+}
+
 # start_nginx DIR WORKERS PORT STUB_PORT writes DIR/nginx.conf — Debian's nginx as a plain
 # reverse proxy, HTTP/1.1 keep-alive to the stub, access log off — and starts nginx on it in
 # the background (its master's pid in DIR/nginx.pid; $! is the master). DIR must be readable

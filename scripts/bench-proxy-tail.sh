@@ -62,10 +62,7 @@ for spec in "$@"; do
       rest="${kind#kvgate:}" binary="${rest%%:*}" args=""
       [ "$rest" != "$binary" ] && args="${rest#*:}"
       # shellcheck disable=SC2086 # ARGs split on purpose
-      "$binary" serve --listen "127.0.0.1:$port" --kv-memory 64MiB --pre-drain 0s \
-        --policy scripts/bench-proxy-policy.toml \
-        --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" ${args//,/ } \
-        >"$WORK/$name.log" 2>&1 &
+      start_kvgate_proxy "$binary" "$port" "$STUB_PORT" "$WORK/$name.log" ${args//,/ }
       ;;
     *) echo "bench-proxy-tail: unknown target $spec" >&2; exit 2 ;;
   esac

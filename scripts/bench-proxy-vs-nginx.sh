@@ -85,12 +85,9 @@ wait_for "http://127.0.0.1:$NGINX_PORT/health"
 PIDS+=($!)
 wait_for "http://127.0.0.1:$HYPER_PORT/health"
 
-# --- kvgate: one anonymous tenant whose limits never bind (scripts/bench-proxy-policy.toml), the
-# stub as model `stub` with a capacity no run can fill. The `before` build, when given, the same.
+# --- kvgate (start_kvgate_proxy). The `before` build, when given, the same.
 start_kvgate() { # NAME BINARY PORT
-  "$2" serve --listen "127.0.0.1:$3" --kv-memory 64MiB --pre-drain 0s \
-    --policy scripts/bench-proxy-policy.toml \
-    --upstream "stub=http://127.0.0.1:$STUB_PORT,capacity=100000000" >"$WORK/$1.log" 2>&1 &
+  start_kvgate_proxy "$2" "$3" "$STUB_PORT" "$WORK/$1.log"
   PIDS+=($!)
   wait_for "http://127.0.0.1:$3/healthz"
 }
