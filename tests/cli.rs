@@ -57,7 +57,6 @@ async fn serve_runs_from_any_directory_on_the_built_in_policy_with_plain_piped_l
         log.iter().all(|line| !line.contains('\u{1b}')),
         "no ANSI escapes in a piped log: {log:#?}"
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -136,7 +135,6 @@ fn model_path_mistakes_are_one_line_naming_what_was_expected_and_found() {
         &home,
     ));
     assert!(plan.contains("found nothing at that path"), "{plan}");
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -149,7 +147,6 @@ fn a_missing_policy_file_says_so_and_how_to_pass_one() {
          (examples: policies/ in the repository), or leave out --policy to use the built-in \
          default"
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -163,7 +160,6 @@ fn listen_takes_ip_port_or_host_port_and_explains_anything_else() {
         !stderr.contains("invalid socket address syntax"),
         "{stderr}"
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,7 +195,6 @@ async fn http_workers_sets_the_threads_serving_http_and_refuses_zero() {
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
     let (status, _) = server.stop();
     assert!(status.success(), "exit after SIGTERM: {status}");
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -236,7 +231,6 @@ fn an_invalid_policy_is_one_line_with_its_location() {
         line.starts_with(&format!("kvgate: error: {file}:1:16: `unknown_keys`: ")),
         "{line}"
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -265,7 +259,6 @@ fn an_upstreams_file_is_checked_with_locations_and_summarised() {
         line.starts_with(&format!("kvgate: error: {path}:3:7: `replica.url`: ")),
         "{line}"
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -309,7 +302,6 @@ fn run_with_stdout(args: &[&str], stdout: std::process::Stdio) -> (Option<i32>, 
         .stdout(stdout)
         .output()
         .unwrap();
-    std::fs::remove_dir_all(&home).ok();
     (
         output.status.code(),
         String::from_utf8_lossy(&output.stderr).to_string(),
@@ -411,7 +403,6 @@ fn a_kv_budget_over_the_hosts_memory_is_refused_before_it_is_allocated() {
         "refused at startup: {:?}",
         started.elapsed()
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -439,7 +430,6 @@ fn plan_with_a_model_and_no_max_context_uses_the_models_trained_context() {
         &home,
     ));
     assert!(line.contains("--max-context is required"), "{line}");
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -490,7 +480,6 @@ fn zero_counts_are_refused_naming_the_flag_never_clamped() {
             "{args:?}: {stderr}"
         );
     }
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -538,7 +527,6 @@ fn plan_sizes_that_overflow_are_one_line_naming_the_value() {
         line.starts_with("kvgate: error: --memory 1GiB is smaller than one KV block"),
         "{line}"
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 /// Runs `kvgate ARGS` in `home` and returns its one stderr line, checking the exit code.
@@ -566,7 +554,6 @@ fn argument_errors_are_one_line_and_help_is_unchanged() {
     let help = run(&["serve", "--help"], &home);
     assert_eq!(help.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&help.stdout).lines().count() > 10);
-    std::fs::remove_dir_all(&home).ok();
 }
 
 /// A tiny synthetic model written into `home`.
@@ -622,7 +609,6 @@ fn step_budgets_too_large_for_memory_are_refused_before_allocating() {
             && line.ends_with("lower --kv-memory or --max-batched-tokens"),
         "{line}"
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -670,7 +656,6 @@ fn outputs_that_are_not_regular_files_are_refused_and_left_as_they_were() {
     // An input that is not a regular file is refused, not read without end.
     let line = one_line_with_code(&["quantize", "/dev/zero", "out.gguf"], &home, 1);
     assert_eq!(line, "kvgate: error: /dev/zero: not a regular file");
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]
@@ -697,7 +682,6 @@ fn tokenize_names_the_model_file_in_its_errors() {
             "kvgate: error: loading {path}: tokenizer: GGUF file has no `tokenizer.ggml.model`"
         )
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 /// A negative number is read as the flag's value and judged as one (QA: `--margin -0.1` and
@@ -734,5 +718,4 @@ fn negative_numbers_are_values_named_in_the_error() {
         synth.starts_with("kvgate: error: invalid value '-1' for '--seed"),
         "{synth}"
     );
-    std::fs::remove_dir_all(&home).ok();
 }

@@ -128,7 +128,6 @@ async fn the_readme_run_command_curl_top_and_plan_examples_work_on_a_live_server
 
     let (status, _) = server.stop();
     assert!(status.success(), "{status}");
-    std::fs::remove_dir_all(&home).ok();
 }
 
 #[test]

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::process::{Served, scratch_dir, serve};
+use common::process::{Served, scratch_dir, serve, serve_in_scratch};
 use common::{LONG_ANSWER, MODEL, TestServer, chat, proxy_gateway, wait_until};
 use http_body_util::Full;
 use hyper::server::conn::http1;
@@ -74,9 +74,9 @@ async fn ask_with(gateway: &TestServer, body: Value) {
 /// `kvgate serve` on `listen` with the built-in policy (an anonymous tenant: the gateway sends
 /// no key).
 fn engine_node(listen: &str) -> Served {
-    serve(
+    serve_in_scratch(
+        "scaleout-node",
         &["--listen", listen, "--kv-memory", "64MiB"],
-        &scratch_dir("scaleout-node"),
     )
 }
 
@@ -596,7 +596,6 @@ async fn the_served_binary_reloads_its_upstreams_file_and_keeps_it_on_a_bad_edit
                 && line.contains("upstreams.toml:3:7")),
         "{log:#?}"
     );
-    std::fs::remove_dir_all(&home).ok();
 }
 
 // === Capacity gauges ===
@@ -811,7 +810,6 @@ async fn a_reload_adds_a_routable_model_and_removes_one_while_its_stream_finishe
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
     assert_eq!(plain.completions(), 1);
     let _ = server.stop();
-    std::fs::remove_dir_all(&home).ok();
 }
 
 /// Polls `read` every 100 ms until `done` holds for what it read; panics after 30 s.

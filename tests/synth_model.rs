@@ -2,8 +2,10 @@
 //! generate from it) works, the same seed writes the same file, and bad arguments get one
 //! clear error line.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::{Command, Output};
+
+use tempfile::TempDir;
 
 fn kvgate(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvgate"))
@@ -12,10 +14,12 @@ fn kvgate(args: &[&str]) -> Output {
         .expect("the kvgate binary runs")
 }
 
-fn temp_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvgate-synth-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+/// A fresh dir for a test's model files, removed with them when the guard drops.
+fn temp_dir() -> TempDir {
+    tempfile::Builder::new()
+        .prefix("kvgate-synth-cli-")
+        .tempdir()
+        .expect("temp dir")
 }
 
 /// The README's command: `kvgate synth-model --shape tiny --dtype q4_1 --seed 1 OUT`.
@@ -35,7 +39,7 @@ fn synth_tiny_seed_1(out: &str) -> Output {
 #[test]
 fn readme_example_writes_a_tiny_model_and_generates_from_it() {
     let dir = temp_dir();
-    let model = dir.join("tiny.gguf");
+    let model = dir.path().join("tiny.gguf");
     let model = model.to_str().expect("utf-8 temp path");
     let out = synth_tiny_seed_1(model);
     assert!(
@@ -67,7 +71,7 @@ fn readme_example_writes_a_tiny_model_and_generates_from_it() {
         "random weights still generate tokens"
     );
 
-    let again = dir.join("again.gguf");
+    let again = dir.path().join("again.gguf");
     let again = again.to_str().expect("utf-8 temp path");
     let out = synth_tiny_seed_1(again);
     assert!(out.status.success());
@@ -108,9 +112,10 @@ fn patch<const N: usize>(bytes: &mut [u8], marker: &str, skip: usize, value: [u8
     bytes[at..at + N].copy_from_slice(&value);
 }
 
-/// `kvgate generate` on `bytes` (written to `name`): fails with one line containing `expected`.
-fn generate_refuses(name: &str, bytes: &[u8], expected: &str) {
-    let path = temp_dir().join(name);
+/// `kvgate generate` on `bytes` (written to `name` in `dir`): fails with one line containing
+/// `expected`.
+fn generate_refuses(dir: &Path, name: &str, bytes: &[u8], expected: &str) {
+    let path = dir.join(name);
     std::fs::write(&path, bytes).expect("write patched model");
     let path = path.to_str().expect("utf-8 temp path");
     let out = kvgate(&[
@@ -138,7 +143,7 @@ fn generate_refuses(name: &str, bytes: &[u8], expected: &str) {
 #[test]
 fn malformed_model_files_are_refused_with_one_line_naming_the_cause() {
     let dir = temp_dir();
-    let model = dir.join("tiny-malformed-base.gguf");
+    let model = dir.path().join("tiny-malformed-base.gguf");
     let out = synth_tiny_seed_1(model.to_str().expect("utf-8 temp path"));
     assert!(out.status.success());
     let good = std::fs::read(&model).expect("read model");
@@ -155,6 +160,7 @@ fn malformed_model_files_are_refused_with_one_line_naming_the_cause() {
         3u64.to_le_bytes(),
     );
     generate_refuses(
+        dir.path(),
         "misaligned.gguf",
         &bytes,
         "tensor `token_embd.weight` starts at data offset 3, which is not a multiple of the alignment 32",
@@ -171,6 +177,7 @@ fn malformed_model_files_are_refused_with_one_line_naming_the_cause() {
             bos.to_le_bytes(),
         );
         generate_refuses(
+            dir.path(),
             &format!("bos-{bos}.gguf"),
             &bytes,
             &format!(
@@ -186,6 +193,7 @@ fn malformed_model_files_are_refused_with_one_line_naming_the_cause() {
         vocab.to_le_bytes(),
     );
     generate_refuses(
+        dir.path(),
         "eos.gguf",
         &bytes,
         &format!(

@@ -208,7 +208,7 @@ mod tests {
     #[test]
     fn a_bad_file_keeps_the_old_policy_and_in_flight_arcs_are_untouched() {
         let dir = tempdir();
-        let path = dir.join("policy.toml");
+        let path = dir.path().join("policy.toml");
         std::fs::write(&path, GOOD).unwrap();
         let store = PolicyStore::load(&path).unwrap();
         let held_by_a_request = store.current().tenant("a").unwrap();
@@ -236,14 +236,14 @@ mod tests {
     #[tokio::test]
     async fn file_changes_trigger_a_reload() {
         let dir = tempdir();
-        let path = dir.join("policy.toml");
+        let path = dir.path().join("policy.toml");
         std::fs::write(&path, GOOD).unwrap();
         let store = PolicyStore::load(&path).unwrap();
         let mut updates = store.subscribe();
         let _watcher = store.watch().unwrap();
 
         // Replace by rename, as editors do.
-        let staged = dir.join("policy.toml.new");
+        let staged = dir.path().join("policy.toml.new");
         std::fs::write(&staged, BETTER).unwrap();
         std::fs::rename(&staged, &path).unwrap();
         // Generous bound so a broken watcher fails the test instead of hanging it.
@@ -257,7 +257,7 @@ mod tests {
     #[tokio::test]
     async fn sighup_triggers_a_reload() {
         let dir = tempdir();
-        let path = dir.join("policy.toml");
+        let path = dir.path().join("policy.toml");
         std::fs::write(&path, GOOD).unwrap();
         let store = PolicyStore::load(&path).unwrap();
         let mut updates = store.subscribe();
@@ -277,13 +277,11 @@ mod tests {
         assert_eq!(concurrency(&store), Some(7));
     }
 
-    fn tempdir() -> PathBuf {
-        use std::sync::atomic::AtomicUsize;
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("kvgate-reload-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// A fresh empty dir, removed with all in it when the guard drops (on a panic too).
+    fn tempdir() -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix("kvgate-reload-")
+            .tempdir()
+            .unwrap()
     }
 }

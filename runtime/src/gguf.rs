@@ -796,22 +796,34 @@ pub(crate) mod testutil {
             out
         }
     }
+
+    /// A new empty file `kvgate-runtime-test-XXXXXX-NAME` under the system temp dir, deleted
+    /// when the returned guard drops (on a panic too), so a test run leaves nothing behind:
+    /// keep the guard while the file is used. NAME comes last so that messages naming the file
+    /// still show it, and the random part gives every call its own file: rewriting a file that
+    /// another test has memory-mapped would crash it. Deleting a mapped file is safe on Unix
+    /// (the mapping keeps the data), so a guard may drop once the file is open.
+    pub fn temp_path(name: &str) -> tempfile::TempPath {
+        tempfile::Builder::new()
+            .prefix("kvgate-runtime-test-")
+            .suffix(&format!("-{name}"))
+            .tempfile()
+            .expect("create a temp file")
+            .into_temp_path()
+    }
+
+    /// [`temp_path`] holding `bytes`.
+    pub fn write_temp(name: &str, bytes: &[u8]) -> tempfile::TempPath {
+        let path = temp_path(name);
+        std::fs::write(&path, bytes).expect("write a temp file");
+        path
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::testutil::GgufBuilder;
+    use super::testutil::{GgufBuilder, write_temp};
     use super::*;
-    use std::io::Write;
-
-    fn write_tmp(name: &str, bytes: &[u8]) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("kvgate-gguf-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).ok();
-        let path = dir.join(name);
-        let mut f = File::create(&path).expect("create temp file");
-        f.write_all(bytes).expect("write temp file");
-        path
-    }
 
     fn sample() -> Vec<u8> {
         let f32s: Vec<u8> = (0..64).flat_map(|i| (i as f32).to_le_bytes()).collect();
@@ -826,7 +838,7 @@ mod tests {
 
     #[test]
     fn reads_metadata_and_tensors() {
-        let path = write_tmp("ok.gguf", &sample());
+        let path = write_temp("ok.gguf", &sample());
         let g = GgufFile::open(&path).expect("valid file opens");
         assert_eq!(g.get_str("general.architecture"), Some("llama"));
         assert_eq!(g.get_u64("llama.block_count"), Some(2));
@@ -846,7 +858,7 @@ mod tests {
     fn every_truncation_is_an_error_not_a_panic() {
         let bytes = sample();
         for cut in [0, 3, 4, 8, 20, 40, bytes.len() / 2, bytes.len() - 1] {
-            let path = write_tmp(&format!("cut{cut}.gguf"), &bytes[..cut]);
+            let path = write_temp(&format!("cut{cut}.gguf"), &bytes[..cut]);
             let err = GgufFile::open(&path).expect_err("truncated file must not open");
             let msg = err.to_string();
             assert!(
@@ -861,7 +873,7 @@ mod tests {
         let bytes = GgufBuilder::new()
             .tensor("blk.0.attn_q.weight", &[256, 1], 16, vec![0; 66])
             .build();
-        let path = write_tmp("iq2.gguf", &bytes);
+        let path = write_temp("iq2.gguf", &bytes);
         let err = GgufFile::open(&path).expect_err("IQ2_XXS is not supported");
         let msg = err.to_string();
         assert!(
@@ -881,20 +893,20 @@ mod tests {
             let built = GgufBuilder::new()
                 .tensor("w", &[256, 2], id, vec![0; 2 * bytes])
                 .build();
-            let gguf = GgufFile::open(write_tmp(&format!("k{id}.gguf"), &built)).expect("opens");
+            let gguf = GgufFile::open(write_temp(&format!("k{id}.gguf"), &built)).expect("opens");
             let t = gguf.tensor("w").expect("tensor");
             assert_eq!((t.ty, gguf.tensor_data(t).len()), (ty, 2 * bytes));
             // Three rows claimed, two stored: the extent check must use the K block size.
             let short = GgufBuilder::new()
                 .tensor("w", &[256, 3], id, vec![0; 2 * bytes])
                 .build();
-            assert!(GgufFile::open(write_tmp(&format!("ks{id}.gguf"), &short)).is_err());
+            assert!(GgufFile::open(write_temp(&format!("ks{id}.gguf"), &short)).is_err());
         }
     }
 
     #[test]
     fn wrong_magic_and_version_are_named() {
-        let path = write_tmp("magic.gguf", b"GGML\x03\0\0\0");
+        let path = write_temp("magic.gguf", b"GGML\x03\0\0\0");
         let err = GgufFile::open(&path).expect_err("GGML is not GGUF");
         assert!(matches!(err, GgufError::BadMagic { .. }));
         assert!(
@@ -904,7 +916,7 @@ mod tests {
         );
         let mut bytes = sample();
         bytes[4] = 9;
-        let path = write_tmp("ver.gguf", &bytes);
+        let path = write_temp("ver.gguf", &bytes);
         assert!(matches!(
             GgufFile::open(&path),
             Err(GgufError::UnsupportedVersion { version: 9, .. })
@@ -919,11 +931,11 @@ mod tests {
                 .tensor("token_embd.weight", &[8, 2], 0, f32s(16))
         };
         // Aligned (a at 0, token_embd.weight at 32) opens; at 3 or 16 it does not.
-        GgufFile::open(write_tmp("aligned.gguf", &two(GgufBuilder::new()).build()))
+        GgufFile::open(write_temp("aligned.gguf", &two(GgufBuilder::new()).build()))
             .expect("aligned offsets open");
         for offset in [3u64, 16] {
             let bytes = two(GgufBuilder::new()).offset_of(1, offset).build();
-            let path = write_tmp(&format!("misaligned{offset}.gguf"), &bytes);
+            let path = write_temp(&format!("misaligned{offset}.gguf"), &bytes);
             let err = GgufFile::open(&path).expect_err("misaligned offset is refused");
             let msg = err.to_string();
             assert!(
@@ -939,16 +951,16 @@ mod tests {
         let bytes = two(GgufBuilder::new().u32("general.alignment", 16))
             .offset_of(1, 16)
             .build();
-        GgufFile::open(write_tmp("align16.gguf", &bytes)).expect("16 is a multiple of 16");
+        GgufFile::open(write_temp("align16.gguf", &bytes)).expect("16 is a multiple of 16");
         // An alignment that is not a power of two is refused, not replaced by 32.
         let bytes = two(GgufBuilder::new().u32("general.alignment", 24)).build();
-        let err = GgufFile::open(write_tmp("align24.gguf", &bytes)).expect_err("24 refused");
+        let err = GgufFile::open(write_temp("align24.gguf", &bytes)).expect_err("24 refused");
         assert!(err.to_string().contains("general.alignment is 24"), "{err}");
     }
 
     /// The error text of opening `bytes` written as `name`.
     fn open_error(name: &str, bytes: &[u8]) -> String {
-        let err = GgufFile::open(write_tmp(name, bytes)).expect_err(name);
+        let err = GgufFile::open(write_temp(name, bytes)).expect_err(name);
         let msg = err.to_string();
         assert!(!msg.contains('\n'), "{msg}");
         msg
@@ -987,7 +999,7 @@ mod tests {
         let four = GgufBuilder::new()
             .tensor("w", &[8, 1, 1, 1], 0, vec![0; 32])
             .build();
-        GgufFile::open(write_tmp("dims4.gguf", &four)).expect("4 dimensions open");
+        GgufFile::open(write_temp("dims4.gguf", &four)).expect("4 dimensions open");
     }
 
     #[test]
@@ -1017,7 +1029,7 @@ mod tests {
             .u64("general.alignment", 32)
             .tensor("w", &[8], 0, f32s.clone())
             .build();
-        let gguf = GgufFile::open(write_tmp("align-u64.gguf", &bytes)).expect("u64 32 opens");
+        let gguf = GgufFile::open(write_temp("align-u64.gguf", &bytes)).expect("u64 32 opens");
         assert_eq!(gguf.alignment, 32);
         assert_eq!(
             alignment_of(Some(&MetaValue::U64(64))),

@@ -69,12 +69,12 @@ fn create_partial(out: &Path) -> io::Result<(PathBuf, File)> {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("kvgate-out-file-{name}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).expect("scratch dir");
-        dir
+    /// A fresh empty dir, removed with all in it when the guard drops (on a panic too).
+    fn scratch(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("kvgate-out-file-{name}-"))
+            .tempdir()
+            .expect("scratch dir")
     }
 
     fn entries(dir: &Path) -> Vec<String> {
@@ -88,18 +88,19 @@ mod tests {
 
     #[test]
     fn writes_the_whole_file_and_leaves_no_temporary_file() {
-        let dir = scratch("ok");
+        let tmp = scratch("ok");
+        let dir = tmp.path();
         let out = dir.join("m.gguf");
         fs::write(&out, b"old").expect("old file");
         write_via_partial(&out, |f| io::Write::write_all(f, b"new")).expect("writes");
         assert_eq!(fs::read(&out).expect("reads"), b"new");
-        assert_eq!(entries(&dir), ["m.gguf"]);
-        fs::remove_dir_all(&dir).ok();
+        assert_eq!(entries(dir), ["m.gguf"]);
     }
 
     #[test]
     fn an_output_that_is_not_a_regular_file_is_refused_and_left_alone() {
-        let dir = scratch("not-file");
+        let tmp = scratch("not-file");
+        let dir = tmp.path();
         let sub = dir.join("sub");
         fs::create_dir(&sub).expect("subdir");
         for out in [Path::new("/dev/null"), &sub] {
@@ -113,25 +114,25 @@ mod tests {
         assert!(std::os::unix::fs::FileTypeExt::is_char_device(
             &null.file_type()
         ));
-        assert_eq!(entries(&dir), ["sub"], "no temporary file left");
-        fs::remove_dir_all(&dir).ok();
+        assert_eq!(entries(dir), ["sub"], "no temporary file left");
     }
 
     #[test]
     fn a_failed_write_removes_its_temporary_file_and_keeps_the_old_output() {
-        let dir = scratch("fails");
+        let tmp = scratch("fails");
+        let dir = tmp.path();
         let out = dir.join("m.gguf");
         fs::write(&out, b"old").expect("old file");
         let err = write_via_partial(&out, |_| Err(io::Error::other("disk full"))).unwrap_err();
         assert_eq!(err.to_string(), "disk full");
         assert_eq!(fs::read(&out).expect("reads"), b"old");
-        assert_eq!(entries(&dir), ["m.gguf"]);
-        fs::remove_dir_all(&dir).ok();
+        assert_eq!(entries(dir), ["m.gguf"]);
     }
 
     #[test]
     fn concurrent_writers_of_one_output_use_different_temporary_files() {
-        let dir = scratch("race");
+        let tmp = scratch("race");
+        let dir = tmp.path();
         let out = dir.join("m.gguf");
         // Each writer sees only its own bytes in its temporary file, whatever the interleaving.
         std::thread::scope(|s| {
@@ -155,7 +156,6 @@ mod tests {
             bytes.iter().all(|&b| b == bytes[0]),
             "one writer's bytes only"
         );
-        assert_eq!(entries(&dir), ["m.gguf"]);
-        fs::remove_dir_all(&dir).ok();
+        assert_eq!(entries(dir), ["m.gguf"]);
     }
 }

@@ -233,10 +233,9 @@ mod tests {
 
     #[test]
     fn explicit_model_paths_are_checked_and_used_verbatim() {
-        let file = std::env::temp_dir().join(format!("kvgate-model-{}.gguf", std::process::id()));
-        std::fs::write(&file, b"GGUF").unwrap();
-        assert_eq!(resolve_model(Some(&file)).unwrap(), file);
-        std::fs::remove_file(&file).unwrap();
+        // Removed when it drops, even if an assertion fails.
+        let file = crate::gguf::testutil::write_temp("model.gguf", b"GGUF");
+        assert_eq!(resolve_model(Some(&file)).unwrap(), *file);
 
         let missing = resolve_model(Some(Path::new("/nonexistent/model.gguf")))
             .unwrap_err()

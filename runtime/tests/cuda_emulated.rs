@@ -4,8 +4,6 @@
 //! its earlier chunk from the cache, prefill next to decodes, partial last blocks, scattered
 //! block ids — comparing every logits row.
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvgate_kernels::cuda::device::{
@@ -30,13 +28,15 @@ fn tiny_model(dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
 }
 
 fn synth_model(shape: SynthShape, dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
-    let dir = std::env::temp_dir().join(format!("kvgate-cuda-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    // A file per call: tests of the same shape and type run in parallel, and two writers of
-    // one path would each write the whole file.
-    static CALLS: AtomicUsize = AtomicUsize::new(0);
-    let call = CALLS.fetch_add(1, Ordering::Relaxed);
-    let path: PathBuf = dir.join(format!("{shape}-{dtype}-{call}.gguf"));
+    // A dir per call: tests of the same shape and type run in parallel, and two writers of
+    // one path would each write the whole file. The dir goes when this returns, so a run leaves
+    // none of these files behind (the smollm2-shape one is 77 MB): the file is memory-mapped
+    // by then, and a mapping keeps a deleted file's data.
+    let dir = tempfile::Builder::new()
+        .prefix("kvgate-cuda-")
+        .tempdir()
+        .expect("temp dir");
+    let path = dir.path().join(format!("{shape}-{dtype}.gguf"));
     let spec = SynthSpec {
         shape,
         dtype,

@@ -71,6 +71,9 @@ fn real_gpu_or_skip(test: &str) -> Option<CudarcDevice> {
     None
 }
 
+/// Shared by every run on purpose (compiling the kernels takes a while), and bounded: a CUBIN's
+/// file name is a hash of its program source, options, NVRTC version and architecture, so later
+/// runs read the files of the first and only a change to one of those adds files.
 fn cubin_cache() -> PathBuf {
     std::env::temp_dir().join("kvgate-gpu-tests-cubin")
 }
@@ -85,6 +88,10 @@ fn synth(shape: SynthShape, dtype: SynthDtype) -> (Arc<GgufFile>, ModelConfig) {
     let path = match std::env::var_os(&var) {
         Some(p) => PathBuf::from(p),
         None => {
+            // Shared by every run on purpose (the larger shapes take a while to write), and
+            // bounded: one file per shape and type (the seed is fixed), which later runs reuse.
+            // `write_to` renames a complete file into place, so a concurrent test binary never
+            // opens half of one.
             let dir = std::env::temp_dir().join("kvgate-gpu-tests");
             std::fs::create_dir_all(&dir).expect("temp dir");
             let path = dir.join(format!("{}-{}.gguf", shape.name(), dtype.name()));

@@ -31,7 +31,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use common::{Part, argmax, greedy, json_ids, step};
@@ -121,20 +120,12 @@ fn backend_for(file: &serde_json::Value, dir: &std::path::Path) -> CpuBackend {
     .expect("CPU backend starts")
 }
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("kvgate-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh dir for the rebuilt files, removed with them when the guard drops.
+fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("kvgate-{name}-"))
+        .tempdir()
+        .expect("temp dir")
 }
 
 #[test]
@@ -160,10 +151,10 @@ fn fixtures_cover_every_k_quant_and_both_new_architectures() {
 fn greedy_tokens_match_llama_cpp_on_synthetic_files() {
     let fixtures = fixtures();
     let steps = fixtures["steps"].as_u64().expect("steps") as usize;
-    let dir = TempDir::new("parity-synth-greedy");
+    let dir = temp_dir("parity-synth-greedy");
     let (mut report, mut identical, mut total) = (Vec::new(), 0, 0);
     for file in fixtures["files"].as_array().expect("files") {
-        let mut be = backend_for(file, &dir.0);
+        let mut be = backend_for(file, dir.path());
         let eos = file["eos_id"].as_u64().map(|e| e as u32);
         for (n, case) in file["cases"].as_array().expect("cases").iter().enumerate() {
             let prompt = json_ids(&case["prompt_ids"]);
@@ -204,11 +195,11 @@ fn greedy_tokens_match_llama_cpp_on_synthetic_files() {
 #[test]
 fn first_step_logits_match_llama_cpp_on_synthetic_files() {
     let fixtures = fixtures();
-    let dir = TempDir::new("parity-synth-logits");
+    let dir = temp_dir("parity-synth-logits");
     let (mut report, mut failures) = (Vec::new(), Vec::new());
     let (mut exact, mut total) = (0, 0);
     for file in fixtures["files"].as_array().expect("files") {
-        let mut be = backend_for(file, &dir.0);
+        let mut be = backend_for(file, dir.path());
         for (n, case) in file["cases"].as_array().expect("cases").iter().enumerate() {
             let prompt = json_ids(&case["prompt_ids"]);
             let blocks: Vec<u32> = (0..prompt.len().div_ceil(common::BLOCK) as u32).collect();

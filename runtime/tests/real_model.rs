@@ -33,18 +33,22 @@ fn config_is_read_from_the_real_file() {
     assert!(gguf.tensor_bytes() > 90_000_000);
 }
 
-fn temp_copy(name: &str, bytes: &[u8]) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvgate-real-model-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(name);
+/// `bytes` written to `name` in `dir`.
+fn temp_copy(dir: &tempfile::TempDir, name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let path = dir.path().join(name);
     std::fs::write(&path, bytes).expect("write temp model");
     path
 }
 
 #[test]
 fn truncated_or_corrupt_files_fail_with_clear_errors() {
+    // Removed with the copies in it when the test ends (they are up to 48 MB).
+    let dir = tempfile::Builder::new()
+        .prefix("kvgate-real-model-")
+        .tempdir()
+        .expect("temp dir");
     let bytes = std::fs::read(model_path()).expect("read model");
-    let truncated = temp_copy("truncated.gguf", &bytes[..bytes.len() / 2]);
+    let truncated = temp_copy(&dir, "truncated.gguf", &bytes[..bytes.len() / 2]);
     let err = Runtime::start(&truncated, RuntimeOptions::default())
         .err()
         .expect("half a model must not load");
@@ -57,13 +61,13 @@ fn truncated_or_corrupt_files_fail_with_clear_errors() {
 
     let mut garbage = bytes[..4096].to_vec();
     garbage[..4].copy_from_slice(b"GGML");
-    let corrupt = temp_copy("corrupt.gguf", &garbage);
+    let corrupt = temp_copy(&dir, "corrupt.gguf", &garbage);
     let err = Runtime::start(&corrupt, RuntimeOptions::default())
         .err()
         .expect("bad magic must not load");
     assert!(err.to_string().contains("not a GGUF file"), "{err}");
 
-    let header_only = temp_copy("header.gguf", &bytes[..100_000]);
+    let header_only = temp_copy(&dir, "header.gguf", &bytes[..100_000]);
     let err = GgufFile::open(&header_only).expect_err("cut inside the metadata");
     assert!(err.to_string().contains("truncated"), "{err}");
 }

@@ -13,7 +13,6 @@ pub mod readme;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -113,6 +112,8 @@ pub struct TestServer {
     pub admission: Admission,
     pub upstreams: Upstreams,
     pub policy_path: PathBuf,
+    /// Removes the policy file when the server drops (on a panic too).
+    _policy_file: tempfile::TempPath,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
 }
@@ -123,7 +124,8 @@ impl TestServer {
     }
 
     pub async fn start_with(policy: &str, options: Options) -> TestServer {
-        let policy_path = write_policy(policy);
+        let policy_file = write_policy(policy);
+        let policy_path = policy_file.to_path_buf();
         let store = PolicyStore::load(&policy_path).expect("test policy is valid");
         let runtime = start_runtime(&options);
         let engine = runtime.engine.clone();
@@ -157,6 +159,7 @@ impl TestServer {
             admission,
             upstreams,
             policy_path,
+            _policy_file: policy_file,
             shutdown: Some(shutdown),
             task: Some(task),
         }
@@ -211,7 +214,6 @@ impl Drop for TestServer {
         if let Some(shutdown) = self.shutdown.take() {
             let _ = shutdown.send(());
         }
-        let _ = std::fs::remove_file(&self.policy_path);
     }
 }
 
@@ -243,10 +245,15 @@ fn start_runtime(options: &Options) -> Runtime {
     runtime
 }
 
-fn write_policy(text: &str) -> PathBuf {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let path = std::env::temp_dir().join(format!("kvgate-test-{}-{n}.toml", std::process::id()));
+/// `text` in a new file `kvgate-test-XXXXXX.toml` in the system temp dir, deleted when the
+/// returned guard drops.
+fn write_policy(text: &str) -> tempfile::TempPath {
+    let path = tempfile::Builder::new()
+        .prefix("kvgate-test-")
+        .suffix(".toml")
+        .tempfile()
+        .expect("create test policy")
+        .into_temp_path();
     std::fs::write(&path, text).expect("write test policy");
     path
 }

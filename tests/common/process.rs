@@ -6,9 +6,9 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::ops::Deref;
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
@@ -42,17 +42,33 @@ pub fn one_error_line(output: &std::process::Output) -> String {
     line.to_owned()
 }
 
-/// A fresh empty directory outside the repository (a user's home, say).
-pub fn scratch_dir(name: &str) -> PathBuf {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "kvgate-{name}-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
+/// A fresh empty directory outside the repository (a user's home, say), from [`scratch_dir`].
+/// It is removed with all in it, whatever the test and the `kvgate` processes it started wrote
+/// there, when it drops (on a panic too), so a test run leaves nothing in the temp dir: keep it
+/// as long as something uses it. Derefs to its path.
+pub struct ScratchDir(tempfile::TempDir);
+
+impl Deref for ScratchDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<Path> for ScratchDir {
+    fn as_ref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+/// A new [`ScratchDir`] named `kvgate-NAME-XXXXXX` in the system temp dir.
+pub fn scratch_dir(name: &str) -> ScratchDir {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("kvgate-{name}-"))
+        .tempdir()
+        .expect("scratch dir");
+    ScratchDir(dir)
 }
 
 /// A running `kvgate serve`.
@@ -63,6 +79,16 @@ pub struct Served {
     /// stderr lines up to and including "kvgate ready".
     pub log: Vec<String>,
     lines: Receiver<String>,
+    /// The working directory [`serve_in_scratch`] made, removed after the server is stopped.
+    home: Option<ScratchDir>,
+}
+
+/// [`serve`] in a new [`scratch_dir`] that is removed once the server is dropped.
+pub fn serve_in_scratch(name: &str, args: &[&str]) -> Served {
+    let home = scratch_dir(name);
+    let mut served = serve(args, &home);
+    served.home = Some(home);
+    served
 }
 
 /// Starts `kvgate serve ARGS` in `cwd` and waits for its "kvgate ready listen=ADDR" line.
@@ -99,6 +125,7 @@ pub fn serve(args: &[&str], cwd: &Path) -> Served {
                         addr,
                         log,
                         lines,
+                        home: None,
                     };
                 }
             }

@@ -1012,20 +1012,26 @@ async fn a_request_whose_submit_failed_is_refunded_in_full() {
     assert_eq!(pool.snapshot().reserved_blocks, 0);
 }
 
-/// A policy store backed by a real file, so tests can reload it.
-fn setup_reloadable(blocks: usize, policy: &str) -> (Admission, Arc<BlockPool>, PolicyStore) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let path =
-        std::env::temp_dir().join(format!("kvgate-admission-{}-{n}.toml", std::process::id()));
-    std::fs::write(&path, keyed(policy)).unwrap();
-    let store = PolicyStore::load(&path).unwrap();
+/// A policy store backed by a real file, so tests can reload it. The file is removed when the
+/// returned guard drops (on a panic too): keep it for the whole test.
+fn setup_reloadable(
+    blocks: usize,
+    policy: &str,
+) -> (Admission, Arc<BlockPool>, PolicyStore, tempfile::TempPath) {
+    let file = tempfile::Builder::new()
+        .prefix("kvgate-admission-")
+        .suffix(".toml")
+        .tempfile()
+        .unwrap()
+        .into_temp_path();
+    std::fs::write(&file, keyed(policy)).unwrap();
+    let store = PolicyStore::load(&file).unwrap();
     let pool = BlockPool::new(blocks, BLOCK_SIZE, 1024);
     (
         Admission::new(store.clone(), Arc::clone(&pool)),
         pool,
         store,
+        file,
     )
 }
 
@@ -1037,7 +1043,7 @@ fn reload(store: &PolicyStore, policy: &str) {
 #[tokio::test(start_paused = true)]
 async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_longer_fit() {
     let policy = "[tenants.a]\n[kv]\nhigh_watermark = 1.0\n";
-    let (admission, pool, store) = setup_reloadable(10, policy);
+    let (admission, pool, store, _policy_file) = setup_reloadable(10, policy);
     let blocker = pool.try_reserve(10).unwrap();
     let big = spawn_admit(&admission, ticket(&store, "a", 128, 0)); // 8 blocks
     let small = spawn_admit(&admission, ticket(&store, "a", 32, 0)); // 2 blocks
@@ -1065,7 +1071,7 @@ async fn a_reload_that_lowers_the_watermark_refuses_queued_requests_that_no_long
 #[tokio::test(start_paused = true)]
 async fn a_reload_refuses_the_queued_requests_of_a_removed_key_and_applies_new_limits() {
     let policy = "[tenants.a]\nmax_queue_wait = \"60s\"\n[tenants.b]\n";
-    let (admission, pool, store) = setup_reloadable(10, policy);
+    let (admission, pool, store, _policy_file) = setup_reloadable(10, policy);
     let blocker = pool.try_reserve(10).unwrap();
     let start = tokio::time::Instant::now();
     let removed = spawn_admit(&admission, ticket(&store, "b", 16, 16));
@@ -1091,7 +1097,8 @@ async fn a_reload_refuses_the_queued_requests_of_a_removed_key_and_applies_new_l
 
 #[tokio::test(start_paused = true)]
 async fn a_reload_that_rotates_or_moves_a_key_refuses_the_requests_queued_under_it() {
-    let (admission, pool, store) = setup_reloadable(10, "[tenants.a]\n[tenants.b]\n[tenants.c]\n");
+    let (admission, pool, store, _policy_file) =
+        setup_reloadable(10, "[tenants.a]\n[tenants.b]\n[tenants.c]\n");
     let blocker = pool.try_reserve(10).unwrap();
     let rotated = spawn_admit(&admission, ticket(&store, "a", 16, 16));
     let moved = spawn_admit(&admission, ticket(&store, "b", 16, 16));
@@ -1129,7 +1136,7 @@ async fn a_reload_that_rotates_or_moves_a_key_refuses_the_requests_queued_under_
 
 #[tokio::test(start_paused = true)]
 async fn a_reload_that_lowers_queue_and_length_limits_refuses_the_queued_requests_over_them() {
-    let (admission, pool, store) = setup_reloadable(10, "[tenants.a]\n");
+    let (admission, pool, store, _policy_file) = setup_reloadable(10, "[tenants.a]\n");
     let blocker = pool.try_reserve(10).unwrap();
     // Queued in this order: 32, 80, 32 and 32 tokens.
     let first = spawn_admit(&admission, ticket(&store, "a", 16, 16));
@@ -1185,7 +1192,7 @@ async fn a_reload_that_lowers_queue_and_length_limits_refuses_the_queued_request
 
 #[tokio::test(start_paused = true)]
 async fn a_reload_that_lowers_the_output_limit_refuses_the_queued_requests_over_it() {
-    let (admission, pool, store) = setup_reloadable(10, "[tenants.a]\n");
+    let (admission, pool, store, _policy_file) = setup_reloadable(10, "[tenants.a]\n");
     let blocker = pool.try_reserve(10).unwrap();
     let short = spawn_admit(&admission, ticket(&store, "a", 8, 16));
     let long = spawn_admit(&admission, ticket(&store, "a", 8, 24));
@@ -1795,7 +1802,7 @@ async fn a_queue_held_back_by_the_tenants_concurrency_cap_is_refused_as_such() {
             "[tenants.a]\nmax_concurrency = {cap}\nmax_queue_wait = \"10s\"\n[kv]\nhigh_watermark = 1.0\n"
         )
     };
-    let (admission, pool, store) = setup_reloadable(1000, &policy(2));
+    let (admission, pool, store, _policy_file) = setup_reloadable(1000, &policy(2));
     teach_hold_time(&admission, &store, Duration::from_secs(4)).await;
 
     let mut running = Vec::new();
@@ -1939,7 +1946,7 @@ async fn requests_refused_together_come_back_in_their_queue_order() {
             "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"{wait}\"\n[kv]\nhigh_watermark = 1.0\n"
         )
     };
-    let (admission, _pool, store) = setup_reloadable(1000, &policy("10s"));
+    let (admission, _pool, store, _policy_file) = setup_reloadable(1000, &policy("10s"));
     teach_hold_time(&admission, &store, Duration::from_secs(4)).await;
     let mut running = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
     running.mark_started();

@@ -340,9 +340,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_changed_file_is_reloaded_and_a_bad_one_keeps_the_running_set() {
-        let dir = std::env::temp_dir().join(format!("kvgate-upfile-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("upstreams.toml");
+        // Removed with the file when the test ends, failed or not.
+        let dir = tempfile::Builder::new()
+            .prefix("kvgate-upfile-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("upstreams.toml");
         let one = "[[replica]]\nname = \"m\"\nurl = \"http://127.0.0.1:1\"\n";
         std::fs::write(&path, one).unwrap();
         let upstreams = Upstreams::new(load_upstreams_file(&path).unwrap()).unwrap();
@@ -369,14 +372,16 @@ mod tests {
         assert!(error.contains("+other"), "{error}");
         assert_eq!(count(), 2);
         watcher.abort();
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[tokio::test]
     async fn a_reload_that_names_the_embedded_model_points_at_the_line() {
-        let dir = std::env::temp_dir().join(format!("kvgate-upfile-local-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("upstreams.toml");
+        // Removed with the file when the test ends, failed or not.
+        let dir = tempfile::Builder::new()
+            .prefix("kvgate-upfile-local-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("upstreams.toml");
         let one = "[[replica]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n";
         std::fs::write(&path, one).unwrap();
         let upstreams = Upstreams::new(load_upstreams_file(&path).unwrap()).unwrap();
@@ -402,6 +407,5 @@ mod tests {
             )
         );
         assert!(upstreams.get("embedded").is_none(), "the running set stays");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

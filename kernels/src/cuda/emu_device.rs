@@ -57,6 +57,8 @@ pub fn build_library() -> Result<PathBuf, String> {
             .map_err(|e| format!("{}: {e}", dir.join(f).display()))?
             .hash(&mut hasher);
     }
+    // Shared by every test process and run on purpose (g++ takes a while), and bounded: the
+    // name is the sources' hash, so runs reuse one library and only a source change adds one.
     let out_dir = std::env::temp_dir().join("kvgate-cuda-emu");
     std::fs::create_dir_all(&out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
     let lib = out_dir.join(format!("emu-{:016x}.so", hasher.finish()));

@@ -187,9 +187,12 @@ fn cubins_are_cached_per_architecture_and_reused() {
     let Some(nvrtc) = nvrtc_for_tests() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("kvgate-cubin-cache-{}", std::process::id()));
-    std::fs::remove_dir_all(&dir).ok();
-    let cache = CubinCache::new(&dir);
+    // Removed with its entries when the test ends, failed or not.
+    let dir = tempfile::Builder::new()
+        .prefix("kvgate-cubin-cache-")
+        .tempdir()
+        .expect("temp dir");
+    let cache = CubinCache::new(dir.path());
     let program = &PROGRAMS[0];
     let (sm80, sm90) = (nvrtc_options("sm_80"), nvrtc_options("sm_90"));
     let (first, outcome) = cache
@@ -217,7 +220,6 @@ fn cubins_are_cached_per_architecture_and_reused() {
         .get_or_compile(&nvrtc, program, &sm80)
         .expect("recompiles");
     assert_eq!((fixed, outcome), (first, CacheOutcome::Compiled));
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -417,11 +417,12 @@ fn probe_cublas(candidates: &[PathBuf]) -> Result<FoundLibrary, ProbeError> {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("kvgate-probe-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        dir
+    /// A fresh empty dir, removed with all in it when the guard drops (on a panic too).
+    fn scratch(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("kvgate-probe-{name}-"))
+            .tempdir()
+            .expect("scratch dir")
     }
 
     #[test]
@@ -455,7 +456,7 @@ mod tests {
     #[test]
     fn a_file_that_is_not_a_shared_library_is_refused_not_loaded() {
         let dir = scratch("not-elf");
-        let fake = dir.join("libcuda.so.1");
+        let fake = dir.path().join("libcuda.so.1");
         std::fs::write(&fake, b"this is not an ELF shared object\n").unwrap();
         let err = probe_driver(std::slice::from_ref(&fake)).expect_err("not a library");
         match &err {
@@ -470,7 +471,6 @@ mod tests {
             cublas,
             ProbeError::NotFound { what: "cuBLAS", .. }
         ));
-        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
@@ -513,14 +513,15 @@ mod tests {
 
     #[test]
     fn wheel_layouts_are_searched_after_the_loader_and_the_variable_replaces_both() {
-        let root = scratch("wheels");
+        let tmp = scratch("wheels");
+        let root = tmp.path();
         let cu12 = root.join("nvidia/cublas/lib");
         let cu13 = root.join("nvidia/cu13/lib");
         std::fs::create_dir_all(&cu12).unwrap();
         std::fs::create_dir_all(&cu13).unwrap();
         std::fs::write(cu12.join("libcublas.so.12"), b"").unwrap();
         std::fs::write(cu13.join("libcublas.so.13"), b"").unwrap();
-        let roots = [root.clone(), root.join("absent")];
+        let roots = [root.to_path_buf(), root.join("absent")];
         let found = CUBLAS.candidates_in(None, &roots);
         assert_eq!(
             found,
@@ -539,7 +540,6 @@ mod tests {
             DRIVER.candidates_in(None, &roots),
             vec![PathBuf::from("libcuda.so.1")]
         );
-        std::fs::remove_dir_all(&root).ok();
     }
 
     #[test]

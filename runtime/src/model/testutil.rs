@@ -2,8 +2,8 @@
 //! real 97 MB model (config parsing edge cases, backend vs. reference forward).
 
 use crate::gguf::testutil::GgufBuilder;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+/// The model tests' files are written as every GGUF test's are, removed when their guard drops.
+pub use crate::gguf::testutil::write_temp;
 
 /// Shape of the tiny model. Head dim 32 keeps every row a whole number of 32-element blocks.
 #[derive(Debug, Clone, Copy)]
@@ -125,15 +125,4 @@ pub fn with_rope_freqs(b: GgufBuilder, s: TinyShape) -> GgufBuilder {
         .map(|i| 1.0 + 7.0 * (i as f32 / (pairs - 1) as f32).powi(2))
         .collect();
     b.tensor("rope_freqs.weight", &[pairs as u64], 0, f32_bytes(&ff))
-}
-
-/// Writes `bytes` to a fresh file under the system temp dir and returns its path. Every call
-/// gets its own file: rewriting a file that another test has memory-mapped would crash it.
-pub fn write_temp(name: &str, bytes: &[u8]) -> PathBuf {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!("kvgate-model-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).ok();
-    let path = dir.join(format!("{}-{name}", NEXT.fetch_add(1, Ordering::Relaxed)));
-    std::fs::write(&path, bytes).ok();
-    path
 }

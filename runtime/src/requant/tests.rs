@@ -127,19 +127,23 @@ fn norms_file(
         .build()
 }
 
-fn scratch_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvgate-requant-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(name);
+/// `bytes` written to `name` in a fresh temp dir, where the tests also write their outputs; the
+/// dir and all in it are removed when the returned guard drops (keep it while the files are used).
+fn scratch_file(name: &str, bytes: &[u8]) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix("kvgate-requant-")
+        .tempdir()
+        .expect("temp dir");
+    let path = dir.path().join(name);
     std::fs::write(&path, bytes).expect("write temp file");
-    path
+    (dir, path)
 }
 
 #[test]
 fn an_alignment_of_any_integer_width_is_honoured_as_the_loader_does() {
     // general.alignment = 64 as a UINT64: read as 32 before, which shifted every tensor.
     let bytes = norms_file(|b| b.u64("general.alignment", 64).padded_to(64), 32);
-    let input = scratch_file("align-u64.gguf", &bytes);
+    let (_dir, input) = scratch_file("align-u64.gguf", &bytes);
     let output = input.with_file_name("align-u64.q4km.gguf");
     quantize_file(&input, &output, QuantMix::Q4_K_M).expect("quantizes");
     let (before, after) = (
@@ -168,7 +172,7 @@ fn a_zero_dimension_is_an_error_not_a_division_by_zero() {
     let err = quantize_bytes(&bytes, QuantMix::Q4_K_M).unwrap_err();
     assert_eq!(err, "tensor blk.0.attn_norm.weight: a dimension is 0");
     // Through the file, the loader's checks refuse it first, naming the file.
-    let input = scratch_file("dim0.gguf", &bytes);
+    let (_dir, input) = scratch_file("dim0.gguf", &bytes);
     let err = quantize_file(&input, &input.with_extension("out"), QuantMix::Q4_K_M).unwrap_err();
     assert!(
         err.contains("dim0.gguf") && err.contains("a dimension of 0"),
@@ -178,7 +182,7 @@ fn a_zero_dimension_is_an_error_not_a_division_by_zero() {
 
 #[test]
 fn an_input_or_output_that_is_not_a_regular_file_is_refused() {
-    let input = scratch_file("ok.gguf", &norms_file(|b| b, 32));
+    let (_dir, input) = scratch_file("ok.gguf", &norms_file(|b| b, 32));
     // /dev/zero was read without end.
     let err = quantize_file(
         Path::new("/dev/zero"),

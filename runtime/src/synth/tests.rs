@@ -4,20 +4,17 @@
 
 use super::*;
 use crate::engine::{GenerationRequest, TokenEvent};
+use crate::gguf::testutil::temp_path;
 use crate::gguf::{GgmlType, GgufFile};
 use crate::loader::{Runtime, RuntimeOptions};
 use crate::model::{ModelConfig, ModelWeights};
 use crate::plan::{PlanArgs, PlanReport};
 use crate::tokenizer::Tokenizer;
 use kvgate_kernels::quant::{WeightType, dequantize_row};
+use tempfile::TempPath;
 
-fn temp_path(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvgate-synth-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir.join(name)
-}
-
-fn write(spec: SynthSpec, name: &str) -> PathBuf {
+/// `spec` written to a temp file ending in `name`, removed when the returned guard drops.
+fn write(spec: SynthSpec, name: &str) -> TempPath {
     let path = temp_path(name);
     SynthModel::new(spec)
         .write_to(&path, &mut |_| {})
@@ -246,7 +243,7 @@ fn tiny_model_generates_through_the_cpu_backend_deterministically() {
 }
 
 /// Writes `spec` and opens, configures and binds it.
-fn write_and_bind(spec: SynthSpec, name: &str) -> (PathBuf, GgufFile, ModelConfig, ModelWeights) {
+fn write_and_bind(spec: SynthSpec, name: &str) -> (TempPath, GgufFile, ModelConfig, ModelWeights) {
     let path = write(spec, name);
     let gguf = GgufFile::open(&path).expect("opens");
     let config = ModelConfig::from_gguf(&gguf).expect("config");
@@ -315,7 +312,7 @@ fn every_k_quant_dtype_generates() {
 
 /// The model's header followed by a sparse data section (reads as zeros, takes no disk space):
 /// everything but the weights' values, at the real size.
-fn header_only(shape: SynthShape, dtype: SynthDtype, name: &str) -> PathBuf {
+fn header_only(shape: SynthShape, dtype: SynthDtype, name: &str) -> TempPath {
     let model = SynthModel::new(SynthSpec {
         shape,
         dtype,
@@ -347,7 +344,7 @@ fn llama2_13b_header_loads_binds_and_plans_without_writing_the_weights() {
     );
 
     let report = PlanReport::compute(&PlanArgs {
-        model: Some(path.clone()),
+        model: Some(path.to_path_buf()),
         memory: "40GiB".into(),
         ..PlanArgs::default()
     })

@@ -172,9 +172,7 @@ fn bos_is_added_only_when_the_vocabulary_asks() {
 
 #[test]
 fn unsupported_models_and_pre_tokenizers_are_named() {
-    use crate::gguf::testutil::GgufBuilder;
-    let dir = std::env::temp_dir().join(format!("kvgate-tok-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    use crate::gguf::testutil::{GgufBuilder, write_temp};
     for (model, pre, expected) in [
         ("bert", "default", "bert"),
         ("gpt2", "chatglm-bpe", "chatglm-bpe"),
@@ -184,8 +182,7 @@ fn unsupported_models_and_pre_tokenizers_are_named() {
             .str("tokenizer.ggml.pre", pre)
             .str_array("tokenizer.ggml.tokens", &["a", "b"])
             .build();
-        let path = dir.join(format!("{model}-{pre}.gguf"));
-        std::fs::write(&path, bytes).expect("write temp gguf");
+        let path = write_temp(&format!("{model}-{pre}.gguf"), &bytes);
         let gguf = GgufFile::open(&path).expect("opens");
         let err = Tokenizer::from_gguf(&gguf).expect_err("unsupported");
         assert!(err.to_string().contains(expected), "{err}");
@@ -194,9 +191,7 @@ fn unsupported_models_and_pre_tokenizers_are_named() {
 
 #[test]
 fn a_token_list_of_the_wrong_type_says_so_rather_than_missing() {
-    use crate::gguf::testutil::GgufBuilder;
-    let dir = std::env::temp_dir().join(format!("kvgate-tok-types-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    use crate::gguf::testutil::{GgufBuilder, write_temp};
     let ints = &[1, 2];
     for (key, builder) in [
         (
@@ -210,12 +205,11 @@ fn a_token_list_of_the_wrong_type_says_so_rather_than_missing() {
                 .i32_array("tokenizer.ggml.merges", ints),
         ),
     ] {
-        let path = dir.join(format!("{key}.gguf"));
         let bytes = builder
             .str("tokenizer.ggml.model", "gpt2")
             .str("tokenizer.ggml.pre", "gpt-2")
             .build();
-        std::fs::write(&path, bytes).expect("write temp gguf");
+        let path = write_temp(&format!("{key}.gguf"), &bytes);
         let gguf = GgufFile::open(&path).expect("opens");
         let err = Tokenizer::from_gguf(&gguf)
             .err()
@@ -352,16 +346,13 @@ fn special_id_vocab(
     model: &str,
     extra: impl FnOnce(crate::gguf::testutil::GgufBuilder) -> crate::gguf::testutil::GgufBuilder,
 ) -> Result<Tokenizer, TokenizerError> {
-    use crate::gguf::testutil::GgufBuilder;
-    let dir = std::env::temp_dir().join(format!("kvgate-tok-ids-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    use crate::gguf::testutil::{GgufBuilder, write_temp};
     let builder = GgufBuilder::new()
         .str("tokenizer.ggml.model", model)
         .str("tokenizer.ggml.pre", "gpt-2")
         .str_array("tokenizer.ggml.tokens", &special_id_tokens())
         .str_array("tokenizer.ggml.merges", &["a b"]);
-    let path = dir.join(format!("{name}.gguf"));
-    std::fs::write(&path, extra(builder).build()).expect("write temp gguf");
+    let path = write_temp(&format!("{name}.gguf"), &extra(builder).build());
     let gguf = GgufFile::open(&path).expect("opens");
     Tokenizer::from_gguf(&gguf)
 }

@@ -5,14 +5,11 @@
 //! files here are tiny GGUFs written by the test writer.
 
 use super::super::*;
-use crate::gguf::testutil::GgufBuilder;
+use crate::gguf::testutil::{GgufBuilder, write_temp};
 
 /// Writes `bytes` as a GGUF file and builds its tokenizer.
 fn load(name: &str, bytes: Vec<u8>) -> Result<Tokenizer, TokenizerError> {
-    let dir = std::env::temp_dir().join(format!("kvgate-add-special-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(format!("{name}.gguf"));
-    std::fs::write(&path, bytes).expect("write temp gguf");
+    let path = write_temp(&format!("{name}.gguf"), &bytes);
     let gguf = GgufFile::open(&path).expect("opens");
     Tokenizer::from_gguf(&gguf)
 }
