@@ -31,9 +31,10 @@
 //! backlog that is served meanwhile: min(their backlog, own backlog × their weight / own
 //! weight). Not everyone's sum: a flooding tenant cannot make a newcomer's forecast exceed its
 //! `max_queue_wait`. A request also waits for one of its tenant's concurrency slots, which may
-//! be the tighter limit while KV is free: that forecast ([`Ledger::slot_wait`], sized by each
-//! request's max_tokens) counts only the
-//! tenant's own queue, and the longer of the two binds ([`Forecast`]). When the forecast says a
+//! be the tighter limit while KV is free: that forecast ([`Ledger::slot_forecast`], sized by
+//! each request's max_tokens, plus the tenant's recent grant wait for each grant on the way to
+//! the slot) counts only the tenant's own queue, and the longer of the two binds
+//! ([`Forecast`]). When the forecast says a
 //! request cannot start before its deadline it is refused at once with 429
 //! `kv_cache_saturated` (or `concurrency_saturated` when the slots bind) and the forecast as
 //! Retry-After — at enqueue
@@ -911,6 +912,12 @@ impl Dispatcher {
         // them is shared or was cached, and is counted as used by the pool).
         let reserved_blocks = reservation.blocks();
         let reserved_tokens = (reserved_blocks * self.block_size(ticket.pool)) as u64;
+        tracing::debug!(
+            tenant = %ticket.tenant.name,
+            queued = ?now.saturating_duration_since(enqueued_at),
+            blocks = reservation.blocks(),
+            "admission grant"
+        );
         let admitted = Admitted {
             headers: debit.headers(),
             tenant: ticket.tenant,
@@ -929,6 +936,8 @@ impl Dispatcher {
             debit: Some(debit),
             ledger: Arc::clone(&self.ledger),
         };
+        self.ledger
+            .record_grant(&admitted.tenant.name, enqueued_at, now);
         self.ledger.start(
             &admitted.tenant.name,
             admitted.pool,
@@ -955,7 +964,7 @@ impl Dispatcher {
     /// before it, in `pool` with `own_blocks` of the tenant's queued blocks up to and including
     /// it (and `needed_blocks` its own): the
     /// longer of what KV ([`Dispatcher::kv_wait`]) and the tenant's concurrency cap
-    /// ([`Ledger::slot_wait`]) make it wait, and which of the two that is. `None` while
+    /// ([`Ledger::slot_forecast`]) make it wait, and which of the two that is. `None` while
     /// neither can be forecast.
     /// `weight` is the tenant's weight in the fair queue (the queue's own, for a queued entry).
     fn forecast(
@@ -971,9 +980,31 @@ impl Dispatcher {
         // ahead of it for its own slots.
         let slot = self
             .ledger
-            .slot_wait(&tenant.name, tenant.max_concurrency, ahead, now);
+            .slot_forecast(&tenant.name, tenant.max_concurrency, ahead, now)
+            .map(|slot| {
+                // A freed slot is not taken at once while KV is contended: each grant on the
+                // way waits for the tenant's turn at the blocks, as long as its grants have
+                // waited of late. The slot forecast leaves those waits out and the KV one
+                // counts them as if they ran alongside the holds, not one after the other, so
+                // a low-weight tenant with a small cap was forecast to start long before it
+                // did and got a 503 at its deadline instead of an early 429 (QA: gamma, cap 1,
+                // behind alpha and beta at weights 3 and 2 in a full cache).
+                let turn = self.ledger.grant_wait(&tenant.name).unwrap_or_default();
+                slot.wait.saturating_add(turn.saturating_mul(slot.grants))
+            });
         let held = self.held_by_slots(pool, tenant, needed_blocks);
-        Forecast::binding(kv, slot, held)
+        let forecast = Forecast::binding(kv, slot, held);
+        tracing::debug!(
+            tenant = %tenant.name,
+            ahead = ahead.requests,
+            own_blocks,
+            ?kv,
+            ?slot,
+            held,
+            ?forecast,
+            "admission forecast"
+        );
+        forecast
     }
 
     /// Whether `tenant`'s concurrency cap is what keeps a request needing `needed_blocks`

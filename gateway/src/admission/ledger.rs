@@ -77,6 +77,17 @@ fn residual_hold(expected: f64, ran: f64) -> f64 {
     (expected - ran).max(RESIDUAL_PER_SECOND_RUN * ran)
 }
 
+/// When a queued request gets one of its tenant's slots ([`Ledger::slot_forecast`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotForecast {
+    /// Until the slot comes free, if each freed slot is granted to the next request at once.
+    pub wait: Duration,
+    /// How many of the tenant's requests, this one included, must be granted one after the
+    /// other before it starts on that slot: each grant may wait for KV, which `wait` leaves
+    /// out (the dispatcher adds it).
+    pub grants: u32,
+}
+
 /// Reads how fast the engine serves (see [`ServiceTime`]); `None` while it cannot say.
 pub type ServiceTimeProbe = Arc<dyn Fn() -> Option<ServiceTime> + Send + Sync>;
 
@@ -111,7 +122,7 @@ pub(super) struct Footprint {
     pub output_tokens: u64,
 }
 
-/// A tenant's requests queued ahead of the one being forecast, for [`Ledger::slot_wait`].
+/// A tenant's requests queued ahead of the one being forecast, for [`Ledger::slot_forecast`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(super) struct QueuedAhead {
     pub requests: usize,
@@ -138,9 +149,16 @@ pub(super) struct InFlight {
     per_pool: HashMap<PoolId, PoolInFlight>,
     /// Per tenant, how long its requests hold a concurrency slot per token of theirs
     /// ([`hold_tokens`]), in seconds: an average over those that ran, from the slot taken to
-    /// the slot given back (see [`Ledger::slot_wait`]). Per token, because a tenant's requests
+    /// the slot given back (see [`Ledger::slot_forecast`]). Per token, because a tenant's requests
     /// may differ a hundredfold in size.
     hold_per_token: HashMap<String, f64>,
+    /// Per tenant, when it last took or gave back a slot: from then on (or from its arrival,
+    /// if later) its next queued request may start as far as its slots are concerned.
+    slot_moved_at: HashMap<String, Instant>,
+    /// Per tenant, how long a request of it that its slots let start waits for its grant
+    /// (KV, the fair queue's other tenants), in seconds: an average over its grants
+    /// ([`Ledger::grant_wait`]).
+    grant_wait: HashMap<String, f64>,
 }
 
 /// Running requests of one pool.
@@ -198,6 +216,30 @@ impl Ledger {
         self.in_flight.lock()
     }
 
+    /// A request of `tenant` queued at `queued_at` is granted at `now` (before its
+    /// [`Ledger::start`]): it may have started once it arrived and its tenant last took or gave
+    /// back a slot, so what it waited beyond that was for its grant.
+    pub fn record_grant(&self, tenant: &str, queued_at: Instant, now: Instant) {
+        let mut in_flight = self.in_flight.lock();
+        let eligible = in_flight
+            .slot_moved_at
+            .get(tenant)
+            .map_or(queued_at, |&moved| moved.max(queued_at));
+        let waited = now.saturating_duration_since(eligible).as_secs_f64();
+        let average = in_flight
+            .grant_wait
+            .entry(tenant.to_string())
+            .or_insert(waited);
+        *average += HOLD_TIME_ALPHA * (waited - *average);
+    }
+
+    /// How long a request of `tenant` that may start by its slots waits for its grant, on
+    /// average; `None` before its first grant.
+    pub fn grant_wait(&self, tenant: &str) -> Option<Duration> {
+        let seconds = *self.in_flight.lock().grant_wait.get(tenant)?;
+        Some(Duration::from_secs_f64(seconds.clamp(0.0, 1e6)))
+    }
+
     /// A request of `tenant` takes a concurrency slot at `now` (give the same instant to
     /// [`Ledger::finish`] in its [`SlotUse`]).
     pub fn start(
@@ -217,6 +259,7 @@ impl Ledger {
                 started_at: now,
                 max_output_tokens: footprint.output_tokens,
             });
+        in_flight.slot_moved_at.insert(tenant.to_string(), now);
         let pool = in_flight.per_pool.entry(pool_id).or_default();
         if lane == Lane::Long {
             pool.long_lane += 1;
@@ -280,6 +323,9 @@ impl Ledger {
                     in_flight.per_tenant.remove(tenant);
                 }
             }
+            in_flight
+                .slot_moved_at
+                .insert(tenant.to_string(), Instant::now());
             if slot.ran {
                 let held = Instant::now().saturating_duration_since(slot.started_at);
                 let per_token = held.as_secs_f64() / hold_tokens(footprint.output_tokens);
@@ -317,6 +363,19 @@ impl Ledger {
         self.released.notify_one();
     }
 
+    /// [`Ledger::slot_forecast`]'s wait alone.
+    #[cfg(test)]
+    pub fn slot_wait(
+        &self,
+        tenant: &str,
+        max_concurrency: usize,
+        ahead: QueuedAhead,
+        now: Instant,
+    ) -> Option<Duration> {
+        self.slot_forecast(tenant, max_concurrency, ahead, now)
+            .map(|forecast| forecast.wait)
+    }
+
     /// How long until a queued request of `tenant` can take one of the tenant's
     /// `max_concurrency` slots, as far as that cap is concerned (KV is
     /// [`Ledger::kv_drain_time`]'s part), with `ahead` of the tenant's requests queued before it
@@ -331,13 +390,15 @@ impl Ledger {
     /// b₁ ≤ … ≤ b_C, then each h̄ later, and the j-th request that must wait for a slot starts at
     /// b_((j−1) mod C) + ⌊(j−1)/C⌋·h̄. Running requests beyond a cap that a reload lowered free
     /// no slot: the first of them to end are skipped.
-    pub fn slot_wait(
+    ///
+    /// With the wait, how many grants lead to the request's slot ([`SlotForecast::grants`]).
+    pub fn slot_forecast(
         &self,
         tenant: &str,
         max_concurrency: usize,
         ahead: QueuedAhead,
         now: Instant,
-    ) -> Option<Duration> {
+    ) -> Option<SlotForecast> {
         let in_flight = self.in_flight.lock();
         let held = in_flight
             .per_tenant
@@ -347,7 +408,10 @@ impl Ledger {
         let free = max_concurrency.saturating_sub(running);
         let position = ahead.requests.saturating_add(1);
         if position <= free {
-            return Some(Duration::ZERO);
+            return Some(SlotForecast {
+                wait: Duration::ZERO,
+                grants: 1,
+            });
         }
         let per_token = *in_flight.hold_per_token.get(tenant)?;
         // Mean hold of the requests ahead (they hold the free slots and later rounds).
@@ -362,8 +426,13 @@ impl Ledger {
         };
         let cap = max_concurrency.max(1);
         let waiting = position - free - 1;
-        let rounds = (waiting / cap) as f64;
+        let rounds = waiting / cap;
         let slot = waiting % cap + running.saturating_sub(cap);
+        // Grants on this request's slot: one per round and its own, and one more when the
+        // slot is free now (a request ahead takes it first).
+        let grants = u32::try_from(rounds)
+            .unwrap_or(u32::MAX)
+            .saturating_add(if slot < running { 1 } else { 2 });
         let first_free = if slot < running {
             let mut remaining: Vec<f64> = held
                 .iter()
@@ -376,12 +445,15 @@ impl Ledger {
         } else {
             mean_ahead
         };
-        let seconds = first_free + rounds * mean_ahead;
-        Some(Duration::from_secs_f64(seconds.clamp(0.0, 1e6)))
+        let seconds = first_free + rounds as f64 * mean_ahead;
+        Some(SlotForecast {
+            wait: Duration::from_secs_f64(seconds.clamp(0.0, 1e6)),
+            grants,
+        })
     }
 
     /// How long a request of `tenant` with this max_tokens is expected to hold its slot
-    /// ([`Ledger::slot_wait`]'s h); `None` before any of the tenant's requests has finished.
+    /// ([`Ledger::slot_forecast`]'s h); `None` before any of the tenant's requests has finished.
     pub fn hold_for(&self, tenant: &str, max_output_tokens: u64) -> Option<Duration> {
         let per_token = *self.in_flight.lock().hold_per_token.get(tenant)?;
         let seconds = expected_hold(per_token, max_output_tokens);
@@ -772,6 +844,36 @@ mod tests {
         // for requests of this size.
         let hold = wait(1, 2).expect("a hold time").as_secs_f64();
         assert!((hold - 6.52).abs() < 1e-6, "{hold}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_counts_its_wait_from_when_its_tenant_could_start_it() {
+        let ledger = Ledger::default();
+        let secs = |s: f64| Some(Duration::from_secs_f64(s));
+        assert_eq!(ledger.grant_wait("a"), None, "no grant yet");
+        // Queued 1 s before its grant, its tenant's slots untouched meanwhile: 1 s.
+        let queued_at = Instant::now();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        ledger.record_grant("a", queued_at, Instant::now());
+        assert_eq!(ledger.grant_wait("a"), secs(1.0));
+        // Queued while its tenant's one slot was taken, granted 0.5 s after the slot came
+        // back: the 0.5 s count, not the 3 s in the queue (that was the slot's wait).
+        let footprint = Footprint::default();
+        let started_at = Instant::now();
+        ledger.start("a", PoolId::LOCAL, Lane::Short, footprint, started_at);
+        let queued_at = Instant::now();
+        tokio::time::advance(Duration::from_millis(2500)).await;
+        let slot = SlotUse {
+            started_at,
+            ran: true,
+        };
+        ledger.finish("a", PoolId::LOCAL, Lane::Short, footprint, (0, 0), slot);
+        tokio::time::advance(Duration::from_millis(500)).await;
+        ledger.record_grant("a", queued_at, Instant::now());
+        // The average moves a fifth of the way: 1 → 0.9 s.
+        let wait = ledger.grant_wait("a").expect("a wait").as_secs_f64();
+        assert!((wait - 0.9).abs() < 1e-9, "{wait}");
+        assert_eq!(ledger.grant_wait("b"), None, "per tenant");
     }
 
     #[test]

@@ -2016,3 +2016,51 @@ async fn a_refusal_names_the_concurrency_cap_while_it_holds_the_queue_and_kv_is_
     }
     drop((full, holder));
 }
+
+/// A freed slot is not taken at once while another tenant holds the blocks: each grant of the
+/// tenant waits its turn at the KV, and the forecast counts those waits on the way to a
+/// request's slot. Without them a tenant with one slot, two requests ahead of the new one and
+/// grants that wait seconds was forecast to start within its queue wait, was queued, and got a
+/// 503 at its deadline instead of an early 429 (QA: gamma, cap 1, behind alpha and beta at
+/// weights 3 and 2 in a full cache).
+#[tokio::test(start_paused = true)]
+async fn a_forecast_counts_the_waits_for_grants_on_the_way_to_its_slot() {
+    let policy = "[tenants.a]\nmax_concurrency = 1\nmax_queue_wait = \"5s\"\n\
+                  [tenants.b]\n[kv]\nhigh_watermark = 1.0\n";
+    let (admission, _pool, store) = setup(10, policy);
+    // Each of a's requests (16 + 16 tokens: 2 blocks) holds its slot 2 s.
+    teach_hold_time(&admission, &store, Duration::from_secs(2)).await;
+    // Twice, b holds 9 of the 10 blocks while a's next request, its slot free, waits 3 s for
+    // its grant; dropped unstarted, they teach no hold time.
+    for _ in 0..2 {
+        let holder = admission.admit(ticket(&store, "b", 100, 44)).await.unwrap();
+        let waiting = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+        until(|| queued(&admission) == 1).await;
+        tokio::time::advance(Duration::from_secs(3)).await;
+        drop(holder);
+        drop(admitted(waiting).await);
+    }
+    // Now KV is free: one of a's requests runs (2 s left) and one waits for its slot (2 s
+    // more). The slots alone say 4 s, within 90% of 5 s. a's grants have waited 0 s (the
+    // first), 3 s, 3 s and 0 s (the running one): 0.864 s on average, a fifth of the way each
+    // time. With that for each of the two grants on the way, 4 + 2 × 0.864 = 5.728 s: refused
+    // now, not at its deadline.
+    let mut running = admission.admit(ticket(&store, "a", 16, 16)).await.unwrap();
+    running.mark_started();
+    let ahead = spawn_admit(&admission, ticket(&store, "a", 16, 16));
+    until(|| queued(&admission) == 1).await;
+    let asked = tokio::time::Instant::now();
+    match admission.admit(ticket(&store, "a", 16, 16)).await {
+        Err(Rejection::ConcurrencySaturated {
+            queued_ahead: 1,
+            estimated_wait,
+            ..
+        }) => {
+            assert_eq!(estimated_wait, Duration::from_millis(5728));
+            assert_eq!(asked.elapsed(), Duration::ZERO, "refused at once");
+        }
+        other => panic!("expected ConcurrencySaturated, got {other:?}"),
+    }
+    drop(running);
+    drop(admitted(ahead).await);
+}
