@@ -6,6 +6,7 @@
 use super::Program;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Why NVRTC could not be used or a program did not compile.
 #[derive(Debug, thiserror::Error)]
@@ -248,9 +249,19 @@ impl CubinCache {
             source,
         };
         std::fs::create_dir_all(&self.dir).map_err(io)?;
-        let partial = path.with_extension(format!("partial-{}", std::process::id()));
-        std::fs::write(&partial, &compiled.cubin).map_err(io)?;
-        std::fs::rename(&partial, &path).map_err(io)?;
+        // One name per writer, threads included: two threads of one process compiling the same
+        // program shared the pid's name, and one could truncate the file the other had just
+        // renamed into place while a reader loaded it.
+        static WRITERS: AtomicU64 = AtomicU64::new(0);
+        let writer = WRITERS.fetch_add(1, Ordering::Relaxed);
+        let partial = path.with_extension(format!("partial-{}-{writer}", std::process::id()));
+        let stored = std::fs::write(&partial, &compiled.cubin)
+            .and_then(|()| std::fs::rename(&partial, &path));
+        if let Err(error) = stored {
+            // Not left behind in the user's cache: nothing would ever remove it.
+            let _ = std::fs::remove_file(&partial);
+            return Err(io(error));
+        }
         Ok((compiled.cubin, CacheOutcome::Compiled))
     }
 

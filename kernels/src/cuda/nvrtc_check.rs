@@ -220,6 +220,30 @@ fn cubins_are_cached_per_architecture_and_reused() {
         .get_or_compile(&nvrtc, program, &sm80)
         .expect("recompiles");
     assert_eq!((fixed, outcome), (first, CacheOutcome::Compiled));
+    // An entry that cannot be stored (a directory holds its name) is an error, and its
+    // temporary file is not left in the cache.
+    let sm75 = nvrtc_options("sm_75");
+    std::fs::create_dir(cache.path_for(program, &sm75, nvrtc.version())).expect("block it");
+    let blocked = cache.get_or_compile(&nvrtc, program, &sm75);
+    assert!(
+        matches!(blocked, Err(NvrtcError::Cache { .. })),
+        "{blocked:?}"
+    );
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("list the cache")
+        .map(|entry| {
+            entry
+                .expect("entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    assert_eq!(names.len(), 3, "two CUBINs and the blocking dir: {names:?}");
+    assert!(
+        !names.iter().any(|name| name.contains("partial")),
+        "{names:?}"
+    );
 }
 
 #[test]
