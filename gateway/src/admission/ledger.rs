@@ -84,7 +84,8 @@ pub struct SlotForecast {
     pub wait: Duration,
     /// How many of the tenant's requests, this one included, must be granted one after the
     /// other before it starts on that slot: each grant may wait for KV, which `wait` leaves
-    /// out (the dispatcher adds it).
+    /// out (the dispatcher adds it). None when a slot is free for it now: then its own wait
+    /// for KV is all there is, and the KV forecast prices it.
     pub grants: u32,
 }
 
@@ -408,9 +409,10 @@ impl Ledger {
         let free = max_concurrency.saturating_sub(running);
         let position = ahead.requests.saturating_add(1);
         if position <= free {
+            // Its own wait for the blocks is the KV forecast's: nothing comes before it.
             return Some(SlotForecast {
                 wait: Duration::ZERO,
-                grants: 1,
+                grants: 0,
             });
         }
         let per_token = *in_flight.hold_per_token.get(tenant)?;
@@ -874,6 +876,22 @@ mod tests {
         let wait = ledger.grant_wait("a").expect("a wait").as_secs_f64();
         assert!((wait - 0.9).abs() < 1e-9, "{wait}");
         assert_eq!(ledger.grant_wait("b"), None, "per tenant");
+
+        // The grants on the way to a slot (the hold time is known now).
+        let grants = |cap, requests| {
+            let ahead = QueuedAhead {
+                requests,
+                output_tokens: 0,
+            };
+            let forecast = ledger.slot_forecast("a", cap, ahead, Instant::now());
+            forecast.expect("a hold time").grants
+        };
+        assert_eq!(grants(1, 0), 0, "a free slot: only KV stands before it");
+        ledger.start("a", PoolId::LOCAL, Lane::Short, footprint, Instant::now());
+        assert_eq!(grants(1, 0), 1, "its own, when the running one ends");
+        assert_eq!(grants(1, 1), 2, "the one ahead, then its own");
+        assert_eq!(grants(2, 1), 1, "the one ahead takes the free slot");
+        assert_eq!(grants(2, 2), 2, "the free slot's taker, then its own");
     }
 
     #[test]
