@@ -915,7 +915,7 @@ impl Dispatcher {
         tracing::debug!(
             tenant = %ticket.tenant.name,
             queued = ?now.saturating_duration_since(enqueued_at),
-            blocks = reservation.blocks(),
+            blocks = reserved_blocks,
             "admission grant"
         );
         let admitted = Admitted {

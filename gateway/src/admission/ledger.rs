@@ -34,8 +34,8 @@ pub(super) struct Ledger {
     pub released: Notify,
 }
 
-/// Weight of the newest request in a tenant's average slot hold time per token: about the last
-/// ten requests dominate.
+/// Weight of the newest request in a tenant's average slot hold time per token and in its
+/// average grant wait: about the last ten requests dominate.
 const HOLD_TIME_ALPHA: f64 = 0.2;
 
 /// A request holds its slot for about the tenant's hold time per token × (its max_tokens + this):
@@ -77,6 +77,26 @@ fn residual_hold(expected: f64, ran: f64) -> f64 {
     (expected - ran).max(RESIDUAL_PER_SECOND_RUN * ran)
 }
 
+/// Sets `tenant`'s value in `map`. These per-tenant maps are written on every request: the
+/// name is copied only the first time.
+fn set_for<V>(map: &mut HashMap<String, V>, tenant: &str, value: V) {
+    match map.get_mut(tenant) {
+        Some(slot) => *slot = value,
+        None => {
+            map.insert(tenant.to_owned(), value);
+        }
+    }
+}
+
+/// Moves `tenant`'s average in `map` [`HOLD_TIME_ALPHA`] of the way to `sample` (the first
+/// sample is the average).
+fn add_to_average(map: &mut HashMap<String, f64>, tenant: &str, sample: f64) {
+    match map.get_mut(tenant) {
+        Some(average) => *average += HOLD_TIME_ALPHA * (sample - *average),
+        None => set_for(map, tenant, sample),
+    }
+}
+
 /// When a queued request gets one of its tenant's slots ([`Ledger::slot_forecast`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotForecast {
@@ -84,7 +104,7 @@ pub struct SlotForecast {
     pub wait: Duration,
     /// How many of the tenant's requests, this one included, must be granted one after the
     /// other before it starts on that slot: each grant may wait for KV, which `wait` leaves
-    /// out (the dispatcher adds it). None when a slot is free for it now: then its own wait
+    /// out (the dispatcher adds it). Zero when a slot is free for it now: then its own wait
     /// for KV is all there is, and the KV forecast prices it.
     pub grants: u32,
 }
@@ -227,11 +247,7 @@ impl Ledger {
             .get(tenant)
             .map_or(queued_at, |&moved| moved.max(queued_at));
         let waited = now.saturating_duration_since(eligible).as_secs_f64();
-        let average = in_flight
-            .grant_wait
-            .entry(tenant.to_string())
-            .or_insert(waited);
-        *average += HOLD_TIME_ALPHA * (waited - *average);
+        add_to_average(&mut in_flight.grant_wait, tenant, waited);
     }
 
     /// How long a request of `tenant` that may start by its slots waits for its grant, on
@@ -260,7 +276,7 @@ impl Ledger {
                 started_at: now,
                 max_output_tokens: footprint.output_tokens,
             });
-        in_flight.slot_moved_at.insert(tenant.to_string(), now);
+        set_for(&mut in_flight.slot_moved_at, tenant, now);
         let pool = in_flight.per_pool.entry(pool_id).or_default();
         if lane == Lane::Long {
             pool.long_lane += 1;
@@ -324,17 +340,11 @@ impl Ledger {
                     in_flight.per_tenant.remove(tenant);
                 }
             }
-            in_flight
-                .slot_moved_at
-                .insert(tenant.to_string(), Instant::now());
+            set_for(&mut in_flight.slot_moved_at, tenant, Instant::now());
             if slot.ran {
                 let held = Instant::now().saturating_duration_since(slot.started_at);
                 let per_token = held.as_secs_f64() / hold_tokens(footprint.output_tokens);
-                let average = in_flight
-                    .hold_per_token
-                    .entry(tenant.to_string())
-                    .or_insert(per_token);
-                *average += HOLD_TIME_ALPHA * (per_token - *average);
+                add_to_average(&mut in_flight.hold_per_token, tenant, per_token);
             }
             if let Some(pool) = in_flight.per_pool.get_mut(&pool_id) {
                 if lane == Lane::Long {
