@@ -111,9 +111,8 @@ pub struct TestServer {
     pub store: PolicyStore,
     pub admission: Admission,
     pub upstreams: Upstreams,
-    pub policy_path: PathBuf,
-    /// Removes the policy file when the server drops (on a panic too).
-    _policy_file: tempfile::TempPath,
+    /// The policy file, removed when the server drops (on a panic too).
+    pub policy_path: tempfile::TempPath,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
 }
@@ -124,8 +123,7 @@ impl TestServer {
     }
 
     pub async fn start_with(policy: &str, options: Options) -> TestServer {
-        let policy_file = write_policy(policy);
-        let policy_path = policy_file.to_path_buf();
+        let policy_path = write_policy(policy);
         let store = PolicyStore::load(&policy_path).expect("test policy is valid");
         let runtime = start_runtime(&options);
         let engine = runtime.engine.clone();
@@ -159,7 +157,6 @@ impl TestServer {
             admission,
             upstreams,
             policy_path,
-            _policy_file: policy_file,
             shutdown: Some(shutdown),
             task: Some(task),
         }
