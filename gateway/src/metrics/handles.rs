@@ -9,12 +9,12 @@
 //! label values come from the configuration, so this is never reached in practice; beyond
 //! it, series are looked up as before).
 
-use std::collections::HashMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::hash::{Hash, Hasher};
 use std::sync::LazyLock;
 
 use metrics::{Counter, Histogram, Key, Label, Level, Metadata};
 use parking_lot::RwLock;
+use rustc_hash::{FxHashMap, FxHasher};
 
 /// Most handles cached per kind.
 pub const MAX_CACHED: usize = 4096;
@@ -29,8 +29,10 @@ struct Cache<H> {
 }
 
 struct Entries<H> {
-    /// By hash of name and labels; each entry checked against its key (collisions).
-    by_hash: HashMap<u64, Vec<(Key, H)>>,
+    /// By hash of name and labels; each entry checked against its key (collisions). The
+    /// labels are the configuration's tenant and model names, not a client's input, so a
+    /// fast unkeyed hash (Fx) is enough.
+    by_hash: FxHashMap<u64, Vec<(Key, H)>>,
     /// Handles in `by_hash`, so the bound is checked without walking the map.
     len: usize,
 }
@@ -39,7 +41,7 @@ impl<H: Clone> Cache<H> {
     fn new() -> Cache<H> {
         Cache {
             map: RwLock::new(Entries {
-                by_hash: HashMap::new(),
+                by_hash: FxHashMap::default(),
                 len: 0,
             }),
         }
@@ -71,7 +73,7 @@ impl<H: Clone> Cache<H> {
 }
 
 fn hash(name: &str, labels: &Labels<'_>) -> u64 {
-    let mut hasher = DefaultHasher::new();
+    let mut hasher = FxHasher::default();
     name.hash(&mut hasher);
     for (label, value) in labels {
         label.hash(&mut hasher);
