@@ -137,10 +137,7 @@ impl TiktokenCounter {
 
     /// Tokens of plain text (special-token markup counts as text).
     pub fn count_text(&self, text: &str) -> usize {
-        match self.cl100k {
-            Some(_) => self.encode(text).len(),
-            None => self.bpe.count_ordinary(text),
-        }
+        self.encode(text).len()
     }
 
     /// Tokens of a chat prompt by OpenAI's convention: per message, [`TOKENS_PER_MESSAGE`] +
