@@ -8,18 +8,24 @@
 #         CPU per request (utime/stime from /proc/PID/stat over the run, divided by requests);
 #   peak  64 connections for 10 s (wrk -t2 -c64): requests/s, CPU per request, and context
 #         switches per request (all of the gateway's threads).
+#   rate  with RATE=N: N requests/s over 32 connections for 8 s (oha -q N, latency-corrected):
+#         on-CPU time per request of all the process's threads (/proc/PID/task/*/schedstat),
+#         and p50/p99. At a fixed rate below the peak each request finds the caches cold, as
+#         in scripts/bench-proxy-tail.sh: the CPU a request costs there, not back to back.
 # Everything shares the machine's cores: at peak the gateway, wrk and the stub compete for
 # them, so requests/s also depends on how the scheduler shares the cores out.
 #
 #   scripts/bench-proxy-cpu.sh NEW_KVGATE OLD_KVGATE      # ROUNDS=4 by default
 #   FLOOR=1 scripts/bench-proxy-cpu.sh NEW_KVGATE OLD_KVGATE
+#   RATE=300 KVGATE_ARGS="--http-workers 1" scripts/bench-proxy-cpu.sh NEW_KVGATE OLD_KVGATE
 #
 # FLOOR=1 measures three more targets in the same rounds, the floor under a gateway's cost:
 #   nginx  Debian's nginx with one worker process as a plain keep-alive reverse proxy
 #   hyp1   examples/bare_proxy.rs (tokio + hyper, forwarding only) on one worker thread
 #   hyp2   the same on the runtime's default worker threads (one per core, as kvgate)
 #
-# Needs wrk (apt-get install wrk), curl, the stub (cargo build --example stub_upstream; STUB=
+# KVGATE_ARGS: more `serve` options for both builds. Needs wrk (apt-get install wrk), oha for
+# RATE (cargo install oha), curl, the stub (cargo build --example stub_upstream; STUB=
 # to use another build) and the default model (`kvgate fetch-model`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +35,9 @@ ROUNDS="${ROUNDS:-4}"
 STUB="${STUB:-./target/debug/examples/stub_upstream}"
 BARE="${BARE:-$(dirname "$STUB")/bare_proxy}"
 FLOOR="${FLOOR:-0}"
+RATE="${RATE:-}"
+KVGATE_ARGS="${KVGATE_ARGS:-}"
+[ -z "$RATE" ] || command -v oha >/dev/null || { echo "bench-proxy-cpu: oha is missing (RATE)" >&2; exit 1; }
 for tool in wrk curl "$NEW" "$OLD" "$STUB"; do
   command -v "$tool" >/dev/null || { echo "bench-proxy-cpu: $tool is missing" >&2; exit 1; }
 done
@@ -44,7 +53,8 @@ trap cleanup EXIT
 . scripts/bench-proxy-nginx.sh
 "$STUB" 127.0.0.1:19100 1 >"$WORK/stub.log" 2>&1 &
 start() { # NAME BINARY PORT
-  start_kvgate_proxy "$2" "$3" 19100 "$WORK/$1.log"
+  # shellcheck disable=SC2086 # options split on purpose
+  start_kvgate_proxy "$2" "$3" 19100 "$WORK/$1.log" $KVGATE_ARGS
   echo $! >"$WORK/$1.pid"
 }
 start new "$NEW" 19102
@@ -105,6 +115,35 @@ measure() { # NAME CONNS THREADS SECONDS
     "$(awk -v a="$n0" -v b="$n1" -v n="$n" 'BEGIN {printf "%.2f", (b - a) / n}')"
 }
 
+measure_rate() { # NAME: RATE req/s for 8 s; on-CPU µs per request of all threads, p50, p99
+  local name=$1 pid
+  if [ "$name" = nginx ]; then
+    pid="$(pgrep -P "$(cat "$WORK/nginx/nginx.pid")" | head -1)"
+  else
+    pid="$(cat "$WORK/$name.pid")"
+  fi
+  local url="http://127.0.0.1:$(port "$name")/v1/chat/completions"
+  oha --no-tui -z 2s -q "$RATE" -c 32 -m POST -H 'content-type: application/json' -d "$BODY" \
+    "$url" >/dev/null # warm-up
+  local t0 t1
+  t0="$(cat /proc/"$pid"/task/*/schedstat | awk '{s += $1} END {printf "%.0f", s}')"
+  oha --no-tui --output-format json -z 8s -q "$RATE" -c 32 --latency-correction -m POST \
+    -H 'content-type: application/json' -d "$BODY" "$url" >"$WORK/oha.json"
+  t1="$(cat /proc/"$pid"/task/*/schedstat | awk '{s += $1} END {printf "%.0f", s}')"
+  python3 - "$name" "$t0" "$t1" "$WORK/oha.json" "$RATE" <<'EOF_PY'
+import json, sys
+name, t0, t1, path, rate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+data = json.load(open(path))
+ok = data["statusCodeDistribution"].get("200", 0)
+sent = sum(data["statusCodeDistribution"].values())
+if ok != sent or ok == 0:
+    sys.exit(f"bench-proxy-cpu: {name} answered {ok} of {sent} with 200")
+p = data["latencyPercentiles"]
+print(f"{name:<4} q={rate:<4} on-CPU {(t1 - t0) / ok / 1000:6.1f} us/request  "
+      f"p50 {p['p50'] * 1e3:.3f} ms  p99 {p['p99'] * 1e3:.3f} ms")
+EOF_PY
+}
+
 echo "== $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, new=$NEW old=$OLD, load $(cut -d' ' -f1-3 /proc/loadavg)"
 for name in $NAMES; do measure "$name" 1 1 2 >/dev/null; done # warm-up
 for round in $(seq "$ROUNDS"); do
@@ -112,5 +151,8 @@ for round in $(seq "$ROUNDS"); do
   [ $((round % 2)) = 0 ] && order="$(echo "$NAMES" | tr ' ' '\n' | tac | tr '\n' ' ')"
   for name in $order; do measure "$name" 1 1 4; done
   for name in $order; do measure "$name" 64 2 10; done
+  if [ -n "$RATE" ]; then
+    for name in $order; do measure_rate "$name"; done
+  fi
 done
 echo "== load at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -8,9 +8,9 @@
 //! response body — and almost no request logs a line. In front of a fast upstream that was
 //! about 4 µs of the ~83 µs of CPU a relayed request costs the gateway at one connection
 //! (BENCHMARKS.md, "Proxy overhead": a few percent, within the spread of single runs). So
-//! [`scope`] keeps only what the span would name (cheap clones of the method, the URI and the
-//! request id) in a task-local, and [`in_request_span`] builds the
-//! span around the one line that needs it: the line reads as before.
+//! [`ScopeLayer`] keeps only what the span would name (cheap clones of the method, the URI and
+//! the request id) in a task-local, and [`in_request_span`] builds the span around the one line
+//! that needs it: the line reads as before.
 //!
 //! When any directive enables `debug` (`RUST_LOG=debug`, or `kvgate_gateway::upstream=debug`),
 //! the span is made up front again: debug lines are many and come from everywhere, and whoever
@@ -19,12 +19,15 @@
 //! [`RequestContext::current`] when the body is made, [`RequestContext::in_scope`] when it
 //! logs.
 
+use std::task::{Context, Poll};
+
 use axum::extract::Request;
-use axum::middleware::Next;
-use axum::response::Response;
 use http::{HeaderValue, Method, Uri};
+use tokio::task::futures::TaskLocalFuture;
+use tower::{Layer, Service};
 use tower_http::request_id::RequestId;
 use tracing::Instrument;
+use tracing::instrument::Instrumented;
 use tracing::level_filters::LevelFilter;
 
 tokio::task_local! {
@@ -42,7 +45,7 @@ pub struct RequestContext {
 
 impl RequestContext {
     /// The context of `request`; its id is the one the stack's request-id layer (which runs
-    /// before [`scope`]) kept or made.
+    /// before [`ScopeLayer`]) kept or made.
     pub fn of(request: &Request) -> RequestContext {
         RequestContext {
             method: request.method().clone(),
@@ -54,7 +57,7 @@ impl RequestContext {
         }
     }
 
-    /// The context of the request this task is handling, if any (inside [`scope`]).
+    /// The context of the request this task is handling, if any (inside [`ScopeLayer`]).
     pub fn current() -> Option<RequestContext> {
         CURRENT.try_with(RequestContext::clone).ok()
     }
@@ -95,18 +98,49 @@ pub fn in_span_of<T>(request: Option<&RequestContext>, log: impl FnOnce() -> T) 
     }
 }
 
-/// The middleware: handles the request with its context in the task-local, and inside its span
-/// from the start when debug lines may be logged.
-pub async fn scope(request: Request, next: Next) -> Response {
-    let context = RequestContext::of(&request);
-    let span = if LevelFilter::current() >= LevelFilter::DEBUG {
-        context.span()
-    } else {
-        tracing::Span::none()
-    };
-    CURRENT
-        .scope(context, next.run(request).instrument(span))
-        .await
+/// The layer ([`crate::stack`]): each request is handled with its context in the task-local,
+/// and inside its span from the start when debug lines may be logged. A plain tower layer
+/// rather than `axum::middleware::from_fn`: its future is a named type, so a request costs no
+/// boxed clone of the inner service and no boxed future (BENCHMARKS.md, "Where a relayed
+/// request's CPU goes").
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ScopeLayer;
+
+impl<S> Layer<S> for ScopeLayer {
+    type Service = Scope<S>;
+
+    fn layer(&self, inner: S) -> Scope<S> {
+        Scope { inner }
+    }
+}
+
+/// The service [`ScopeLayer`] makes.
+#[derive(Debug, Clone)]
+pub struct Scope<S> {
+    inner: S,
+}
+
+impl<S> Service<Request> for Scope<S>
+where
+    S: Service<Request>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = TaskLocalFuture<RequestContext, Instrumented<S::Future>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let context = RequestContext::of(&request);
+        let span = if LevelFilter::current() >= LevelFilter::DEBUG {
+            context.span()
+        } else {
+            tracing::Span::none()
+        };
+        CURRENT.scope(context, self.inner.call(request).instrument(span))
+    }
 }
 
 #[cfg(test)]
@@ -114,6 +148,7 @@ mod tests {
     use std::io::Write;
     use std::sync::{Arc, Mutex};
 
+    use axum::response::Response;
     use tracing_subscriber::fmt::MakeWriter;
 
     use super::*;
@@ -222,5 +257,31 @@ mod tests {
             .await;
         let text = out.text();
         assert_eq!(text.matches("request{").count(), 1, "{text}");
+    }
+
+    #[tokio::test]
+    async fn the_layer_makes_the_context_current_for_the_inner_service() {
+        use tower::ServiceExt;
+        let inner = tower::service_fn(|_request: Request| async {
+            let id = RequestContext::current()
+                .and_then(|context| context.id)
+                .unwrap_or(HeaderValue::from_static("none"));
+            Ok::<_, std::convert::Infallible>(Response::new(axum::body::Body::from(
+                id.as_bytes().to_vec(),
+            )))
+        });
+        let mut request = Request::new(axum::body::Body::empty());
+        request
+            .extensions_mut()
+            .insert(RequestId::new(HeaderValue::from_static("req_xyz")));
+        let response = ScopeLayer.layer(inner).oneshot(request).await.unwrap();
+        let body = axum::body::to_bytes(response.into_body(), 64)
+            .await
+            .unwrap();
+        assert_eq!(&body[..], b"req_xyz");
+        assert!(
+            RequestContext::current().is_none(),
+            "only inside the request"
+        );
     }
 }

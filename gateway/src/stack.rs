@@ -11,21 +11,23 @@
 
 use std::any::Any;
 use std::convert::Infallible;
-use std::future::{Ready, ready};
+use std::future::{Future, Ready, ready};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
 use axum::error_handling::HandleErrorLayer;
-use axum::extract::{Request, State};
-use axum::middleware::Next;
+use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
+use futures::future::Either;
 use http::header::AUTHORIZATION;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use hyper::body::Incoming;
+use pin_project_lite::pin_project;
 use rand::Rng;
-use rand::distr::Alphanumeric;
 use tokio::sync::Semaphore;
 use tower::layer::util::{Identity, Stack};
 use tower::limit::GlobalConcurrencyLimitLayer;
@@ -34,7 +36,7 @@ use tower::load_shed::error::Overloaded;
 use tower::timeout::TimeoutLayer;
 use tower::timeout::error::Elapsed;
 use tower::util::BoxCloneSyncService;
-use tower::{BoxError, ServiceBuilder};
+use tower::{BoxError, Layer, Service, ServiceBuilder};
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
@@ -73,7 +75,7 @@ pub fn build(router: Router, config: StackConfig, admission: Admission) -> Gatew
         .map_request(|request: Request<Incoming>| request.map(Body::new))
         .map_response(|response: Response<_>| response.map(Body::new))
         // 1b. The size of the head as the client sent it, before a layer adds a header
-        //     (`limit_head` below must not count the request id made for it).
+        //     ([`RequestLimitsLayer`] below must not count the request id made for it).
         .map_request(record_head_bytes)
         // 2. Request id first, so every log line and every response below can carry it. A
         //    client's id goes into logs, responses and upstream requests: one that is too long
@@ -87,13 +89,10 @@ pub fn build(router: Router, config: StackConfig, admission: Admission) -> Gatew
         //    only for lines that are logged (`request_log.rs`). Failures are not logged here:
         //    `GatewayError::log` logs each error response once, at the level its kind
         //    deserves (load shedding is no ERROR).
-        .layer(axum::middleware::from_fn(request_log::scope))
+        .layer(request_log::ScopeLayer)
         // 5. Rate-limit headers on every response, including those of the layers below (413,
         //    504, panics, load shedding) and of the router (401, 404, 405, probes).
-        .layer(axum::middleware::from_fn_with_state(
-            admission,
-            rate_limit_headers,
-        ))
+        .layer(RateLimitHeadersLayer { admission })
         // 6. A panic anywhere below becomes a 500 JSON error, never a dropped connection.
         .layer(CatchPanicLayer::custom(panic_response))
         // 7. Rescue: the timeout's error becomes OpenAI JSON here.
@@ -104,14 +103,12 @@ pub fn build(router: Router, config: StackConfig, admission: Admission) -> Gatew
         //    (dropping the handler cancels its sequence); a stream's body may run longer.
         .layer(TimeoutLayer::new(timeout))
         // 9. Head limits: header fields and URI far below hyper's own (whose refusals are a
-        //    bare status line), so an oversized cookie or query gets OpenAI JSON like the rest.
-        .layer(axum::middleware::from_fn(limit_head))
-        // 10. Body limit: by Content-Length at once, and as a cap on chunked bodies.
-        .layer(axum::middleware::from_fn_with_state(
-            config.body_limit_bytes,
-            limit_body,
-        ))
-        // 11. Routing; the API routes carry the load-shedding limit below ([`api_limit`]).
+        //    bare status line), so an oversized cookie or query gets OpenAI JSON like the rest;
+        //    then the body limit: by Content-Length at once, and as a cap on chunked bodies.
+        .layer(RequestLimitsLayer {
+            body_limit_bytes: config.body_limit_bytes,
+        })
+        // 10. Routing; the API routes carry the load-shedding limit below ([`api_limit`]).
         .service(router);
     BoxCloneSyncService::new(service)
 }
@@ -167,23 +164,90 @@ fn panic_response(panic: Box<dyn Any + Send + 'static>) -> Response {
 /// debited a bucket (or were refused by one) set them from that moment's state; everything
 /// else gets [`Admission::rate_headers_for_request`]: the live state of the caller's tenant,
 /// or the `[defaults]` limits untouched when the key maps to no tenant.
-async fn rate_limit_headers(
-    State(admission): State<Admission>,
-    request: Request,
-    next: Next,
-) -> Response {
-    // Only the credentials are needed afterwards; the request itself moves on.
-    let mut credentials = HeaderMap::new();
-    if let Some(value) = request.headers().get(AUTHORIZATION) {
-        credentials.insert(AUTHORIZATION, value.clone());
+///
+/// This layer and [`RequestLimitsLayer`] are plain tower layers rather than axum's `from_fn`
+/// middleware: their futures are named types, so a request costs neither a boxed clone of the
+/// inner service nor a boxed future per layer (BENCHMARKS.md, "Where a relayed request's CPU
+/// goes").
+#[derive(Clone)]
+pub struct RateLimitHeadersLayer {
+    admission: Admission,
+}
+
+impl<S> Layer<S> for RateLimitHeadersLayer {
+    type Service = RateLimitHeadersService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimitHeadersService {
+            inner,
+            admission: self.admission.clone(),
+        }
     }
-    let mut response = next.run(request).await;
-    if !RateLimitHeaders::present_in(response.headers()) {
-        admission
-            .rate_headers_for_request(&credentials)
-            .apply(response.headers_mut());
+}
+
+/// The service [`RateLimitHeadersLayer`] makes.
+#[derive(Clone)]
+pub struct RateLimitHeadersService<S> {
+    inner: S,
+    admission: Admission,
+}
+
+impl<S, B> Service<Request> for RateLimitHeadersService<S>
+where
+    S: Service<Request, Response = http::Response<B>>,
+{
+    type Response = http::Response<B>;
+    type Error = S::Error;
+    type Future = WithRateLimitHeaders<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
     }
-    response
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        // Only the credentials are needed afterwards; the request itself moves on. (A header
+        // value's clone shares its bytes.)
+        let credentials = request.headers().get(AUTHORIZATION).cloned();
+        WithRateLimitHeaders {
+            inner: self.inner.call(request),
+            admission: Some(self.admission.clone()),
+            credentials,
+        }
+    }
+}
+
+pin_project! {
+    /// The future of [`RateLimitHeadersService`].
+    pub struct WithRateLimitHeaders<F> {
+        #[pin]
+        inner: F,
+        admission: Option<Admission>,
+        credentials: Option<HeaderValue>,
+    }
+}
+
+impl<F, B, E> Future for WithRateLimitHeaders<F>
+where
+    F: Future<Output = Result<http::Response<B>, E>>,
+{
+    type Output = Result<http::Response<B>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let mut response = ready!(this.inner.poll(cx))?;
+        if let Some(admission) = this.admission.take()
+            && !RateLimitHeaders::present_in(response.headers())
+        {
+            let mut credentials = HeaderMap::new();
+            if let Some(value) = this.credentials.take() {
+                credentials.insert(AUTHORIZATION, value);
+            }
+            admission
+                .rate_headers_for_request(&credentials)
+                .apply(response.headers_mut());
+        }
+        Poll::Ready(Ok(response))
+    }
 }
 
 /// Most bytes of header fields a request may carry (each counted as `name: value` and its line
@@ -195,19 +259,66 @@ pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 pub const MAX_URI_BYTES: usize = 8 * 1024;
 
 /// Refuses a request whose header fields or URI are over [`MAX_HEADER_BYTES`] /
-/// [`MAX_URI_BYTES`] with 431 / 414 and an OpenAI-style body.
-async fn limit_head(request: Request, next: Next) -> Response {
+/// [`MAX_URI_BYTES`] with 431 / 414, or whose announced body is over the body limit with 413,
+/// each with an OpenAI-style body; caps the body it lets through at the limit (a chunked body
+/// that runs over fails as it is read).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimitsLayer {
+    body_limit_bytes: usize,
+}
+
+impl<S> Layer<S> for RequestLimitsLayer {
+    type Service = RequestLimits<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RequestLimits {
+            inner,
+            body_limit_bytes: self.body_limit_bytes,
+        }
+    }
+}
+
+/// The service [`RequestLimitsLayer`] makes.
+#[derive(Debug, Clone)]
+pub struct RequestLimits<S> {
+    inner: S,
+    body_limit_bytes: usize,
+}
+
+impl<S> Service<Request> for RequestLimits<S>
+where
+    S: Service<Request, Response = Response>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = Either<Ready<Result<Response, S::Error>>, S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let limit = self.body_limit_bytes;
+        if let Some(refusal) = over_limits(&request, limit) {
+            return Either::Left(ready(Ok(refusal.into_response())));
+        }
+        let request = request.map(|body| Body::new(http_body_util::Limited::new(body, limit)));
+        Either::Right(self.inner.call(request))
+    }
+}
+
+/// Why `request` is refused before anything reads it, if it is.
+fn over_limits(request: &Request, body_limit_bytes: usize) -> Option<GatewayError> {
     let uri = request.uri();
     let length = uri.path_and_query().map_or(0, |pq| pq.as_str().len())
         + uri.authority().map_or(0, |a| a.as_str().len())
         + uri.scheme_str().map_or(0, str::len);
     if length > MAX_URI_BYTES {
         let limit_bytes = MAX_URI_BYTES;
-        return GatewayError::UriTooLong {
+        return Some(GatewayError::UriTooLong {
             length,
             limit_bytes,
-        }
-        .into_response();
+        });
     }
     let bytes = match request.extensions().get::<SentHeaderBytes>() {
         Some(sent) => sent.0,
@@ -215,9 +326,19 @@ async fn limit_head(request: Request, next: Next) -> Response {
     };
     if bytes > MAX_HEADER_BYTES {
         let limit_bytes = MAX_HEADER_BYTES;
-        return GatewayError::HeadersTooLarge { bytes, limit_bytes }.into_response();
+        return Some(GatewayError::HeadersTooLarge { bytes, limit_bytes });
     }
-    next.run(request).await
+    let announced = request
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > body_limit_bytes as u64) {
+        return Some(GatewayError::PayloadTooLarge {
+            limit_bytes: body_limit_bytes,
+        });
+    }
+    None
 }
 
 /// Bytes of the header fields the client sent ([`header_bytes`]), recorded before any layer
@@ -237,19 +358,6 @@ fn header_bytes(headers: &HeaderMap) -> usize {
         .iter()
         .map(|(name, value)| name.as_str().len() + value.len() + 4)
         .sum()
-}
-
-async fn limit_body(State(limit): State<usize>, request: Request, next: Next) -> Response {
-    let announced = request
-        .headers()
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if announced.is_some_and(|n| n > limit as u64) {
-        return GatewayError::PayloadTooLarge { limit_bytes: limit }.into_response();
-    }
-    let request = request.map(|body| Body::new(http_body_util::Limited::new(body, limit)));
-    next.run(request).await
 }
 
 /// Removes the client's `x-request-id` unless it is exactly one usable value.
@@ -284,15 +392,27 @@ struct RandomRequestId;
 
 impl MakeRequestId for RandomRequestId {
     fn make_request_id<B>(&mut self, _request: &http::Request<B>) -> Option<RequestId> {
-        let suffix: String = rand::rng()
-            .sample_iter(&Alphanumeric)
-            .take(24)
-            .map(char::from)
-            .collect();
-        HeaderValue::try_from(format!("req_{suffix}"))
+        HeaderValue::from_bytes(&random_request_id(&mut rand::rng()))
             .ok()
             .map(RequestId::new)
     }
+}
+
+const ALPHANUMERIC: &[u8; 62] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
+
+/// `req_` and 24 alphanumerics: three random 64-bit words, eight base-62 digits from each
+/// (62^8 < 2^64, so each digit is uniform to within one part in 10^5), made on the stack. One
+/// draw per word rather than one per character, and no string built only to be copied.
+fn random_request_id(rng: &mut impl Rng) -> [u8; 28] {
+    let mut id = *b"req_000000000000000000000000";
+    for digits in id[4..].chunks_exact_mut(8) {
+        let mut word: u64 = rng.random();
+        for digit in digits {
+            *digit = ALPHANUMERIC[(word % 62) as usize];
+            word /= 62;
+        }
+    }
+    id
 }
 
 #[cfg(test)]
@@ -377,5 +497,41 @@ mod tests {
         let id = RandomRequestId.make_request_id(&request).unwrap();
         let text = id.header_value().to_str().unwrap();
         assert!(text.starts_with("req_") && text.len() == 28, "{text}");
+        assert!(is_usable_request_id(text.as_bytes()), "{text}");
+    }
+
+    #[test]
+    fn request_ids_use_every_alphanumeric_evenly_and_do_not_repeat() {
+        use rand::SeedableRng;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut seen = std::collections::HashSet::new();
+        let mut counts = [0u32; 256];
+        for _ in 0..10_000 {
+            let id = random_request_id(&mut rng);
+            assert_eq!(&id[..4], b"req_");
+            for &c in &id[4..] {
+                counts[usize::from(c)] += 1;
+            }
+            assert!(
+                seen.insert(id),
+                "repeated {:?}",
+                String::from_utf8_lossy(&id)
+            );
+        }
+        // 240,000 digits over 62 symbols: 3,871 of each expected, with a standard deviation
+        // of about 61; each count is within 4.5 of those of it.
+        for &c in ALPHANUMERIC {
+            let n = counts[usize::from(c)];
+            assert!(
+                (3_600..=4_150).contains(&n),
+                "{} appeared {n} times",
+                c as char
+            );
+        }
+        let others: u32 = (0..=255u8)
+            .filter(|c| !ALPHANUMERIC.contains(c))
+            .map(|c| counts[usize::from(c)])
+            .sum();
+        assert_eq!(others, 0);
     }
 }

@@ -18,13 +18,14 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 pub const UNLIMITED: u32 = u32::MAX;
 
 /// The six header names, in the order [`RateLimitHeaders::apply`] writes them.
-pub const HEADER_NAMES: [&str; 6] = [
-    "x-ratelimit-limit-requests",
-    "x-ratelimit-remaining-requests",
-    "x-ratelimit-reset-requests",
-    "x-ratelimit-limit-tokens",
-    "x-ratelimit-remaining-tokens",
-    "x-ratelimit-reset-tokens",
+/// Names made from static text once, not parsed again per response (these run on every answer).
+pub const HEADER_NAMES: [HeaderName; 6] = [
+    HeaderName::from_static("x-ratelimit-limit-requests"),
+    HeaderName::from_static("x-ratelimit-remaining-requests"),
+    HeaderName::from_static("x-ratelimit-reset-requests"),
+    HeaderName::from_static("x-ratelimit-limit-tokens"),
+    HeaderName::from_static("x-ratelimit-remaining-tokens"),
+    HeaderName::from_static("x-ratelimit-reset-tokens"),
 ];
 
 /// One bucket's state as reported to the client.
@@ -78,11 +79,8 @@ impl RateLimitHeaders {
     /// Writes all six `x-ratelimit-*` headers (replacing any already there); a missing bucket
     /// as [`BucketStatus::UNLIMITED`].
     pub fn apply(&self, headers: &mut HeaderMap) {
-        // HEADER_NAMES in order: limit, remaining, reset of requests, then of tokens. Names
-        // from static text are not parsed again per response (this runs on every answer).
-        let mut names = HEADER_NAMES
-            .iter()
-            .map(|name| HeaderName::from_static(name));
+        // HEADER_NAMES in order: limit, remaining, reset of requests, then of tokens.
+        let mut names = HEADER_NAMES.into_iter();
         for status in [self.requests, self.tokens] {
             let status = status.unwrap_or(BucketStatus::UNLIMITED);
             let values = [
@@ -100,7 +98,7 @@ impl RateLimitHeaders {
 
     /// Whether `headers` already carry all six.
     pub fn present_in(headers: &HeaderMap) -> bool {
-        HEADER_NAMES.iter().all(|name| headers.contains_key(*name))
+        HEADER_NAMES.iter().all(|name| headers.contains_key(name))
     }
 }
 

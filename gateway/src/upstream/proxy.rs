@@ -53,15 +53,15 @@ use crate::telemetry::GenerationTelemetry;
 use crate::validate::{Endpoint, ValidRequest};
 
 /// Connection-level headers that describe one hop, never forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
+const HOP_BY_HOP: [HeaderName; 8] = [
+    http::header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    http::header::PROXY_AUTHENTICATE,
+    http::header::PROXY_AUTHORIZATION,
+    http::header::TE,
+    http::header::TRAILER,
+    http::header::TRANSFER_ENCODING,
 ];
 
 /// The body to send upstream for a request validated as `valid`; `raw` is the client's body
@@ -318,12 +318,13 @@ fn strip_own_headers(headers: &mut HeaderMap) {
         headers.remove(name);
     }
     // `server` names the engine and its version (what nginx hides by default too).
-    for name in HOP_BY_HOP
-        .iter()
-        .chain(RATE_LIMIT_HEADERS.iter())
-        .chain([&REQUEST_ID_HEADER, &"server"])
-    {
-        headers.remove(*name);
+    // Names made once, not parsed again per answer.
+    let ours = [
+        HeaderName::from_static(REQUEST_ID_HEADER),
+        http::header::SERVER,
+    ];
+    for name in HOP_BY_HOP.iter().chain(&RATE_LIMIT_HEADERS).chain(&ours) {
+        headers.remove(name);
     }
 }
 
