@@ -88,16 +88,20 @@ EOF_LUA
 port() {
   case "$1" in new) echo 19102 ;; old) echo 19103 ;; nginx) echo 19104 ;; hyp1) echo 19105 ;; hyp2) echo 19106 ;; esac
 }
+pid_of() { # NAME: the process measured (for nginx its worker, not the master)
+  if [ "$1" = nginx ]; then
+    pgrep -P "$(cat "$WORK/nginx/nginx.pid")" | head -1
+  else
+    cat "$WORK/$1.pid"
+  fi
+}
+on_cpu_ns() { cat /proc/"$1"/task/*/schedstat | awk '{s += $1} END {printf "%.0f", s}'; }
 cpu() { awk '{u += $14; s += $15} END {print u, s}' "/proc/$1/stat"; }
 switches() { cat /proc/"$1"/task/*/status | awk '/^voluntary_ctxt/ {v += $2} /^nonvoluntary_ctxt/ {n += $2} END {print v, n}'; }
 TICK_US=$((1000000 / $(getconf CLK_TCK)))
 measure() { # NAME CONNS THREADS SECONDS
   local name=$1 pid
-  if [ "$name" = nginx ]; then # the worker process, not the master
-    pid="$(pgrep -P "$(cat "$WORK/nginx/nginx.pid")" | head -1)"
-  else
-    pid="$(cat "$WORK/$name.pid")"
-  fi
+  pid="$(pid_of "$name")"
   read -r u0 s0 < <(cpu "$pid")
   read -r v0 n0 < <(switches "$pid")
   wrk -t"$3" -c"$2" -d"$4"s -s "$WORK/post.lua" --latency \
@@ -117,19 +121,15 @@ measure() { # NAME CONNS THREADS SECONDS
 
 measure_rate() { # NAME: RATE req/s for 8 s; on-CPU µs per request of all threads, p50, p99
   local name=$1 pid
-  if [ "$name" = nginx ]; then
-    pid="$(pgrep -P "$(cat "$WORK/nginx/nginx.pid")" | head -1)"
-  else
-    pid="$(cat "$WORK/$name.pid")"
-  fi
+  pid="$(pid_of "$name")"
   local url="http://127.0.0.1:$(port "$name")/v1/chat/completions"
   oha --no-tui -z 2s -q "$RATE" -c 32 -m POST -H 'content-type: application/json' -d "$BODY" \
     "$url" >/dev/null # warm-up
   local t0 t1
-  t0="$(cat /proc/"$pid"/task/*/schedstat | awk '{s += $1} END {printf "%.0f", s}')"
+  t0="$(on_cpu_ns "$pid")"
   oha --no-tui --output-format json -z 8s -q "$RATE" -c 32 --latency-correction -m POST \
     -H 'content-type: application/json' -d "$BODY" "$url" >"$WORK/oha.json"
-  t1="$(cat /proc/"$pid"/task/*/schedstat | awk '{s += $1} END {printf "%.0f", s}')"
+  t1="$(on_cpu_ns "$pid")"
   python3 - "$name" "$t0" "$t1" "$WORK/oha.json" "$RATE" <<'EOF_PY'
 import json, sys
 name, t0, t1, path, rate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]

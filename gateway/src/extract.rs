@@ -73,12 +73,7 @@ async fn read_body(
         limit_bytes: max_bytes,
     };
     // Refuse an announced oversize body before reading a byte of it.
-    let announced = req
-        .headers()
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if announced.is_some_and(|n| n > max_bytes as u64) {
+    if crate::stack::announced_body_bytes(req.headers()).is_some_and(|n| n > max_bytes as u64) {
         return Err(too_large);
     }
     // A compressed body would fail as "not JSON" after being read; refuse it up front instead.

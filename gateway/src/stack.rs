@@ -210,7 +210,7 @@ where
         let credentials = request.headers().get(AUTHORIZATION).cloned();
         WithRateLimitHeaders {
             inner: self.inner.call(request),
-            admission: Some(self.admission.clone()),
+            admission: self.admission.clone(),
             credentials,
         }
     }
@@ -221,7 +221,7 @@ pin_project! {
     pub struct WithRateLimitHeaders<F> {
         #[pin]
         inner: F,
-        admission: Option<Admission>,
+        admission: Admission,
         credentials: Option<HeaderValue>,
     }
 }
@@ -235,14 +235,12 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let mut response = ready!(this.inner.poll(cx))?;
-        if let Some(admission) = this.admission.take()
-            && !RateLimitHeaders::present_in(response.headers())
-        {
+        if !RateLimitHeaders::present_in(response.headers()) {
             let mut credentials = HeaderMap::new();
             if let Some(value) = this.credentials.take() {
                 credentials.insert(AUTHORIZATION, value);
             }
-            admission
+            this.admission
                 .rate_headers_for_request(&credentials)
                 .apply(response.headers_mut());
         }
@@ -328,17 +326,21 @@ fn over_limits(request: &Request, body_limit_bytes: usize) -> Option<GatewayErro
         let limit_bytes = MAX_HEADER_BYTES;
         return Some(GatewayError::HeadersTooLarge { bytes, limit_bytes });
     }
-    let announced = request
-        .headers()
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if announced.is_some_and(|n| n > body_limit_bytes as u64) {
+    if announced_body_bytes(request.headers()).is_some_and(|n| n > body_limit_bytes as u64) {
         return Some(GatewayError::PayloadTooLarge {
             limit_bytes: body_limit_bytes,
         });
     }
     None
+}
+
+/// The body size a request's `Content-Length` announces, when it is a number: what both body
+/// limits (this layer's and the body reader's, `extract.rs`) refuse before reading a byte.
+pub(crate) fn announced_body_bytes(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// Bytes of the header fields the client sent ([`header_bytes`]), recorded before any layer

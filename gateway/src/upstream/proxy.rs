@@ -64,6 +64,13 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     http::header::TRANSFER_ENCODING,
 ];
 
+/// Headers of an upstream's answer that are the gateway's to set: its request id, and
+/// `server`, which names the engine and its version (what nginx hides by default too).
+const GATEWAY_OWN: [HeaderName; 2] = [
+    HeaderName::from_static(REQUEST_ID_HEADER),
+    http::header::SERVER,
+];
+
 /// The body to send upstream for a request validated as `valid`; `raw` is the client's body
 /// (already parsed once by validation, so it is a JSON object).
 pub(crate) fn forwarded_body(
@@ -317,13 +324,11 @@ fn strip_own_headers(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    // `server` names the engine and its version (what nginx hides by default too).
-    // Names made once, not parsed again per answer.
-    let ours = [
-        HeaderName::from_static(REQUEST_ID_HEADER),
-        http::header::SERVER,
-    ];
-    for name in HOP_BY_HOP.iter().chain(&RATE_LIMIT_HEADERS).chain(&ours) {
+    for name in HOP_BY_HOP
+        .iter()
+        .chain(&RATE_LIMIT_HEADERS)
+        .chain(&GATEWAY_OWN)
+    {
         headers.remove(name);
     }
 }
