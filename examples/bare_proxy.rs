@@ -28,28 +28,18 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
 type ProxyBody = BoxBody<Bytes, hyper::Error>;
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: bare_proxy LISTEN UPSTREAM [WORKER_THREADS]   (e.g. 127.0.0.1:9102 127.0.0.1:9100)"
-    );
-    std::process::exit(2);
-}
+#[path = "support/bench_cli.rs"]
+mod bench_cli;
 
-fn parse_addr(text: Option<String>, what: &str) -> SocketAddr {
-    match text.map(|text| text.parse()) {
-        Some(Ok(addr)) => addr,
-        Some(Err(error)) => {
-            eprintln!("bare_proxy: {what}: {error}");
-            usage()
-        }
-        None => usage(),
-    }
-}
+const CLI: bench_cli::BenchCli = bench_cli::BenchCli {
+    program: "bare_proxy",
+    usage: "bare_proxy LISTEN UPSTREAM [WORKER_THREADS]   (e.g. 127.0.0.1:9102 127.0.0.1:9100)",
+};
 
 /// Busy-wait before forwarding and after the answer's head ([`spin_from_env`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -92,50 +82,23 @@ fn busy_wait(time: Duration) {
 fn main() {
     SPIN.get_or_init(spin_from_env);
     let mut args = std::env::args().skip(1);
-    let listen = parse_addr(args.next(), "LISTEN");
-    let upstream = parse_addr(args.next(), "UPSTREAM");
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    match args.next().map(|text| text.parse::<usize>()) {
-        Some(Ok(threads)) if threads > 0 => {
-            runtime.worker_threads(threads);
-        }
-        Some(_) => {
-            eprintln!("bare_proxy: WORKER_THREADS must be a positive integer");
-            usage()
-        }
-        // The runtime's default, as kvgate's: one worker per core.
-        None => {}
-    }
-    let runtime = match runtime.enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("bare_proxy: cannot start the runtime: {error}");
-            std::process::exit(1);
-        }
-    };
-    if let Err(error) = runtime.block_on(serve(listen, upstream)) {
-        eprintln!("bare_proxy: {listen}: {error}");
-        std::process::exit(1);
-    }
+    let listen = CLI.addr(args.next(), "LISTEN");
+    let upstream = CLI.addr(args.next(), "UPSTREAM");
+    // The runtime's default, as kvgate's: one worker per core.
+    CLI.run(args.next(), None, listen, serve(listen, upstream));
 }
 
 async fn serve(listen: SocketAddr, upstream: SocketAddr) -> std::io::Result<()> {
-    let listener = TcpListener::bind(listen).await?;
-    println!("bare_proxy listening on {}", listener.local_addr()?);
-    loop {
-        let (stream, _) = listener.accept().await?;
-        stream.set_nodelay(true)?;
-        tokio::spawn(async move {
-            // This connection's own upstream connection, opened at its first request.
-            let sender: Arc<Mutex<Option<SendRequest<Full<Bytes>>>>> = Arc::default();
-            let service =
-                service_fn(move |request| forward(request, upstream, Arc::clone(&sender)));
-            // A client that drops its connection mid-request is no error of the proxy's.
-            let _ = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+    CLI.accept_each(listen, move |stream| async move {
+        // This connection's own upstream connection, opened at its first request.
+        let sender: Arc<Mutex<Option<SendRequest<Full<Bytes>>>>> = Arc::default();
+        let service = service_fn(move |request| forward(request, upstream, Arc::clone(&sender)));
+        // A client that drops its connection mid-request is no error of the proxy's.
+        let _ = http1::Builder::new()
+            .serve_connection(TokioIo::new(stream), service)
+            .await;
+    })
+    .await
 }
 
 async fn forward(

@@ -18,66 +18,32 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
 
 const CHAT: &str = r#"{"id":"chatcmpl-stub","object":"chat.completion","created":0,"model":"stub","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"ok"}}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}"#;
 const COMPLETION: &str = r#"{"id":"cmpl-stub","object":"text_completion","created":0,"model":"stub","choices":[{"index":0,"finish_reason":"stop","text":"ok"}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}"#;
 
-fn usage() -> ! {
-    eprintln!("usage: stub_upstream ADDR [WORKER_THREADS]   (e.g. 127.0.0.1:9100 1)");
-    std::process::exit(2);
-}
+#[path = "support/bench_cli.rs"]
+mod bench_cli;
+
+const CLI: bench_cli::BenchCli = bench_cli::BenchCli {
+    program: "stub_upstream",
+    usage: "stub_upstream ADDR [WORKER_THREADS]   (e.g. 127.0.0.1:9100 1)",
+};
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let addr: SocketAddr = match args.next().map(|text| text.parse()) {
-        Some(Ok(addr)) => addr,
-        Some(Err(error)) => {
-            eprintln!("stub_upstream: ADDR: {error}");
-            usage()
-        }
-        None => usage(),
-    };
-    let threads: usize = match args.next().map(|text| text.parse()) {
-        Some(Ok(threads)) if threads > 0 => threads,
-        Some(_) => {
-            eprintln!("stub_upstream: WORKER_THREADS must be a positive integer");
-            usage()
-        }
-        None => 1,
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .enable_all()
-        .build();
-    let runtime = match runtime {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("stub_upstream: cannot start the runtime: {error}");
-            std::process::exit(1);
-        }
-    };
-    if let Err(error) = runtime.block_on(serve(addr)) {
-        eprintln!("stub_upstream: {addr}: {error}");
-        std::process::exit(1);
-    }
+    let addr = CLI.addr(args.next(), "ADDR");
+    CLI.run(args.next(), Some(1), addr, serve(addr));
 }
 
 async fn serve(addr: SocketAddr) -> std::io::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
-    println!("stub_upstream listening on {}", listener.local_addr()?);
-    loop {
-        let (stream, _) = listener.accept().await?;
-        // Small answers on kept-alive connections: send each at once.
-        stream.set_nodelay(true)?;
-        tokio::spawn(async move {
-            let service = service_fn(answer);
-            // A client that drops its connection mid-request is no error of the stub's.
-            let _ = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+    CLI.accept_each(addr, |stream| async move {
+        // A client that drops its connection mid-request is no error of the stub's.
+        let _ = http1::Builder::new()
+            .serve_connection(TokioIo::new(stream), service_fn(answer))
+            .await;
+    })
+    .await
 }
 
 async fn answer(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
