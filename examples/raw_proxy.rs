@@ -94,8 +94,13 @@ async fn read_message(
     buffer: &mut Vec<u8>,
     head: Head,
 ) -> std::io::Result<Option<usize>> {
+    // Known once the head is complete: a body arriving in pieces does not re-parse it.
+    let mut total = None;
     loop {
-        if let Some(total) = message_length(buffer, head)?
+        if total.is_none() {
+            total = message_length(buffer, head)?;
+        }
+        if let Some(total) = total
             && buffer.len() >= total
         {
             return Ok(Some(total));
@@ -188,6 +193,29 @@ mod tests {
             .is_err()
         );
         assert!(message_length(b"\x00\x01 nonsense\r\n\r\n", Head::Request).is_err());
+    }
+
+    /// A body that arrives after its head, in pieces, is read whole before the message is.
+    #[tokio::test]
+    async fn a_body_in_pieces_is_waited_for() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let sender = tokio::spawn(async move {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            for piece in ["POST / HTTP/1.1\r\nContent-Length: 6\r\n\r\n", "abc", "def"] {
+                stream.write_all(piece.as_bytes()).await.unwrap();
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            stream
+        });
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut buffer = Vec::new();
+        let length = read_message(&mut stream, &mut buffer, Head::Request)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(buffer[..length].ends_with(b"\r\n\r\nabcdef"), "{buffer:?}");
+        drop(sender.await.unwrap());
     }
 
     /// Two requests pipelined in one write reach the upstream one at a time, and each
